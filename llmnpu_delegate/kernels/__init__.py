@@ -1,0 +1,15 @@
+"""Integer and outlier kernels, registered as ``torch.library`` custom ops (namespace ``llmnpu``).
+
+Importing this package registers the ops; call them through ``torch.ops.llmnpu.<name>`` or the
+Python wrappers re-exported here. Every op has a fake (meta) implementation so graphs that use
+it survive ``torch.export``.
+"""
+from .ops import (  # noqa: F401
+    QMAX,
+    dequantize,
+    int8_linear,
+    outlier_compensate,
+    outlier_extract,
+    quantize,
+    w8a8_linear,
+)

@@ -1,0 +1,151 @@
+"""The NPU-side arithmetic as custom ops.
+
+Quantization is symmetric INT8 in [-127, 127] with one float scale per tensor (activations) and
+one per output channel or per tensor (weights), as Qualcomm HTP runs it. ``quantize`` saturates,
+so quantizing with scale ``t / 127`` *is* clipping at ``t``: the shadow path adds back what the
+saturation removed.
+
+The GEMM is a real integer GEMM with int32 accumulation. On x86 with VNNI we use oneDNN's
+``qlinear_pointwise`` (u8 x s8 -> s32, scales and bias fused into the epilogue); a symmetric int8
+activation ``q`` is fed to it as the unsigned ``q + 128`` with zero point 128, which is exact.
+``torch._int_mm`` (s8 x s8 -> s32) is the portable fallback and the reference in tests.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+QMAX = 127  # symmetric int8: -128 is never produced, so -x quantizes to -q
+
+_HAS_ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+@torch.library.custom_op("llmnpu::quantize", mutates_args=())
+def quantize(x: Tensor, scale: float) -> Tensor:
+    """float -> int8: round(x / scale) saturated to [-127, 127]."""
+    y = torch.div(x, scale)
+    y.round_().clamp_(-QMAX, QMAX)
+    return y.to(torch.int8)
+
+
+@quantize.register_fake
+def _(x, scale):
+    return torch.empty_like(x, dtype=torch.int8)
+
+
+@torch.library.custom_op("llmnpu::dequantize", mutates_args=())
+def dequantize(q: Tensor, scale: float) -> Tensor:
+    return q.to(torch.float32) * scale
+
+
+@dequantize.register_fake
+def _(q, scale):
+    return torch.empty_like(q, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- integer linear
+_packed_cache: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def _onednn_weight(w_q: Tensor) -> Tensor:
+    """oneDNN's packed copy of an int8 weight, made once per weight tensor and reused."""
+    key = id(w_q)
+    hit = _packed_cache.get(key)
+    if hit is not None and hit[0]() is w_q and hit[1] == w_q._version:
+        return hit[2]
+    packed = torch.ops.onednn.qlinear_prepack(w_q, None)
+    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), w_q._version, packed)
+    return packed
+
+
+def _int_mm_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    acc = torch._int_mm(x_q, w_q.t())  # [M, N] int32, exact
+    out = acc.to(torch.float32).mul_(w_scale * x_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def _onednn_linear(x_u8: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    zp = torch.zeros(w_q.shape[0], dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        x_u8, x_scale, 128, _onednn_weight(w_q), w_scale, zp, bias, 1.0, 0, torch.float32, "none", [], ""
+    )
+
+
+def _check_linear_args(x: Tensor, w_q: Tensor, w_scale: Tensor) -> None:
+    torch._check(x.dim() == 2, lambda: f"expected a 2-D activation [M, K], got {tuple(x.shape)}")
+    torch._check(w_q.dtype == torch.int8, lambda: f"weight must be int8, got {w_q.dtype}")
+    torch._check(x.shape[1] == w_q.shape[1], lambda: f"K mismatch: x {tuple(x.shape)}, w {tuple(w_q.shape)}")
+    torch._check(w_scale.shape == (w_q.shape[0],), lambda: "w_scale must have one entry per output channel")
+
+
+@torch.library.custom_op("llmnpu::int8_linear", mutates_args=())
+def int8_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """int8 [M, K] x int8 [N, K]^T -> int32 accumulate -> float [M, N] (* x_scale * w_scale[n] + bias)."""
+    _check_linear_args(x_q, w_q, w_scale)
+    if _HAS_ONEDNN and x_q.device.type == "cpu":
+        x_u8 = (x_q.to(torch.int16) + 128).to(torch.uint8)
+        return _onednn_linear(x_u8, x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
+    return _int_mm_linear(x_q, x_scale, w_q, w_scale, bias)
+
+
+@int8_linear.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias=None):
+    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("llmnpu::w8a8_linear", mutates_args=())
+def w8a8_linear(x: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """float [M, K] -> quantize (saturating, per-tensor) -> int8 GEMM -> float [M, N]; one fused op."""
+    _check_linear_args(x, w_q, w_scale)
+    if _HAS_ONEDNN and x.device.type == "cpu":
+        # One temporary: the float quotient is rounded, saturated and shifted in place.
+        y = torch.div(x, x_scale)
+        y.round_().clamp_(-QMAX, QMAX).add_(128)
+        return _onednn_linear(y.to(torch.uint8), x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
+    return _int_mm_linear(quantize(x, x_scale), x_scale, w_q, w_scale, bias)
+
+
+@w8a8_linear.register_fake
+def _(x, x_scale, w_q, w_scale, bias=None):
+    return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.float32)
+
+
+def int8_linear_reference(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The portable path (``torch._int_mm``), kept callable for parity tests."""
+    return _int_mm_linear(x_q, x_scale, w_q, w_scale, bias)
+
+
+# --------------------------------------------------------------------------- shadow outliers
+@torch.library.custom_op("llmnpu::outlier_extract", mutates_args=())
+def outlier_extract(x: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """Compact the part of ``x`` [M, K] that saturation at ``threshold`` drops.
+
+    Returns ``channels`` [k] (int64, sorted input channels with any |x| > threshold) and
+    ``residue`` [M, k] = x - clip(x, -t, t) on those channels (zero elsewhere in the column).
+    """
+    col_max = x.abs().amax(dim=0)
+    channels = torch.nonzero(col_max > threshold).flatten()
+    cols = x.index_select(1, channels)
+    return channels, cols - cols.clamp(-threshold, threshold)
+
+
+@outlier_extract.register_fake
+def _(x, threshold):
+    k = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.shape[0], k))
+
+
+@torch.library.custom_op("llmnpu::outlier_compensate", mutates_args=())
+def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
+    """y [M, N] + residue [M, k] @ w_rows [k, N]: the float shadow matmul merged into the NPU result."""
+    return torch.addmm(y, residue, w_rows)
+
+
+@outlier_compensate.register_fake
+def _(y, residue, w_rows):
+    return torch.empty_like(y)

