@@ -47,17 +47,21 @@ def _(q, scale):
 
 
 # --------------------------------------------------------------------------- integer linear
-_packed_cache: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+_packed_cache: dict[int, tuple[weakref.ref, Tensor]] = {}
 
 
 def _onednn_weight(w_q: Tensor) -> Tensor:
-    """oneDNN's packed copy of an int8 weight, made once per weight tensor and reused."""
+    """oneDNN's packed copy of an int8 weight, made once per weight tensor and reused.
+
+    Quantized weights are immutable in this project: a tensor modified in place after its first
+    use would keep its old packed copy (inference tensors carry no version counter to detect it).
+    """
     key = id(w_q)
     hit = _packed_cache.get(key)
-    if hit is not None and hit[0]() is w_q and hit[1] == w_q._version:
-        return hit[2]
+    if hit is not None and hit[0]() is w_q:
+        return hit[1]
     packed = torch.ops.onednn.qlinear_prepack(w_q, None)
-    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), w_q._version, packed)
+    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed)
     return packed
 
 

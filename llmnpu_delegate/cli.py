@@ -1,0 +1,141 @@
+"""The `llmnpu` command line: calibrate and evaluate (more stages arrive with the runtime)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _quiet_third_party_logs() -> None:
+    # torchao (pulled in by transformers) logs missing CUDA kernels and pytree notices on import.
+    for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--calib-text-file", default=None,
+                   help="calibration text (default: the shipped news text, disjoint from the evaluation text)")
+    p.add_argument("--calib-samples", type=int, default=8, help="calibration sequences (default 8)")
+    p.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _setup(args):
+    import torch
+
+    from .models import load_model
+    from .quantize import CalibConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens)
+    return lm, calib_config
+
+
+def cmd_calibrate(args) -> dict:
+    from .evaluate import read_text, tokenize
+    from .quantize import load_or_calibrate
+
+    lm, calib_config = _setup(args)
+    ids = tokenize(lm, read_text(args.calib_text_file, "calib"))
+    calib = load_or_calibrate(lm.model, ids, lm.fingerprint, calib_config, path=args.out,
+                              progress=not args.no_progress)
+    p = args.clip_percentile
+    layers = {n: {"absmax": round(s.absmax, 4), f"p{p}": round(s.percentiles[p], 4),
+                  "outlier_fraction": round(s.outlier_fraction(p), 5),
+                  "max_over_scale": round(s.absmax / max(s.percentiles[p], 1e-12) * 127, 1)}
+              for n, s in calib.layers.items()}
+    return {"model": lm.spec, "fingerprint": lm.fingerprint, "artefact": str(calib.path),
+            "calibration": calib.config.to_dict(), "layers": layers}
+
+
+def cmd_eval(args) -> dict:
+    from .evaluate import MODES, evaluate, read_text, sweep, tokenize
+
+    lm, calib_config = _setup(args)
+    eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
+    calib_ids = tokenize(lm, read_text(args.calib_text_file, "calib"))
+    overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
+                                   ("pruning_rate", args.pruning_rate),
+                                   ("importance", args.importance)) if v is not None}
+    modes = args.modes or list(MODES)
+    result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
+                      overrides, progress=not args.no_progress)
+    if args.sweep:
+        result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
+                                progress=not args.no_progress)
+    return result
+
+
+def _print_eval(result: dict) -> None:
+    print(f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}")
+    base = result["results"].get("fp32", {}).get("ppl")
+    print(f"{'mode':<22}{'ppl':>9}{'vs fp32':>9}{'outliers':>10}")
+    for mode, r in result["results"].items():
+        rel = f"{r['ppl'] / base:.3f}x" if base else ""
+        frac = f"{100 * r['outlier_fraction']:.2f}%" if "outlier_fraction" in r else ""
+        print(f"{mode:<22}{r['ppl']:>9.3f}{rel:>9}{frac:>10}")
+    for row in result.get("sweep", []):
+        print("sweep", json.dumps(row))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .evaluate import MODES
+
+    ap = argparse.ArgumentParser(prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("calibrate", help="record activation statistics of every decoder linear and save them",
+                       description="Run the float model over calibration text; save the versioned artefact.")
+    _add_model_args(p)
+    p.add_argument("--out", default=None, help="artefact path (default: in the cache, keyed by model and text)")
+    p.add_argument("--clip-percentile", type=float, default=99.5, help="percentile shown in the summary")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("eval", help="perplexity of fp32 and each quantization mode",
+                       description="Perplexity of the float model and of each W8A8 mode on held-out text.")
+    _add_model_args(p)
+    p.add_argument("--text-file", default=None, help="evaluation text (default: the shipped Wikipedia text)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
+    p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
+    p.add_argument("--clip-percentile", type=float, default=None, help="shadow clipping percentile (default 99.5)")
+    p.add_argument("--pruning-rate", type=float, default=None, help="pruning rate of pruned modes (default 0.85)")
+    p.add_argument("--importance", choices=["output", "ratio"], default=None,
+                   help="layer ranking for pruning (default: output)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also print the trade-off curve over clipping percentiles and pruning rates")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_third_party_logs()
+    from .errors import LlmNpuError
+
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except LlmNpuError as e:
+        print(f"llmnpu: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(result, indent=1))
+    elif args.command == "eval":
+        _print_eval(result)
+    else:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

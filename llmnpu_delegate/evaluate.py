@@ -1,0 +1,134 @@
+"""Accuracy harness: perplexity of the float model and of each quantization mode on held-out text."""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .errors import LlmNpuError
+from .models import LoadedModel
+from .paths import data_dir
+from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
+
+# Mode name -> config (None: the float model). The first three are the baselines.
+MODES: dict[str, QuantConfig | None] = {
+    "fp32": None,
+    "w8a8": QuantConfig(outliers="none"),
+    "smoothquant": QuantConfig(outliers="smooth", smooth_alpha=0.5),
+    "w8a8-shadow": QuantConfig(outliers="shadow", pruning_rate=0.0),
+    "w8a8-shadow-pruned": QuantConfig(outliers="shadow"),
+    "w8a8-shadow-tensorw": QuantConfig(outliers="shadow", pruning_rate=0.0, weights="tensor"),
+}
+
+
+def read_text(path: Path | None, role: str) -> str:
+    """Text of ``path``, or the shipped default for ``role`` ("calib" or "eval")."""
+    if path is None:
+        path = data_dir() / f"{role}.txt"
+        if not path.is_file():
+            raise LlmNpuError(f"default {role} text {path} is missing: run `make data` (or `make demo`), "
+                              f"or pass a text file")
+    path = Path(path)
+    if not path.is_file():
+        raise LlmNpuError(f"text file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise LlmNpuError(f"text file {path} is empty: give a file with prose")
+    return text
+
+
+def tokenize(lm: LoadedModel, text: str) -> Tensor:
+    if lm.tokenizer is None:
+        raise LlmNpuError(f"model '{lm.spec}' has no tokenizer: give a model folder with tokenizer files")
+    ids = lm.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
+    """[n, window] non-overlapping windows; each predicts window-1 tokens; n*(window-1) >= max_tokens when possible."""
+    if window < 2:
+        raise LlmNpuError(f"window must be at least 2 tokens, got {window}")
+    available = ids.numel() // window
+    if available == 0:
+        raise LlmNpuError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {window}: "
+                          f"give a longer text or a smaller --window")
+    n = min(available, math.ceil(max_tokens / (window - 1)))
+    return ids[: n * window].reshape(n, window)
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, windows: Tensor, desc: str = "eval", progress: bool = True) -> float:
+    nll, count = 0.0, 0
+    for row in tqdm(windows, desc=desc, unit="window", disable=not progress, leave=False):
+        logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
+        nll += float(F.cross_entropy(logits, row[1:], reduction="sum"))
+        count += row.numel() - 1
+    return math.exp(nll / count)
+
+
+def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, desc: str,
+                  progress: bool = True) -> dict:
+    """Quantize a copy of the model with ``config`` and measure its perplexity and outlier share."""
+    model = copy.deepcopy(lm.model)
+    report = quantize_(model, calib, config, lm.fingerprint, progress)
+    entry = {"ppl": perplexity(model, windows, desc, progress)}
+    if config.outliers == "shadow":
+        c = outlier_counters(model)
+        entry["outlier_fraction"] = c["outlier_elements"] / max(c["seen_elements"], 1)
+        entry["clip_percentile"] = config.clip_percentile
+        entry["shadow_layers"] = len(report.shadow_layers)
+        entry["cold_fetches"] = c["cold_fetches"]
+        entry["hot_rows_mib"] = round(report.hot_rows_bytes / 2**20, 2)
+        entry["all_rows_mib"] = round(report.float_rows_bytes / 2**20, 2)
+        if config.prunes:
+            entry["pruning_rate"] = config.pruning_rate
+            entry["importance"] = config.importance
+    return entry
+
+
+def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[str], window: int = 512,
+             max_tokens: int = 4096, calib_config: CalibConfig = CalibConfig(),
+             overrides: dict | None = None, progress: bool = True) -> dict:
+    """Perplexity per mode. ``overrides`` replaces QuantConfig fields of the shadow modes."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise LlmNpuError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    windows = eval_windows(eval_ids, window, max_tokens)
+    need_calib = any(MODES[m] is not None for m in modes)
+    calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress) if need_calib else None
+    results = {}
+    for mode in modes:
+        config = MODES[mode]
+        if config is None:
+            results[mode] = {"ppl": perplexity(lm.model, windows, mode, progress)}
+            continue
+        if config.outliers == "shadow" and overrides:
+            config = replace(config, **{k: v for k, v in overrides.items() if k != "pruning_rate" or config.prunes})
+        results[mode] = run_quantized(lm, windows, calib, config, mode, progress)
+    return {"model": lm.spec, "tokens": int(windows.numel() - windows.shape[0]), "window": window,
+            "results": results}
+
+
+SWEEP_PRUNING_RATES = (0.0, 0.5, 0.7, 0.85, 0.95, 1.0)
+
+
+def sweep(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, window: int = 512, max_tokens: int = 4096,
+          calib_config: CalibConfig = CalibConfig(), progress: bool = True) -> list[dict]:
+    """The trade-off curve (paper Fig. 16): clipping percentile (no pruning), then pruning rate."""
+    windows = eval_windows(eval_ids, window, max_tokens)
+    calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress)
+    rows = []
+    for p in calib_config.percentiles:
+        cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=0.0)
+        rows.append({"clip_percentile": p, "pruning_rate": 0.0, **run_quantized(lm, windows, calib, cfg, f"p{p}", progress)})
+    for rate in SWEEP_PRUNING_RATES[1:]:
+        cfg = QuantConfig(outliers="shadow", pruning_rate=rate)
+        rows.append({"clip_percentile": cfg.clip_percentile, "pruning_rate": rate,
+                     **run_quantized(lm, windows, calib, cfg, f"prune {rate}", progress)})
+    return rows

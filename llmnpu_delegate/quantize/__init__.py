@@ -1,0 +1,11 @@
+"""Preparation stage: calibrate the float model, then ``quantize_`` it to W8A8 with shadow outliers."""
+from .apply import QuantReport, outlier_counters, quantize_  # noqa: F401
+from .calibrate import (  # noqa: F401
+    Calibration,
+    LayerStats,
+    calibrate,
+    load_or_calibrate,
+    quantizable_linears,
+)
+from .config import CalibConfig, QuantConfig  # noqa: F401
+from .linear import QuantLinear, quantize_weight  # noqa: F401

@@ -1,0 +1,107 @@
+"""``quantize_``: replace the decoder blocks' linears with QuantLinear, in place (one verb)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .calibrate import Calibration, quantizable_linears
+from .config import QuantConfig
+from .importance import importance_key, layers_to_prune, logits_of, output_importance, ratio_importance
+from .linear import QuantLinear, quantize_weight
+from .shadow import ShadowWeights, hot_channels, weight_rows_file
+
+
+@dataclass
+class QuantReport:
+    config: QuantConfig
+    layers: int
+    shadow_layers: list[str] = field(default_factory=list)
+    pruned_layers: list[str] = field(default_factory=list)
+    hot_rows_bytes: int = 0          # float weight rows held in RAM for the shadow path
+    float_rows_bytes: int = 0        # what keeping every float row in RAM would cost
+
+
+def _smooth_factors(x_absmax: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
+    # SmoothQuant: s_j = max|X_j|^a / max|W_j|^(1-a); x / s and W * s leave x @ W^T unchanged.
+    w_absmax = w.detach().abs().amax(dim=0).clamp_min(1e-5)
+    return (x_absmax.clamp_min(1e-5).pow(alpha) / w_absmax.pow(1 - alpha)).clamp_min(1e-5)
+
+
+def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, fingerprint: str) -> QuantLinear:
+    stats = calib.layers[name]
+    w, smooth, shadow, clip = lin.weight, None, None, None
+    full = stats.absmax / 127
+    if config.outliers == "smooth":
+        smooth = _smooth_factors(stats.channel_absmax, w, config.smooth_alpha)
+        w = w.detach() * smooth[None, :]
+        full = float((stats.channel_absmax / smooth).max()) / 127
+    w_q, w_scale = quantize_weight(w, config.weights)
+    act = full
+    if config.outliers == "shadow":
+        clip = calib.threshold(name, config.clip_percentile)
+        act = clip / 127
+        hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
+        shadow = ShadowWeights(weight_rows_file(fingerprint, name, lin.weight), hot)
+    return QuantLinear(w_q, w_scale, lin.bias, act, max(full, 1e-12), clip, shadow, smooth)
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent), leaf, module)
+
+
+@torch.inference_mode()
+def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerprint: str,
+              progress: bool = True) -> QuantReport:
+    """Quantize ``model`` (a float causal LM) in place with ``config`` and calibration ``calib``.
+
+    With pruning by measured output effect, the per-layer effect is profiled on calibration's probe
+    tokens the first time and stored in ``calib`` (and re-saved if it has a path).
+    """
+    calib.check_model(fingerprint)
+    linears = quantizable_linears(model)
+    key = importance_key(config)
+    need_profile = config.prunes and config.importance == "output" and key not in calib.importance
+    float_logits = logits_of(model, calib.probe_ids) if need_profile else None
+
+    layers = {name: _build(lin, name, calib, config, fingerprint) for name, lin in linears.items()}
+    for name, q in layers.items():
+        _set_submodule(model, name, q)
+
+    report = QuantReport(config, len(layers))
+    if config.outliers != "shadow":
+        return report
+    pruned: set[str] = set()
+    if config.prunes:
+        if config.importance == "ratio":
+            importance = ratio_importance(calib, config.clip_percentile)
+        else:
+            if need_profile:
+                calib.importance[key] = output_importance(model, layers, calib.probe_ids, float_logits, progress)
+                if calib.path is not None:
+                    calib.save()
+            importance = calib.importance[key]
+        pruned = layers_to_prune(importance, config.pruning_rate)
+    for name, q in layers.items():
+        q.pruned = name in pruned
+        if q.pruned:
+            q.shadow = None  # frees its hot rows: a pruned layer has no float path at all
+            report.pruned_layers.append(name)
+        else:
+            report.shadow_layers.append(name)
+            report.hot_rows_bytes += q.shadow.resident_bytes
+            report.float_rows_bytes += q.in_features * q.out_features * 4
+            q.shadow.cold_fetches = q.shadow.hot_hits = 0
+        q.outlier_elements = q.seen_elements = 0  # profiling runs do not count
+    return report
+
+
+def outlier_counters(model: nn.Module) -> dict[str, int]:
+    """Totals over all QuantLinear modules since they were built."""
+    qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return {"outlier_elements": sum(m.outlier_elements for m in qs),
+            "seen_elements": sum(m.seen_elements for m in qs),
+            "cold_fetches": sum(m.shadow.cold_fetches for m in qs if m.shadow is not None),
+            "hot_hits": sum(m.shadow.hot_hits for m in qs if m.shadow is not None)}

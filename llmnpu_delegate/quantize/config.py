@@ -1,0 +1,101 @@
+"""Typed, versioned configs of the preparation stage. Both round-trip through plain dicts (JSON)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import LlmNpuError
+
+OUTLIER_MODES = ("none", "smooth", "shadow")
+WEIGHT_GRANULARITIES = ("channel", "tensor")
+IMPORTANCE_MEASURES = ("output", "ratio")
+
+
+def _from_dict(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise LlmNpuError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return cls(**kw)
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    """How calibration samples the float model.
+
+    Args:
+        samples: number of calibration sequences.
+        tokens: tokens per sequence.
+        percentiles: percentiles of |x| recorded per linear input; the clipping threshold is one of them.
+        probe_tokens: tokens kept for measuring each layer's output effect (pruning ranking).
+    """
+    samples: int = 8
+    tokens: int = 512
+    percentiles: tuple[float, ...] = (99.0, 99.5, 99.9, 99.99)
+    probe_tokens: int = 256
+    version: int = 1
+
+    def __post_init__(self):
+        if self.samples < 1 or self.tokens < 2:
+            raise LlmNpuError(f"calibration needs samples >= 1 and tokens >= 2, got {self.samples} x {self.tokens}")
+        if not self.percentiles or not all(90.0 <= p < 100.0 for p in self.percentiles):
+            raise LlmNpuError(f"calibration percentiles must lie in [90, 100), got {self.percentiles}")
+        if not 1 <= self.probe_tokens:
+            raise LlmNpuError("probe_tokens must be positive")
+
+    to_dict = asdict
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibConfig":
+        return _from_dict(cls, d)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """W8A8 for the NPU: static per-tensor INT8 activations, symmetric INT8 weights.
+
+    Args:
+        outliers: "none" (scale from the absolute maximum), "smooth" (SmoothQuant migration, then
+            absolute maximum) or "shadow" (clip at a percentile; the float shadow path adds the rest).
+        weights: "channel" (one scale per output channel, default) or "tensor" (the paper's choice).
+        clip_percentile: percentile of |x| used as the clipping threshold in "shadow" mode.
+        pruning_rate: share of linear layers whose shadow path is removed ("shadow" mode); a
+            pruned layer quantizes with its full-range scale, so nothing is silently clipped.
+        importance: how layers are ranked for pruning: "output" (measured effect of removing the
+            layer's shadow path on the model's output distribution) or "ratio" (the paper's
+            largest outlier / quantization scale).
+        hot_coverage: the hot channels kept in RAM cover this share of calibration outliers.
+        smooth_alpha: SmoothQuant migration strength.
+    """
+    outliers: str = "shadow"
+    weights: str = "channel"
+    clip_percentile: float = 99.5
+    pruning_rate: float = 0.85
+    importance: str = "output"
+    hot_coverage: float = 0.8
+    smooth_alpha: float = 0.5
+    version: int = 1
+
+    def __post_init__(self):
+        if self.outliers not in OUTLIER_MODES:
+            raise LlmNpuError(f"outliers must be one of {OUTLIER_MODES}, got '{self.outliers}'")
+        if self.weights not in WEIGHT_GRANULARITIES:
+            raise LlmNpuError(f"weights must be one of {WEIGHT_GRANULARITIES}, got '{self.weights}'")
+        if self.importance not in IMPORTANCE_MEASURES:
+            raise LlmNpuError(f"importance must be one of {IMPORTANCE_MEASURES}, got '{self.importance}'")
+        if not 0.0 <= self.pruning_rate <= 1.0:
+            raise LlmNpuError(f"pruning_rate must lie in [0, 1], got {self.pruning_rate}")
+        if not 0.0 <= self.hot_coverage <= 1.0:
+            raise LlmNpuError(f"hot_coverage must lie in [0, 1], got {self.hot_coverage}")
+        if not 0.0 < self.smooth_alpha < 1.0:
+            raise LlmNpuError(f"smooth_alpha must lie in (0, 1), got {self.smooth_alpha}")
+
+    @property
+    def prunes(self) -> bool:
+        return self.outliers == "shadow" and self.pruning_rate > 0
+
+    to_dict = asdict
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        return _from_dict(cls, d)

@@ -1,0 +1,69 @@
+"""The quantized linear that replaces nn.Linear inside decoder blocks, and its tensor math."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import kernels as K
+from .shadow import ShadowWeights
+
+
+def quantize_weight(w: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
+    """Symmetric INT8 weight [N, K] -> (int8 [N, K], scale [N]); per output channel or per tensor."""
+    w = w.detach().float()
+    if granularity == "channel":
+        amax = w.abs().amax(dim=1)
+    else:
+        amax = w.abs().max().expand(w.shape[0])
+    scale = (amax / K.QMAX).clamp_min(1e-12)
+    q = torch.div(w, scale[:, None]).round_().clamp_(-K.QMAX, K.QMAX).to(torch.int8)
+    return q, scale.contiguous()
+
+
+class QuantLinear(nn.Module):
+    """W8A8 linear: a static per-tensor activation scale, INT8 weights, optional shadow path.
+
+    In shadow mode the activation scale is ``clip / 127``: quantization saturates at ``clip`` and
+    the float path adds ``(x - clip(x)) @ W^T`` for the input channels that went beyond it.
+    ``pruned`` turns the shadow path off and switches to ``full_scale`` (absolute maximum / 127),
+    so a pruned layer loses resolution, never values.
+    """
+
+    def __init__(self, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, act_scale: float,
+                 full_scale: float, clip: float | None = None, shadow: ShadowWeights | None = None,
+                 smooth: Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight_q.shape
+        self.register_buffer("weight_q", weight_q.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.register_buffer("smooth", smooth)  # [K] divisor of x (SmoothQuant), or None
+        self.act_scale = float(act_scale)
+        self.full_scale = float(full_scale)
+        self.clip = clip
+        self.shadow = shadow
+        self.pruned = shadow is None
+        self.outlier_elements = 0   # activation elements that took the shadow path
+        self.seen_elements = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()          # [M, K]
+        if self.smooth is not None:
+            x2 = x2 / self.smooth
+        shadow = self.shadow is not None and not self.pruned
+        scale = self.act_scale if shadow else self.full_scale
+        y = K.w8a8_linear(x2, scale, self.weight_q, self.weight_scale, self.bias)   # [M, N]
+        self.seen_elements += x2.numel()
+        if shadow:
+            channels, residue = K.outlier_extract(x2, self.clip)
+            if channels.numel():
+                self.outlier_elements += int(torch.count_nonzero(residue))
+                y = K.outlier_compensate(y, residue, self.shadow.rows(channels))
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        mode = "pruned" if self.pruned else f"shadow clip={self.clip:.4g}"
+        if self.smooth is not None:
+            mode = "smooth"
+        return f"in={self.in_features}, out={self.out_features}, act_scale={self.act_scale:.4g}, {mode}"
