@@ -63,7 +63,8 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        mode = "pruned" if self.pruned else f"shadow clip={self.clip:.4g}"
+        mode = "full range" if self.pruned else f"shadow clip={self.clip:.4g}"
         if self.smooth is not None:
             mode = "smooth"
-        return f"in={self.in_features}, out={self.out_features}, act_scale={self.act_scale:.4g}, {mode}"
+        scale = self.full_scale if self.pruned else self.act_scale
+        return f"in={self.in_features}, out={self.out_features}, act_scale={scale:.4g}, {mode}"

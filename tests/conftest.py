@@ -1,0 +1,37 @@
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+
+# Caches of a test session live in a temporary folder: tests never read a stale user cache.
+os.environ.setdefault("LLMNPU_CACHE_DIR", tempfile.mkdtemp(prefix="llmnpu-test-cache-"))
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from llmnpu_delegate.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
+    """Make a random model's linear inputs heavy-tailed, as real LLMs are: a few channels of each
+    block's input norm get a large gain, so the q/k/v inputs carry outliers in those channels."""
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            w = getattr(m, "weight", None)
+            if name.endswith("input_layernorm") and isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() > max(channels):
+                if w.abs().mean() < 0.5:  # gemma-style norms scale by (1 + w), w starting at 0
+                    w[list(channels)] += scale
+                else:
+                    w[list(channels)] *= scale
+    return model
