@@ -88,11 +88,15 @@ def check_family(config) -> None:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A short hash of the config and of the first decoder layer's weights."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    for name, p in decoder_layers(model)[0].state_dict().items():
-        h.update(name.encode())
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    """A short hash of the architecture (every parameter's name and shape) and of the first and last
+    decoder layers' weights. Stable across save/load, unlike the config's bookkeeping fields."""
+    h = hashlib.sha256(model.config.model_type.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}{tuple(p.shape)}".encode())
+    layers = decoder_layers(model)
+    for layer in (layers[0], layers[-1]):
+        for p in layer.state_dict().values():
+            h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,85 @@
+"""The accuracy harness and the CLI on tiny models; text preparation on a markup sample."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmnpu_delegate import LlmNpuError
+from llmnpu_delegate.cli import main
+from llmnpu_delegate.evaluate import eval_windows, perplexity, read_text
+from llmnpu_delegate.models import load_model
+
+
+def test_eval_windows():
+    ids = torch.arange(1000)
+    w = eval_windows(ids, 100, 250)
+    assert w.shape == (3, 100) and torch.equal(w.flatten(), ids[:300])
+    assert eval_windows(ids, 100, 10**6).shape == (10, 100)
+    with pytest.raises(LlmNpuError, match="fewer than one window"):
+        eval_windows(torch.arange(50), 100, 100)
+
+
+def test_perplexity_matches_hf_loss():
+    lm = load_model("random:tiny-llama")
+    ids = torch.randint(0, 3000, (2, 40))
+    with torch.no_grad():
+        losses = [lm.model(input_ids=r[None], labels=r[None]).loss for r in ids]
+    assert perplexity(lm.model, ids, progress=False) == pytest.approx(float(torch.stack(losses).mean().exp()), rel=1e-4)
+
+
+def test_read_text_errors(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(LlmNpuError, match="empty"):
+        read_text(tmp_path / "empty.txt", "eval")
+    with pytest.raises(LlmNpuError, match="not found"):
+        read_text(tmp_path / "nope.txt", "eval")
+
+
+def _words(n):
+    base = "the quick brown fox jumps over the lazy dog while a river runs past old stone houses".split()
+    return " ".join(base[i % len(base)] for i in range(n))
+
+
+def test_cli_eval_json(tmp_path, capsys):
+    (tmp_path / "e.txt").write_text(_words(600))
+    (tmp_path / "c.txt").write_text(_words(900))
+    rc = main(["eval", "--model", "random:tiny-llama", "--text-file", str(tmp_path / "e.txt"),
+               "--calib-text-file", str(tmp_path / "c.txt"), "--max-tokens", "120", "--window", "32",
+               "--calib-samples", "2", "--calib-tokens", "64", "--no-progress", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "random:tiny-llama" and out["window"] == 32 and out["tokens"] >= 120
+    assert set(out["results"]) == {"fp32", "w8a8", "smoothquant", "w8a8-shadow", "w8a8-shadow-pruned",
+                                   "w8a8-shadow-tensorw"}
+    for mode, r in out["results"].items():
+        assert r["ppl"] > 1
+        if "shadow" in mode:
+            assert 0 <= r["outlier_fraction"] < 0.05
+    assert out["results"]["w8a8-shadow-pruned"]["pruning_rate"] == 0.85
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    (tmp_path / "short.txt").write_text("too short")
+    cmd = [sys.executable, "-m", "llmnpu_delegate.cli", "eval", "--model", "random:tiny-llama",
+           "--text-file", str(tmp_path / "short.txt"), "--modes", "fp32", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "fewer than one window" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmnpu_delegate.cli", "eval", "--model", "no-such-model"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr
+
+
+def test_wiki_markup_to_prose():
+    sys.path.insert(0, "scripts")
+    from prepare_text import wiki_to_prose
+
+    markup = ("{{Infobox|name=x|{{nested}}}}\n'''Anarchism''' is a [[political philosophy]] that "
+              "[[advocacy|advocates]] self-governed societies<ref>cite</ref> based on voluntary "
+              "institutions, and it has been described in many ways by many different authors over time.\n"
+              "== History ==\n* a list item that is not prose at all\n[[Category:Things]]")
+    assert wiki_to_prose(markup) == [
+        "Anarchism is a political philosophy that advocates self-governed societies based on voluntary "
+        "institutions, and it has been described in many ways by many different authors over time."]
