@@ -77,6 +77,13 @@ def test_outlier_extract_and_compensate():
     torch.testing.assert_close(K.outlier_compensate(y, residue, w_rows), y + residue @ w_rows)
 
 
+def test_outlier_compensate_sparse_and_dense_agree():
+    residue = torch.zeros(64, 40)
+    residue[torch.randint(0, 64, (30,)), torch.randint(0, 40, (30,))] = torch.randn(30) * 50  # scattered
+    y, w_rows = torch.randn(64, 12), torch.randn(40, 12)
+    torch.testing.assert_close(K.outlier_compensate(y, residue, w_rows), y + residue @ w_rows)
+
+
 def test_outlier_extract_none():
     channels, residue = K.outlier_extract(torch.ones(3, 4), 2.0)
     assert channels.numel() == 0 and residue.shape == (3, 0)
