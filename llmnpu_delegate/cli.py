@@ -32,6 +32,10 @@ def _setup(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     lm = load_model(args.model)
     calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens)
     return lm, calib_config
