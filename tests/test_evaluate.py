@@ -83,3 +83,15 @@ def test_wiki_markup_to_prose():
     assert wiki_to_prose(markup) == [
         "Anarchism is a political philosophy that advocates self-governed societies based on voluntary "
         "institutions, and it has been described in many ways by many different authors over time."]
+
+
+def test_cli_calibrate_json(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text(_words(900))
+    out_path = tmp_path / "calib.pt"
+    rc = main(["calibrate", "--model", "random:tiny-qwen2", "--calib-text-file", str(tmp_path / "c.txt"),
+               "--calib-samples", "2", "--calib-tokens", "64", "--out", str(out_path), "--no-progress", "--json"])
+    assert rc == 0 and out_path.is_file()
+    out = json.loads(capsys.readouterr().out)
+    assert out["artefact"] == str(out_path) and len(out["layers"]) == 2 * 7  # 2 blocks x q,k,v,o,gate,up,down
+    for stats in out["layers"].values():
+        assert stats["absmax"] >= stats["p99.5"] > 0
