@@ -20,8 +20,6 @@ from torch import Tensor
 
 QMAX = 127  # symmetric int8: -128 is never produced, so -x quantizes to -q
 
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-
 _HAS_ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
@@ -155,7 +153,9 @@ def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
     scattered over many channels the block is mostly zeros and a sparse (CSR) product is ~5x faster.
     """
     if residue.numel() and int(torch.count_nonzero(residue)) * 20 < residue.numel():
-        return torch.addmm(y, residue.to_sparse_csr(), w_rows)
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.addmm(y, residue.to_sparse_csr(), w_rows)
     return torch.addmm(y, residue, w_rows)
 
 
