@@ -27,10 +27,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _setup(args):
     import torch
 
+    from .errors import LlmNpuError
     from .models import load_model
     from .quantize import CalibConfig
 
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LlmNpuError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.no_progress:
         from transformers.utils import logging as hf_logging

@@ -54,6 +54,8 @@ def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
     """[n, window] non-overlapping windows; each predicts window-1 tokens; n*(window-1) >= max_tokens when possible."""
     if window < 2:
         raise LlmNpuError(f"window must be at least 2 tokens, got {window}")
+    if max_tokens < 1:
+        raise LlmNpuError(f"max tokens must be positive, got {max_tokens}")
     available = ids.numel() // window
     if available == 0:
         raise LlmNpuError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {window}: "

@@ -19,6 +19,8 @@ def test_eval_windows():
     assert eval_windows(ids, 100, 10**6).shape == (10, 100)
     with pytest.raises(LlmNpuError, match="fewer than one window"):
         eval_windows(torch.arange(50), 100, 100)
+    with pytest.raises(LlmNpuError, match="max tokens must be positive"):
+        eval_windows(ids, 100, 0)
 
 
 def test_perplexity_matches_hf_loss():

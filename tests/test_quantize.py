@@ -103,6 +103,9 @@ def test_shadow_rows_file_and_cold_reads(tmp_path, monkeypatch):
     assert store.cold_fetches == 2 and store.hot_hits == 2
     assert store.resident_bytes == 2 * 6 * 4
     assert not list(path.parent.glob(".*"))  # no temporary left behind
+    path.write_bytes(path.read_bytes()[:100])  # a damaged cache entry is detected and rebuilt
+    assert weight_rows_file("fp", "layer.0", w) == path
+    torch.testing.assert_close(ShadowWeights(path, torch.tensor([2])).rows(torch.tensor([4])), w.t()[[4]])
 
 
 # --------------------------------------------------------------------------- calibration

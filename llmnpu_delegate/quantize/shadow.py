@@ -30,11 +30,19 @@ def hot_channels(counts: Tensor, coverage: float) -> Tensor:
 def weight_rows_file(fingerprint: str, name: str, weight: Tensor) -> Path:
     """The on-disk W^T [K, N] float32 of one linear, written once per model (atomically)."""
     path = cache_dir() / "shadow" / fingerprint / f"{name}.npy"
-    if not path.exists():
+    if not _valid_rows_file(path, (weight.shape[1], weight.shape[0])):  # missing, or damaged: rebuild
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, weight.detach().float().t().contiguous().numpy())
     return path
+
+
+def _valid_rows_file(path: Path, shape: tuple[int, int]) -> bool:
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return False
+    return arr.shape == shape and arr.dtype == np.float32
 
 
 class ShadowWeights:
