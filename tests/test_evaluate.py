@@ -97,3 +97,22 @@ def test_cli_calibrate_json(tmp_path, capsys):
     assert out["artefact"] == str(out_path) and len(out["layers"]) == 2 * 7  # 2 blocks x q,k,v,o,gate,up,down
     for stats in out["layers"].values():
         assert stats["absmax"] >= stats["p99.5"] > 0
+
+
+def test_cli_sweep_is_monotone(tmp_path, capsys):
+    (tmp_path / "e.txt").write_text(_words(400))
+    (tmp_path / "c.txt").write_text(_words(900))
+    rc = main(["eval", "--model", "random:tiny-gemma", "--text-file", str(tmp_path / "e.txt"),
+               "--calib-text-file", str(tmp_path / "c.txt"), "--max-tokens", "60", "--window", "32",
+               "--calib-samples", "2", "--calib-tokens", "64", "--no-progress", "--json",
+               "--modes", "fp32", "--sweep"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    clip_rows = [r for r in rows if r["pruning_rate"] == 0.0]
+    prune_rows = [r for r in rows if r["pruning_rate"] > 0]
+    assert [r["clip_percentile"] for r in clip_rows] == [99.0, 99.5, 99.9, 99.99]
+    fractions = [r["outlier_fraction"] for r in clip_rows]
+    assert fractions == sorted(fractions, reverse=True) and fractions[0] > fractions[-1]
+    assert [r["pruning_rate"] for r in prune_rows] == [0.5, 0.7, 0.85, 0.95, 1.0]
+    assert [r["shadow_layers"] for r in prune_rows] == sorted((r["shadow_layers"] for r in prune_rows), reverse=True)
+    assert prune_rows[-1]["shadow_layers"] == 0 and prune_rows[-1]["outlier_fraction"] == 0.0
