@@ -94,7 +94,10 @@ def _print_eval(result: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .evaluate import MODES
 
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.")
+    ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="record activation statistics of every decoder linear and save them",
