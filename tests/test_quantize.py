@@ -173,6 +173,17 @@ def test_calibration_artefact_roundtrip_and_rejections(tmp_path):
         quantize_(other.model, again, QuantConfig(pruning_rate=0.0), other.fingerprint, progress=False)
 
 
+def test_probe_is_taken_from_the_first_calibration_samples():
+    lm = _tiny(outliers=False)
+    ids = torch.randint(0, 1000, (500,))
+    from llmnpu_delegate.quantize.calibrate import calibration_samples
+    for probe_tokens, shape in ((20, (1, 20)), (64, (1, 64)), (100, (2, 64)), (10_000, (3, 64))):
+        cfg = CalibConfig(samples=3, tokens=64, probe_tokens=probe_tokens)
+        calib = calibrate(lm.model, ids, lm.fingerprint, cfg, progress=False)
+        assert tuple(calib.probe_ids.shape) == shape
+        assert torch.equal(calib.probe_ids, calibration_samples(ids, cfg)[: shape[0], : shape[1]])
+
+
 def test_calibration_text_too_short():
     lm = _tiny(outliers=False)
     with pytest.raises(LlmNpuError, match="calibration text has 50 tokens"):

@@ -56,7 +56,7 @@ class Calibration:
     config: CalibConfig
     text_sha: str
     layers: dict[str, LayerStats]
-    probe_ids: Tensor                        # [probe_tokens] token ids for output-effect profiling
+    probe_ids: Tensor                        # [n, L] token ids for output-effect profiling
     importance: dict[str, dict[str, float]] = field(default_factory=dict)
     version: int = CALIB_VERSION
     path: Path | None = None                 # where it was loaded from / saved to
@@ -206,7 +206,9 @@ def calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConf
         if pass_no == 1:
             rec.finish_pass1()
     bar.close()
-    probe = samples[0, : config.probe_tokens].clone()
+    # The probe: the first calibration sequences, n x L = probe_tokens (L <= tokens per sample).
+    length = min(config.tokens, config.probe_tokens)
+    probe = samples[: min(len(samples), math.ceil(config.probe_tokens / length)), :length].clone()
     return Calibration(fingerprint, config, text_sha(ids), rec.stats(), probe)
 
 

@@ -27,7 +27,8 @@ class CalibConfig:
         samples: number of calibration sequences.
         tokens: tokens per sequence.
         percentiles: percentiles of |x| recorded per linear input; the clipping threshold is one of them.
-        probe_tokens: tokens kept for measuring each layer's output effect (pruning ranking).
+        probe_tokens: calibration tokens on which each layer's output effect is measured (pruning
+            ranking): the first ceil(probe_tokens / tokens) samples, each cut to min(tokens, probe_tokens).
     """
     samples: int = 8
     tokens: int = 512

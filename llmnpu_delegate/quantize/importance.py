@@ -32,7 +32,9 @@ def importance_key(config: QuantConfig) -> str:
 
 @torch.inference_mode()
 def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
-    return model(input_ids=ids[None], use_cache=False).logits[0].float()
+    """Next-token logits [n * L, V] of the sequences ``ids`` [n, L]."""
+    logits = model(input_ids=ids.reshape(-1, ids.shape[-1]), use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1]).float()
 
 
 def _kl(ref_logp: Tensor, logits: Tensor) -> float:
