@@ -258,3 +258,34 @@ def test_pruning_by_output_effect_is_profiled_once_and_saved(tmp_path):
     # the kept layers are the ones whose removal hurt most
     imp = saved.importance["output/p99.5/channel"]
     assert min(imp[s] for s in rep.shadow_layers) >= max(imp[p] for p in rep.pruned_layers)
+
+
+@pytest.mark.parametrize("shape", TINY)
+def test_output_importance_replay_equals_full_recompute(shape):
+    """Replaying the unchanged early blocks gives the same per-layer effects as running everything."""
+    import copy
+    from llmnpu_delegate.quantize import importance as I
+    lm = _tiny(shape)
+    ids = torch.randint(0, 2000, (400,))
+    calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=2, tokens=48, probe_tokens=96,
+                                                                 percentiles=(95.0, 99.5)), progress=False)
+    float_logits = I.logits_of(lm.model, calib.probe_ids)
+    m = copy.deepcopy(lm.model)
+    quantize_(m, calib, QuantConfig(pruning_rate=0.0, clip_percentile=95.0), lm.fingerprint, progress=False)
+    layers = {n: m.get_submodule(n) for n in quantizable_linears(lm.model)}
+    calls = []
+    hooks = [blk.register_forward_hook(lambda *_a, i=i: calls.append(i)) for i, blk in enumerate(m.model.layers)]
+    fast = I.output_importance(m, layers, calib.probe_ids, float_logits, progress=False)
+    for h in hooks:
+        h.remove()
+    n_blocks = len(m.model.layers)
+    block_of = [int(n.split(".layers.")[1].split(".")[0]) for n in layers]
+    assert len(calls) == n_blocks + sum(n_blocks - b for b in block_of)  # early blocks were replayed
+    ref = I._kl(float_logits.log_softmax(-1), I.logits_of(m, calib.probe_ids))
+    for name, q in layers.items():
+        q.pruned = True
+        slow = I._kl(float_logits.log_softmax(-1), I.logits_of(m, calib.probe_ids)) - ref
+        q.pruned = False
+        assert fast[name] == pytest.approx(slow, rel=1e-4, abs=1e-7), name
+    assert any(v > 0 for v in fast.values())
+    assert all(type(b).__name__ != "_Replay" for b in m.model.layers)  # the stack is restored
