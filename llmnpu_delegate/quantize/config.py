@@ -33,7 +33,7 @@ class CalibConfig:
     samples: int = 8
     tokens: int = 512
     percentiles: tuple[float, ...] = (99.0, 99.5, 99.9, 99.99)
-    probe_tokens: int = 256
+    probe_tokens: int = 512
     version: int = 1
 
     def __post_init__(self):
