@@ -80,8 +80,10 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, 
     model = copy.deepcopy(lm.model)
     report = quantize_(model, calib, config, lm.fingerprint, progress)
     entry = {"ppl": perplexity(model, windows, desc, progress)}
+    c = outlier_counters(model)
+    # share of elements beyond a full-range (calibrated absmax) scale, clipped by saturation
+    entry["saturated_fraction"] = c["saturated_elements"] / max(c["seen_elements"], 1)
     if config.outliers == "shadow":
-        c = outlier_counters(model)
         entry["outlier_fraction"] = c["outlier_elements"] / max(c["seen_elements"], 1)
         entry["clip_percentile"] = config.clip_percentile
         entry["shadow_layers"] = len(report.shadow_layers)

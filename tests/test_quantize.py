@@ -83,6 +83,10 @@ def test_pruned_layer_uses_full_range_never_clips(tmp_path):
     exact = x @ w.t()
     # the outlier survives (full range) where clipping would lose most of it
     assert (y - exact).abs().max() < 0.5 * (clipped - exact).abs().max()
+    assert layer.saturated_elements == 0
+    x[0, 0], x[4, 9] = 80.0, -51.0  # beyond the calibrated full range (50): saturates, and is counted
+    layer(x)
+    assert layer.saturated_elements == 2
 
 
 def test_hot_channels_cover_requested_share():

@@ -94,7 +94,7 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
             report.hot_rows_bytes += q.shadow.resident_bytes
             report.float_rows_bytes += q.in_features * q.out_features * 4
             q.shadow.cold_fetches = q.shadow.hot_hits = 0
-        q.outlier_elements = q.seen_elements = 0  # profiling runs do not count
+        q.outlier_elements = q.seen_elements = q.saturated_elements = 0  # profiling runs do not count
     return report
 
 
@@ -103,5 +103,6 @@ def outlier_counters(model: nn.Module) -> dict[str, int]:
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     return {"outlier_elements": sum(m.outlier_elements for m in qs),
             "seen_elements": sum(m.seen_elements for m in qs),
+            "saturated_elements": sum(m.saturated_elements for m in qs),
             "cold_fetches": sum(m.shadow.cold_fetches for m in qs if m.shadow is not None),
             "hot_hits": sum(m.shadow.hot_hits for m in qs if m.shadow is not None)}

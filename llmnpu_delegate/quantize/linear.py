@@ -44,6 +44,7 @@ class QuantLinear(nn.Module):
         self.shadow = shadow
         self.pruned = shadow is None
         self.outlier_elements = 0   # activation elements that took the shadow path
+        self.saturated_elements = 0  # elements beyond the full range (unseen in calibration): clipped
         self.seen_elements = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -55,6 +56,13 @@ class QuantLinear(nn.Module):
         scale = self.act_scale if shadow else self.full_scale
         y = K.w8a8_linear(x2, scale, self.weight_q, self.weight_scale, self.bias)   # [M, N]
         self.seen_elements += x2.numel()
+        if not shadow:
+            # A static full-range scale can still meet a value larger than any in calibration; it
+            # saturates. Count it, so that "never clips" is a measured claim, not an assumption.
+            lo, hi = torch.aminmax(x2)
+            limit = scale * K.QMAX
+            if max(-float(lo), float(hi)) > limit:
+                self.saturated_elements += int((x2.abs() > limit).sum())
         if shadow:
             channels, residue = K.outlier_extract(x2, self.clip)
             if channels.numel():
