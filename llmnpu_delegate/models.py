@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from torch import nn
 from .errors import LlmNpuError
 from .paths import atomic_path, cache_dir
 
-log = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
 DEFAULT_MODEL = "smollm2-135m"
