@@ -293,3 +293,33 @@ def test_output_importance_replay_equals_full_recompute(shape):
         assert fast[name] == pytest.approx(slow, rel=1e-4, abs=1e-7), name
     assert any(v > 0 for v in fast.values())
     assert all(type(b).__name__ != "_Replay" for b in m.model.layers)  # the stack is restored
+
+
+def test_quantize_modes_build_what_they_claim():
+    """smooth: x/s and W*s with the absmax of the smoothed input; tensor weights: one scale per layer;
+    shadow: the hot rows are the calibration's hot channels."""
+    import copy
+    from llmnpu_delegate.quantize.apply import _smooth_factors
+    lm = _tiny()
+    ids = torch.randint(0, 2000, (400,))
+    calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=2, tokens=64), progress=False)
+    linears = quantizable_linears(lm.model)
+    for cfg in (QuantConfig(outliers="smooth"), QuantConfig(outliers="shadow", weights="tensor", pruning_rate=0.0)):
+        m = copy.deepcopy(lm.model)
+        quantize_(m, calib, cfg, lm.fingerprint, progress=False)
+        for name, lin in linears.items():
+            q, st = m.get_submodule(name), calib.layers[name]
+            x = torch.randn(10, lin.in_features) * 3
+            x[:, 3] *= 30
+            if cfg.outliers == "smooth":
+                s = _smooth_factors(st.channel_absmax, lin.weight, 0.5)
+                torch.testing.assert_close(q.smooth, s)
+                assert q.full_scale == pytest.approx(float((st.channel_absmax / s).max()) / 127, rel=1e-6)
+                w_q, w_s = quantize_weight(lin.weight * s[None, :], "channel")
+                ref = fake_quant(x / s, q.full_scale) @ (w_q.float() * w_s[:, None]).t()
+                with torch.no_grad():
+                    torch.testing.assert_close(q(x), ref + (0 if lin.bias is None else lin.bias), rtol=1e-4, atol=1e-4)
+            else:
+                assert torch.all(q.weight_scale == q.weight_scale[0])
+                from llmnpu_delegate.quantize.shadow import hot_channels
+                assert torch.equal(q.shadow.hot, hot_channels(st.channel_outliers[99.5], 0.8))
