@@ -116,3 +116,21 @@ def test_cli_sweep_is_monotone(tmp_path, capsys):
     assert [r["pruning_rate"] for r in prune_rows] == [0.5, 0.7, 0.85, 0.95, 1.0]
     assert [r["shadow_layers"] for r in prune_rows] == sorted((r["shadow_layers"] for r in prune_rows), reverse=True)
     assert prune_rows[-1]["shadow_layers"] == 0 and prune_rows[-1]["outlier_fraction"] == 0.0
+
+
+def test_shipped_texts_are_disjoint():
+    """The default calibration (news) and evaluation (Wikipedia) texts share no paragraph and no
+    long word sequence, so the accuracy numbers are on text calibration never saw."""
+    calib = read_text(None, "calib").split("\n\n")
+    evalt = read_text(None, "eval").split("\n\n")
+    assert len(" ".join(calib).split()) > 50_000 and len(" ".join(evalt).split()) > 300_000
+    assert not set(calib) & set(evalt)
+
+    def grams(paras, n=12):
+        out = set()
+        for p in paras:
+            w = p.split()
+            out.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+        return out
+
+    assert not grams(calib) & grams(evalt[:1000])
