@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="calibration text (default: the shipped news text, disjoint from the evaluation text)")
     p.add_argument("--calib-samples", type=int, default=8, help="calibration sequences (default 8)")
     p.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calib-percentiles", type=float, nargs="+", default=None,
+                   help="percentiles of |x| to record (default 99 99.5 99.9 99.99); clipping uses one of them")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -40,7 +42,8 @@ def _setup(args):
 
         hf_logging.disable_progress_bar()
     lm = load_model(args.model)
-    calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens)
+    extra = {"percentiles": tuple(args.calib_percentiles)} if args.calib_percentiles else {}
+    calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens, **extra)
     return lm, calib_config
 
 

@@ -134,3 +134,16 @@ def test_shipped_texts_are_disjoint():
         return out
 
     assert not grams(calib) & grams(evalt[:1000])
+
+
+def test_cli_clip_percentile_must_be_calibrated(tmp_path, capsys):
+    (tmp_path / "e.txt").write_text(_words(300))
+    (tmp_path / "c.txt").write_text(_words(600))
+    common = ["eval", "--model", "random:tiny-llama", "--text-file", str(tmp_path / "e.txt"),
+              "--calib-text-file", str(tmp_path / "c.txt"), "--max-tokens", "40", "--window", "32",
+              "--calib-samples", "2", "--calib-tokens", "64", "--no-progress", "--json", "--modes", "w8a8-shadow",
+              "--clip-percentile", "98"]
+    assert main(common) == 2
+    assert "--calib-percentiles" in capsys.readouterr().err
+    assert main(common + ["--calib-percentiles", "98", "99.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"]["w8a8-shadow"]["clip_percentile"] == 98.0
