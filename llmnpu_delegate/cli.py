@@ -50,15 +50,18 @@ def _setup(args):
 def cmd_calibrate(args) -> dict:
     from .evaluate import read_text, tokenize
     from .quantize import load_or_calibrate
+    from .quantize.importance import ratio_importance
 
     lm, calib_config = _setup(args)
     ids = tokenize(lm, read_text(args.calib_text_file, "calib"))
     calib = load_or_calibrate(lm.model, ids, lm.fingerprint, calib_config, path=args.out,
                               progress=not args.no_progress)
     p = args.clip_percentile
+    calib.threshold(next(iter(calib.layers)), p)  # a clear error if p was not calibrated
+    ratio = ratio_importance(calib, p)  # the paper's importance: largest outlier / scale
     layers = {n: {"absmax": round(s.absmax, 4), f"p{p}": round(s.percentiles[p], 4),
                   "outlier_fraction": round(s.outlier_fraction(p), 5),
-                  "max_over_scale": round(s.absmax / max(s.percentiles[p], 1e-12) * 127, 1)}
+                  "max_over_scale": round(ratio[n], 1)}
               for n, s in calib.layers.items()}
     return {"model": lm.spec, "fingerprint": lm.fingerprint, "artefact": str(calib.path),
             "calibration": calib.config.to_dict(), "layers": layers}

@@ -48,11 +48,12 @@ def _(q, scale):
 
 
 # --------------------------------------------------------------------------- integer linear
-_packed_cache: dict[int, tuple[weakref.ref, Tensor]] = {}
+_packed_cache: dict[int, tuple[weakref.ref, Tensor, Tensor]] = {}
 
 
-def _onednn_weight(w_q: Tensor) -> Tensor:
-    """oneDNN's packed copy of an int8 weight, made once per weight tensor and reused.
+def _onednn_weight(w_q: Tensor) -> tuple[Tensor, Tensor]:
+    """oneDNN's packed copy of an int8 weight and its (zero) zero points, made once per weight
+    tensor and reused.
 
     Quantized weights are immutable in this project: a tensor modified in place after its first
     use would keep its old packed copy (inference tensors carry no version counter to detect it).
@@ -60,10 +61,11 @@ def _onednn_weight(w_q: Tensor) -> Tensor:
     key = id(w_q)
     hit = _packed_cache.get(key)
     if hit is not None and hit[0]() is w_q:
-        return hit[1]
+        return hit[1], hit[2]
     packed = torch.ops.onednn.qlinear_prepack(w_q, None)
-    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed)
-    return packed
+    zero_points = torch.zeros(w_q.shape[0], dtype=torch.int64)
+    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed, zero_points)
+    return packed, zero_points
 
 
 def _int_mm_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -75,9 +77,9 @@ def _int_mm_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bi
 
 
 def _onednn_linear(x_u8: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    zp = torch.zeros(w_q.shape[0], dtype=torch.int64)
+    packed, zero_points = _onednn_weight(w_q)
     return torch.ops.onednn.qlinear_pointwise(
-        x_u8, x_scale, 128, _onednn_weight(w_q), w_scale, zp, bias, 1.0, 0, torch.float32, "none", [], ""
+        x_u8, x_scale, 128, packed, w_scale, zero_points, bias, 1.0, 0, torch.float32, "none", [], ""
     )
 
 

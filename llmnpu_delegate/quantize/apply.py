@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..kernels import QMAX
 from .calibrate import Calibration, quantizable_linears
 from .config import QuantConfig
 from .importance import importance_key, layers_to_prune, logits_of, output_importance, ratio_importance
@@ -32,16 +33,16 @@ def _smooth_factors(x_absmax: torch.Tensor, w: torch.Tensor, alpha: float) -> to
 def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, fingerprint: str) -> QuantLinear:
     stats = calib.layers[name]
     w, smooth, shadow, clip = lin.weight, None, None, None
-    full = stats.absmax / 127
+    full = stats.absmax / QMAX
     if config.outliers == "smooth":
         smooth = _smooth_factors(stats.channel_absmax, w, config.smooth_alpha)
         w = w.detach() * smooth[None, :]
-        full = float((stats.channel_absmax / smooth).max()) / 127
+        full = float((stats.channel_absmax / smooth).max()) / QMAX
     w_q, w_scale = quantize_weight(w, config.weights)
     act = full
     if config.outliers == "shadow":
         clip = calib.threshold(name, config.clip_percentile)
-        act = clip / 127
+        act = clip / QMAX
         hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
         shadow = ShadowWeights(weight_rows_file(fingerprint, name, lin.weight), hot)
     return QuantLinear(w_q, w_scale, lin.bias, act, max(full, 1e-12), clip, shadow, smooth)

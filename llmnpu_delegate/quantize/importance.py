@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .calibrate import Calibration
+from ..kernels import QMAX
 from ..models import decoder_layers
 from .config import QuantConfig
 from .linear import QuantLinear
@@ -22,7 +23,7 @@ from .linear import QuantLinear
 def ratio_importance(calib: Calibration, percentile: float) -> dict[str, float]:
     out = {}
     for name, s in calib.layers.items():
-        scale = max(s.percentiles[percentile], 1e-12) / 127
+        scale = max(s.percentiles[percentile], 1e-12) / QMAX
         out[name] = s.absmax / scale
     return out
 
