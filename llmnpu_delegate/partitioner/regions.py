@@ -1,0 +1,365 @@
+"""The partitioner's core: one pass over an FX ``GraphModule`` that cuts a chunk step into
+NPU and CPU subgraphs.
+
+NPU regions are the decoder blocks' quantizable linears, grouped when they read the same tensor
+(q/k/v share one quantized input, as do gate/up): one quantize at the region's entry, INT8 GEMMs,
+dequantize at its exit. Everything else is float work for the CPU: embedding, RoPE, attention with
+its KV, masks, the shadow outlier path and lm_head. Norms go to the CPU by default; the policy
+``norms="npu"`` folds each norm into the region it feeds (for NPUs that run norms themselves).
+
+CPU work is placed *as late as possible*: a node joins the CPU subgraph just before its first
+consumer, so e.g. the K/V concatenation of layer 5 lands in layer 5's attention subgraph rather
+than at the top of the graph. A subgraph is **dynamic** when a tensor in it has a shape that
+depends on the past length (the attention over P+C keys), **static** otherwise (shareable by every
+chunk). The pass works on any FX graph whose linears are ``aten.linear`` / ``F.linear`` calls with
+resolvable weight names: ``torch.export`` graphs (lifted or not) and Dynamo graphs.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import fx
+from torch.fx import Node
+
+from ..errors import LlmNpuError
+
+NORM_POLICIES = ("cpu", "npu")
+_LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
+_ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
+
+
+def shadow_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
+    """Graph marker for one linear's shadow outlier product ``(x - clip(x)) @ W^T[outlier channels]``.
+
+    It carries no weights: a backend binds it to the linear's float rows when it lowers the shadow
+    subgraph. Running it unbound is a bug, so it says so.
+    """
+    raise LlmNpuError(f"shadow path of {linear} was not bound by a backend")
+
+
+def is_linear(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _LINEAR_TARGETS:
+        return True
+    return "aten.linear.default" in str(node.target)  # edge dialect: exir_ops.edge.aten.linear.default
+
+
+def weight_name_of(node: Node, param_of_placeholder: dict[str, str] | None = None) -> str | None:
+    """FQN of a linear's weight: a ``get_attr`` target, or a lifted parameter placeholder."""
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    if not isinstance(w, Node):
+        return None
+    if w.op == "get_attr":
+        return str(w.target)
+    if w.op == "placeholder" and param_of_placeholder:
+        return param_of_placeholder.get(w.name)
+    return None
+
+
+def linear_names(gm: fx.GraphModule, quantizable: Iterable[str], prefix: str = "",
+                 param_of_placeholder: dict[str, str] | None = None) -> dict[Node, str]:
+    """The graph's linear nodes that are quantizable, mapped to their module names (without ``prefix``)."""
+    wanted = set(quantizable)
+    found: dict[Node, str] = {}
+    for node in gm.graph.nodes:
+        if not is_linear(node):
+            continue
+        w = weight_name_of(node, param_of_placeholder)
+        if w is None or not w.endswith(".weight"):
+            continue
+        name = w[: -len(".weight")]
+        name = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        if name in wanted:
+            found[node] = name
+    return found
+
+
+def _norm_module(node: Node) -> str | None:
+    """The norm module (path) a node was traced in, if its innermost module is a norm."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return str(path) if "Norm" in cls.rsplit(".", 1)[-1] else None
+
+
+def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], norms: str = "cpu") -> list[list[Node]]:
+    """Maximal NPU regions in program order: linears grouped by shared input, plus (``norms="npu"``)
+    the whole norm call that produces that input when nothing else uses its intermediate values."""
+    if norms not in NORM_POLICIES:
+        raise LlmNpuError(f"norms policy must be one of {NORM_POLICIES}, got '{norms}'")
+    groups: dict[Node, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node in linears:
+            groups.setdefault(node.args[0], []).append(node)
+    regions = []
+    for entry, members in groups.items():
+        region = list(members)
+        norm = _norm_module(entry) if norms == "npu" and isinstance(entry, Node) else None
+        if norm is not None:
+            # Walk back through that norm call; a node moves only if all its users already moved
+            # (the cast of the residual, also read by the residual add, stays on the CPU).
+            inside, frontier = set(members), [entry]
+            while frontier:
+                cand = frontier.pop()
+                if cand in inside or not all(u in inside for u in cand.users):
+                    continue
+                if cand.op == "get_attr" or (cand.op == "call_function" and _norm_module(cand) == norm):
+                    inside.add(cand)
+                    region.append(cand)
+                    frontier.extend(cand.all_input_nodes)
+        regions.append(list(dict.fromkeys(region)))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for region in regions:
+        region.sort(key=order.__getitem__)
+    regions.sort(key=lambda r: min(order[n] for n in r if n in linears))
+    return regions
+
+
+# --------------------------------------------------------------------------- subgraphs
+@dataclass
+class Subgraph:
+    index: int
+    kind: str                    # "cpu" | "npu" | "shadow" (the float outlier path, on the CPU)
+    layer: int | None            # decoder layer, or None for the model's prologue / head
+    static: bool                 # True: shapes depend on the chunk length only (shared by all chunks)
+    inputs: list[str]
+    outputs: list[str]
+    linears: list[str] = field(default_factory=list)   # npu: region's linears; shadow: shadowed ones
+    nodes: list[Node] = field(default_factory=list, repr=False)
+
+    @property
+    def processor(self) -> str:
+        return "npu" if self.kind == "npu" else "cpu"
+
+    def flops(self, past: int) -> int:
+        """Multiply-adds x 2 of the linears and attention in this subgraph for a chunk at past length ``past``."""
+        return sum(_node_flops(n, past) for n in self.nodes)
+
+
+def _size(v, past: int) -> int:
+    if isinstance(v, torch.SymInt):
+        expr = v.node.expr
+        return int(expr.subs({s: past for s in expr.free_symbols}))
+    return int(v)
+
+
+def _shape(node: Node, past: int) -> list[int]:
+    return [_size(d, past) for d in node.meta["val"].shape]
+
+
+def _node_flops(node: Node, past: int) -> int:
+    if is_linear(node) and "val" in node.meta:
+        out = _shape(node, past)
+        k = _shape(node.args[0], past)[-1]
+        return 2 * math.prod(out) * k
+    if node.op == "call_function" and node.target in _ATTENTION_TARGETS:
+        q, k = _shape(node.args[0], past), _shape(node.args[1], past)
+        return 2 * 2 * q[1] * q[2] * k[2] * q[3]       # QK^T and PV
+    return 0
+
+
+def _is_dynamic(node: Node) -> bool:
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (list, tuple)) else [vals]
+    for v in vals:
+        if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape):
+            return True
+        if isinstance(v, torch.SymInt):
+            return True
+    return False
+
+
+def _layer_of(node: Node) -> int | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        parts = str(path).replace("_", ".").split(".")
+        for a, b in zip(parts, parts[1:]):
+            if a == "layers" and b.isdigit():
+                return int(b)
+    return None
+
+
+@dataclass
+class Partition:
+    """The ordered subgraphs of one chunk step, over ``graph_module`` (a rewritten copy of the input)."""
+    graph_module: fx.GraphModule
+    subgraphs: list[Subgraph]
+    graph_inputs: list[str]
+    graph_outputs: list[str]           # flattened in the graph's output order
+    norms: str
+    shadowed: list[str]
+
+    def by_kind(self, kind: str) -> list[Subgraph]:
+        return [s for s in self.subgraphs if s.kind == kind]
+
+    def npu_flop_share(self, chunks: int, chunk_len: int) -> float:
+        npu = total = 0
+        for i in range(chunks):
+            for s in self.subgraphs:
+                f = s.flops(i * chunk_len)
+                total += f
+                npu += f if s.processor == "npu" else 0
+        return npu / total if total else 0.0
+
+
+def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str]) -> list[Node]:
+    """``y = linear(x)`` -> ``y' = y + shadow_delta(x)`` for shadowed linears; returns the marker nodes."""
+    markers = []
+    for node, name in list(linears.items()):
+        if name not in shadowed:
+            continue
+        with graph.inserting_after(node):
+            delta = graph.call_function(shadow_delta, (node.args[0], name))
+        with graph.inserting_after(delta):
+            total = graph.call_function(operator.add, (node, delta))
+        node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
+        delta.meta["val"] = node.meta.get("val")
+        total.meta["val"] = node.meta.get("val")
+        for n in (delta, total):
+            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        markers.append(delta)
+    return markers
+
+
+def _drop_asserts(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and "_assert" in str(node.target) and not node.users:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+
+
+def _canonical_sizes(graph: fx.Graph) -> None:
+    """Read every symbolic input size from the first input that has it.
+
+    transformers computes the mask length from one layer's cache (here: the last layer's V). Left
+    alone, that would make layer 0's attention of chunk i wait for the last layer of chunk i-1, a
+    false cross-layer dependency; all past K/V share one symbolic length, so any of them will do.
+    """
+    first: dict[tuple, Node] = {}
+    for node in graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        for dim, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt):
+                first.setdefault((str(size.node.expr), dim), node)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.aten.sym_size.int:
+            src, dim = node.args
+            val = src.meta.get("val") if isinstance(src, Node) else None
+            if src.op == "placeholder" and isinstance(val, torch.Tensor) and isinstance(val.shape[dim], torch.SymInt):
+                node.args = (first[(str(val.shape[dim].node.expr), dim)], dim)
+
+
+def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed: Iterable[str] = (),
+                    norms: str = "cpu", prefix: str = "") -> Partition:
+    """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched)."""
+    graph = fx.Graph()
+    out_map: dict[Node, Node] = {}
+    graph.graph_copy(gm.graph, out_map)
+    # graph_copy drops the output node's value; copy it over
+    old_out = next(n for n in gm.graph.nodes if n.op == "output")
+    graph.output(fx.node.map_arg(old_out.args[0], lambda n: out_map[n]))
+    new = fx.GraphModule(gm, graph)
+    for old, nn_ in out_map.items():
+        nn_.meta = dict(old.meta)
+    _drop_asserts(new.graph)
+    _canonical_sizes(new.graph)
+
+    linears = linear_names(new, quantizable, prefix)
+    shadowed = set(shadowed) & set(linears.values())
+    markers = _insert_shadow(new.graph, linears, shadowed)
+    regions = npu_regions(new, linears, norms)
+    order = {n: i for i, n in enumerate(new.graph.nodes)}
+
+    # slots: 3r = CPU before region r, 3r+1 = its shadow work, 3r+2 = region r; 3R = the tail.
+    slot: dict[Node, int] = {}
+    for r, region in enumerate(regions):
+        entry = next(n for n in region if n in linears).args[0]
+        for n in region:
+            slot[n] = 3 * r + 2
+        for m in markers:
+            # The shadow product reads the region's float input: it can run beside the region.
+            # (With norms on the NPU that input is made inside the region: the product then
+            # follows it in the next CPU subgraph.)
+            if m.args[0] is entry and entry not in region:
+                slot[m] = 3 * r + 1
+    tail = 3 * len(regions)
+    output = next(n for n in new.graph.nodes if n.op == "output")
+    for node in reversed(list(new.graph.nodes)):
+        if node.op in ("placeholder", "output", "get_attr") or node in slot:
+            continue
+        latest = tail
+        for u in node.users:
+            if u.op == "output":
+                continue
+            s = slot.get(u)
+            if s is None:      # a get_attr-free user not placed yet cannot exist in reverse order
+                raise LlmNpuError(f"partitioner: user {u.name} of {node.name} has no subgraph")
+            latest = min(latest, s if s % 3 == 0 else s - s % 3)
+        slot[node] = latest
+    # Check the placement is causal: every input is produced in an earlier-or-same CPU slot.
+    for node, s in slot.items():
+        for a in node.all_input_nodes:
+            sa = slot.get(a)
+            if sa is not None and sa > s:
+                raise LlmNpuError(f"partitioner: {node.name} would run before its input {a.name}")
+
+    by_slot: dict[int, list[Node]] = {}
+    for node in sorted(slot, key=order.__getitem__):
+        by_slot.setdefault(slot[node], []).append(node)
+
+    flat_out = [n for n in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(n, Node)]
+    subgraphs: list[Subgraph] = []
+    produced_in: dict[Node, int] = {}
+    for s in sorted(by_slot):
+        for n in by_slot[s]:
+            produced_in[n] = s
+    for s in sorted(by_slot):
+        nodes = by_slot[s]
+        members = set(nodes)
+        inputs: list[str] = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in members and a.op != "get_attr" and a.name not in inputs:
+                    inputs.append(a.name)
+        outputs = [n.name for n in nodes
+                   if any(u.op == "output" or (u not in members and u in produced_in) for u in n.users)]
+        kind = "npu" if s % 3 == 2 else "shadow" if s % 3 == 1 else "cpu"
+        layers = [lyr for lyr in map(_layer_of, nodes) if lyr is not None]
+        names = ([linears[n] for n in nodes if n in linears] if kind == "npu"
+                 else [n.args[1] for n in nodes if n in markers] if kind == "shadow" else [])
+        subgraphs.append(Subgraph(len(subgraphs), kind, min(layers) if layers else None,
+                                  not any(_is_dynamic(n) for n in nodes), inputs, outputs, names, nodes))
+    graph_inputs = [n.name for n in new.graph.nodes if n.op == "placeholder"]
+    return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], norms, sorted(shadowed))
+
+
+def subgraph_module(partition: Partition, sub: Subgraph) -> fx.GraphModule:
+    """A standalone GraphModule for ``sub``: placeholders named after its inputs, a tuple of its outputs."""
+    graph = fx.Graph()
+    env: dict[Node, Node] = {}
+    gm = partition.graph_module
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name in sub.inputs:
+        ph = graph.placeholder(name)
+        ph.meta = dict(by_name[name].meta)
+        env[by_name[name]] = ph
+
+    def lookup(a: Node) -> Node:
+        if a not in env:
+            if a.op != "get_attr":
+                raise LlmNpuError(f"partitioner: {a.name} is not an input of subgraph {sub.index}")
+            env[a] = graph.get_attr(a.target)
+        return env[a]
+
+    for node in sub.nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(tuple(env[by_name[o]] for o in sub.outputs))
+    return fx.GraphModule(gm, graph)
+
