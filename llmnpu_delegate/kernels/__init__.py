@@ -12,4 +12,6 @@ from .ops import (  # noqa: F401
     outlier_extract,
     quantize,
     w8a8_linear,
+    w8a8_linears,
 )
+from .attention import causal_mask, chunk_attention, chunk_attention_ws  # noqa: F401

@@ -122,6 +122,19 @@ def _(x, x_scale, w_q, w_scale, bias=None):
     return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.float32)
 
 
+def w8a8_linears(x: Tensor, x_scale: float, weights: list[tuple[Tensor, Tensor, Tensor | None]]) -> list[Tensor]:
+    """Several W8A8 linears reading one activation (q/k/v, gate/up): quantize it once, then one
+    INT8 GEMM per ``(w_q, w_scale, bias)``. Eager helper of the INT8 engine, not a graph op."""
+    for w_q, w_scale, _ in weights:
+        _check_linear_args(x, w_q, w_scale)
+    if _HAS_ONEDNN and x.device.type == "cpu":
+        y = torch.div(x, x_scale)
+        x_u8 = y.round_().clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
+        return [_onednn_linear(x_u8, x_scale, w, s, b) for w, s, b in weights]
+    x_q = quantize(x, x_scale)
+    return [_int_mm_linear(x_q, x_scale, w, s, b) for w, s, b in weights]
+
+
 def int8_linear_reference(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """The portable path (``torch._int_mm``), kept callable for parity tests."""
     return _int_mm_linear(x_q, x_scale, w_q, w_scale, bias)

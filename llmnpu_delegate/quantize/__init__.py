@@ -1,5 +1,5 @@
 """Preparation stage: calibrate the float model, then ``quantize_`` it to W8A8 with shadow outliers."""
-from .apply import QuantReport, outlier_counters, quantize_  # noqa: F401
+from .apply import LinearPlan, QuantReport, outlier_counters, plan_linears, quantize_  # noqa: F401
 from .calibrate import (  # noqa: F401
     Calibration,
     LayerStats,

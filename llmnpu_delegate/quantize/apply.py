@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import LlmNpuError
 from ..kernels import QMAX
 from .calibrate import Calibration, quantizable_linears
 from .config import QuantConfig
@@ -46,6 +47,57 @@ def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, f
         hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
         shadow = ShadowWeights(weight_rows_file(fingerprint, name, lin.weight), hot)
     return QuantLinear(w_q, w_scale, lin.bias, act, max(full, 1e-12), clip, shadow, smooth)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What an NPU backend needs to run one linear: its static per-tensor activation scale and, when
+    it keeps a shadow path, the clipping threshold and the hot channels whose float rows stay in RAM."""
+    act_scale: float
+    clip: float | None = None
+    hot: torch.Tensor | None = None
+
+    @property
+    def shadow(self) -> bool:
+        return self.clip is not None
+
+
+def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fingerprint: str,
+                 progress: bool = True) -> dict[str, LinearPlan]:
+    """Per-linear quantization decisions of ``quantize_`` without touching ``model`` (weights are
+    converted later, by the backend that compiles them).
+
+    Pruning by output effect needs a one-time profile; it is made (on a temporarily quantized
+    model, then restored) and cached in ``calib`` like ``quantize_`` does.
+    """
+    if config.outliers == "smooth":
+        raise LlmNpuError("the chunked NPU engine runs outliers='shadow' or 'none'; SmoothQuant rescales "
+                          "activations per channel, which a per-tensor NPU graph cannot do: use "
+                          "`llmnpu eval` to measure it")
+    calib.check_model(fingerprint)
+    linears = quantizable_linears(model)
+    if config.prunes and config.importance == "output" and importance_key(config) not in calib.importance:
+        try:
+            quantize_(model, calib, config, fingerprint, progress)
+        finally:
+            for name, lin in linears.items():
+                _set_submodule(model, name, lin)
+    pruned: set[str] = set()
+    if config.prunes:
+        importance = (ratio_importance(calib, config.clip_percentile) if config.importance == "ratio"
+                      else calib.importance[importance_key(config)])
+        pruned = layers_to_prune(importance, config.pruning_rate)
+    plans = {}
+    for name in linears:
+        stats = calib.layers[name]
+        full = max(stats.absmax / QMAX, 1e-12)
+        if config.outliers == "shadow" and name not in pruned:
+            clip = calib.threshold(name, config.clip_percentile)
+            hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
+            plans[name] = LinearPlan(clip / QMAX, clip, hot)
+        else:
+            plans[name] = LinearPlan(full)
+    return plans
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

@@ -1,0 +1,142 @@
+"""``cpu-int8``: the stand-in NPU. It runs the partition's NPU subgraphs with integer kernels only.
+
+Like an NPU graph it takes a float tensor at its entry, quantizes it once with a static per-tensor
+scale, runs INT8 x INT8 -> INT32 GEMMs and dequantizes at its exit (per-output-channel weight
+scales are applied to the int32 accumulator, as HTP does). Nothing else runs inside: norms,
+activations, attention and the shadow outlier path belong to CPU subgraphs. Weights are converted
+once, at compile time, and cached on disk by the graph cache.
+
+With ``plans=None`` the same subgraphs run as float linears: the float reference of the engine.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import kernels as K
+from ..errors import LlmNpuError
+from ..partitioner.regions import Subgraph, is_linear
+from ..quantize.apply import LinearPlan
+from ..quantize.linear import quantize_weight
+from ..quantize.shadow import ShadowWeights, weight_rows_file
+from ..runtime.graph_cache import GraphCache
+
+NAME = "cpu-int8"
+
+
+class NpuRegion(nn.Module):
+    """A lowered NPU subgraph: ``x`` -> one output per linear. Linears that share an activation
+    scale share one quantized copy of ``x``."""
+
+    def __init__(self, payload: dict):
+        super().__init__()
+        self.linears: list[str] = list(payload["names"])
+        self.in_features = int(payload["w_q"][0].shape[1])
+        groups: dict[float, list[int]] = {}
+        for i, s in enumerate(payload["act_scale"]):
+            groups.setdefault(float(s), []).append(i)
+        self.groups = [(scale, idx, [(payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]) for i in idx])
+                       for scale, idx in groups.items()]
+        self.weight_bytes = sum(w.numel() + 4 * s.numel() + (0 if b is None else 4 * b.numel())
+                                for _, _, ws in self.groups for w, s, b in ws)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        outs: list[Tensor | None] = [None] * len(self.linears)
+        for scale, idx, weights in self.groups:
+            for i, y in zip(idx, K.w8a8_linears(x2, scale, weights)):
+                outs[i] = y.view(*lead, y.shape[-1])
+        return tuple(outs)
+
+
+class FloatRegion(nn.Module):
+    """The float reference of an NPU subgraph (no quantization)."""
+
+    def __init__(self, linears: list[nn.Linear], names: list[str]):
+        super().__init__()
+        self.mods = linears
+        self.linears = names
+        self.weight_bytes = 0   # the model's own weights, not a compiled copy
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(F.linear(x, m.weight, m.bias) for m in self.mods)
+
+
+class ShadowDelta(nn.Module):
+    """One linear's shadow product ``(x - clip(x)) @ W^T`` on its outlier channels (a [.., N] float
+    tensor), or a scalar zero when no element crossed the threshold."""
+
+    def __init__(self, name: str, clip: float, rows: ShadowWeights, out_features: int):
+        super().__init__()
+        self.name, self.clip, self.rows, self.out_features = name, clip, rows, out_features
+        self.outlier_elements = 0
+        self.seen_elements = 0
+
+    def forward(self, x: Tensor, _name: str = "") -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        self.seen_elements += x2.numel()
+        channels, residue = K.outlier_extract(x2, self.clip)
+        if channels.numel() == 0:
+            return x.new_zeros(())
+        self.outlier_elements += int(torch.count_nonzero(residue))
+        y = torch.mm(residue, self.rows.rows(channels))
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class CpuInt8Backend:
+    """Compiles NPU subgraphs to INT8 kernels (or float references) and binds shadow paths."""
+
+    name = NAME
+
+    def __init__(self, model: nn.Module, fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
+                 weights: str = "channel", cache: GraphCache | None = None, norms: str = "cpu"):
+        if norms != "cpu":
+            raise LlmNpuError(f"backend {NAME} runs only INT8 work inside NPU subgraphs, so norms must stay on "
+                              f"the CPU (norms='cpu'); norms='{norms}' is for NPUs that run norms themselves")
+        self.model = model
+        self.fingerprint = fingerprint
+        self.chunk_len = chunk_len
+        self.plans = plans
+        self.weights = weights
+        self.cache = cache if cache is not None else GraphCache()
+        self.modules = dict(model.named_modules())
+
+    @property
+    def quantized(self) -> bool:
+        return self.plans is not None
+
+    def _linear(self, name: str) -> nn.Linear:
+        mod = self.modules.get(name)
+        if not isinstance(mod, nn.Linear):
+            raise LlmNpuError(f"{name} is not a float nn.Linear of the model (was the model quantized in place?)")
+        return mod
+
+    def lower_npu(self, sub: Subgraph) -> nn.Module:
+        if not all(is_linear(n) or n.op == "get_attr" for n in sub.nodes):
+            raise LlmNpuError(f"NPU subgraph {sub.index} holds non-linear work; {NAME} runs INT8 linears only")
+        if not self.quantized:
+            return FloatRegion([self._linear(n) for n in sub.linears], sub.linears)
+        fields = {"backend": NAME, "model": self.fingerprint, "chunk_len": self.chunk_len, "weights": self.weights,
+                  "linears": sub.linears, "act_scale": [self.plans[n].act_scale for n in sub.linears]}
+        return NpuRegion(self.cache.get_or_build(fields, lambda: self._compile(sub.linears)))
+
+    def _compile(self, names: list[str]) -> dict:
+        w_q, w_scale, bias = [], [], []
+        for name in names:
+            lin = self._linear(name)
+            q, s = quantize_weight(lin.weight, self.weights)
+            w_q.append(q)
+            w_scale.append(s)
+            bias.append(None if lin.bias is None else lin.bias.detach().float().clone())
+        return {"names": list(names), "w_q": w_q, "w_scale": w_scale, "bias": bias,
+                "act_scale": [self.plans[n].act_scale for n in names]}
+
+    def shadow_module(self, name: str) -> ShadowDelta:
+        plan = self.plans[name] if self.plans else None
+        if plan is None or not plan.shadow:
+            raise LlmNpuError(f"{name} has no shadow path in this quantization plan")
+        lin = self._linear(name)
+        rows = ShadowWeights(weight_rows_file(self.fingerprint, name, lin.weight), plan.hot)
+        return ShadowDelta(name, plan.clip, rows, lin.out_features)

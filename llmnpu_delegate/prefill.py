@@ -1,0 +1,194 @@
+"""Chunked prefill: the prompt goes through fixed-size chunk graphs, causally, chunk after chunk.
+
+``Prefiller`` prepares once (calibration plan, ``torch.export`` of one chunk step, partition,
+compilation of the static NPU subgraphs through the graph cache) and then serves prompts of any
+length: the last chunk is padded at its end, which needs no extra mask (a padded position comes
+after every real one, so causal masking already hides it) and its K/V are cut off afterwards.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .backends.cpu_int8 import NAME as CPU_INT8, CpuInt8Backend
+from .capture import export_chunk_step, kv_shape, max_context
+from .errors import LlmNpuError
+from .models import LoadedModel, fingerprint as model_fingerprint
+from .partitioner.regions import partition_graph
+from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linears
+from .runtime.graph_cache import GraphCache
+from .runtime.program import ChunkProgram
+
+BACKENDS = (CPU_INT8,)
+DEFAULT_CHUNK = 256
+# Named quantization modes of the engine (the eval harness's names); a QuantConfig works too.
+QUANT_MODES: dict[str, QuantConfig | None] = {
+    "fp32": None,
+    "w8a8": QuantConfig(outliers="none"),
+    "w8a8-shadow": QuantConfig(outliers="shadow"),
+}
+
+
+def resolve_quant(quant) -> QuantConfig | None:
+    if quant is None or isinstance(quant, QuantConfig):
+        return quant
+    if quant not in QUANT_MODES:
+        raise LlmNpuError(f"unknown quantization '{quant}': use one of {', '.join(QUANT_MODES)} or a QuantConfig")
+    return QUANT_MODES[quant]
+
+
+@dataclass
+class PrefillResult:
+    logits: Tensor                 # [V] logits of the last prompt token
+    past_k: list[Tensor]           # per layer [1, KVH, T, d]
+    past_v: list[Tensor]
+    chunks: int
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.past_k[0].shape[2]
+
+
+class Prefiller:
+    """A prepared chunked-prefill engine for one model, chunk length, backend and quantization."""
+
+    def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
+                 quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
+                 norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True):
+        lm = model if isinstance(model, LoadedModel) else None
+        self.model = lm.model if lm else model
+        self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
+        config = self.model.config
+        self.max_context = max_context(config)
+        if not isinstance(chunk_len, int) or not 0 < chunk_len <= self.max_context:
+            raise LlmNpuError(f"chunk length must be an integer in 1..{self.max_context} (the model's context), "
+                              f"got {chunk_len!r}")
+        if backend not in BACKENDS:
+            raise LlmNpuError(f"unknown backend '{backend}': available here: {', '.join(BACKENDS)}")
+        self.chunk_len, self.backend_name = chunk_len, backend
+        self.quant = resolve_quant(quant)
+        self.kv = kv_shape(config)
+        self.timings: dict[str, float] = {}
+
+        t = time.perf_counter()
+        plans = None
+        if self.quant is not None:
+            calibration = calibration if calibration is not None else _default_calibration(lm, progress)
+            plans = plan_linears(self.model, calibration, self.quant, self.fingerprint, progress)
+        self.plans = plans
+        self.timings["plan_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        ep = export_chunk_step(self.model, chunk_len)
+        self.timings["export_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        shadowed = [n for n, p in (plans or {}).items() if p.shadow]
+        self.partition = partition_graph(ep.module(), quantizable_linears(self.model), shadowed=shadowed,
+                                         norms=norms, prefix="model.")
+        self.timings["partition_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.cache = cache if cache is not None else GraphCache()
+        weights = self.quant.weights if self.quant else "channel"
+        self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, plans, weights, self.cache, norms)
+        self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers)
+        self.timings["compile_s"] = time.perf_counter() - t
+
+    # ------------------------------------------------------------------ prompts
+    def check_prompt(self, input_ids) -> Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise LlmNpuError(f"prefill runs one prompt at a time (batch 1), got a batch of {ids.shape[0]}")
+            ids = ids[0]
+        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise LlmNpuError(f"input_ids must be a 1-D (or [1, T]) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+        if ids.numel() == 0:
+            raise LlmNpuError("the prompt is empty: give at least one token")
+        if ids.numel() > self.max_context:
+            raise LlmNpuError(f"the prompt has {ids.numel()} tokens, more than the model's context of "
+                              f"{self.max_context}: shorten it")
+        vocab = self.model.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise LlmNpuError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+        return ids.to(torch.int64)
+
+    def chunks(self, ids: Tensor) -> list[tuple[Tensor, int]]:
+        """[(chunk ids [1, C] padded with 0, number of real tokens)] of a checked prompt."""
+        c = self.chunk_len
+        out = []
+        for start in range(0, ids.numel(), c):
+            part = ids[start:start + c]
+            out.append((torch.nn.functional.pad(part, (0, c - part.numel()))[None], part.numel()))
+        return out
+
+    def feeds(self, chunk: Tensor, position: int, real: int, past_k: list[Tensor], past_v: list[Tensor]) -> dict:
+        c = self.chunk_len
+        names = self.partition.graph_inputs
+        n = self.kv.layers
+        values = [chunk, torch.arange(position * c, position * c + c), torch.tensor([real - 1]), *past_k, *past_v]
+        return dict(zip(names[:3 + 2 * n], values))
+
+    @torch.inference_mode()
+    def __call__(self, input_ids) -> PrefillResult:
+        ids = self.check_prompt(input_ids)
+        t = time.perf_counter()
+        s = self.kv
+        past_k = [torch.zeros(1, s.kv_heads, 0, s.head_dim) for _ in range(s.layers)]
+        past_v = [torch.zeros(1, s.kv_heads, 0, s.head_dim) for _ in range(s.layers)]
+        chunks = self.chunks(ids)
+        out = None
+        for position, (chunk, real) in enumerate(chunks):
+            final = position == len(chunks) - 1
+            out = self.program.run_chunk(self.feeds(chunk, position, real, past_k, past_v), position, final)
+            past_k = [out[k] for k in self.program.out_k]
+            past_v = [out[v] for v in self.program.out_v]
+        total = ids.numel()
+        past_k = [k[:, :, :total] for k in past_k]
+        past_v = [v[:, :, :total] for v in past_v]
+        logits = out[self.program.out_logits].reshape(-1)
+        return PrefillResult(logits, past_k, past_v, len(chunks), {"prefill_s": time.perf_counter() - t})
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def compilations(self) -> int:
+        return self.cache.stats.compilations
+
+    def counters(self) -> dict:
+        return {**self.cache.stats.to_dict(), **self.program.stats.to_dict()}
+
+
+def _default_calibration(lm: LoadedModel | None, progress: bool) -> Calibration:
+    from .evaluate import read_text, tokenize
+    from .quantize import CalibConfig, load_or_calibrate
+
+    if lm is None:
+        raise LlmNpuError("a quantized prefill needs a calibration: pass calibration=..., or a LoadedModel "
+                          "(load_model(...)) so the shipped calibration text can be tokenized")
+    ids = tokenize(lm, read_text(None, "calib"))
+    return load_or_calibrate(lm.model, ids, lm.fingerprint, CalibConfig(), progress=progress)
+
+
+_prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
+            quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
+            progress: bool = True) -> PrefillResult:
+    """Chunked prefill of one prompt: last-token logits and the KV cache.
+
+    The prepared engine is kept for the model (per chunk length, backend and quantization), so later
+    prompts of any length reuse every compiled graph.
+    """
+    base = model.model if isinstance(model, LoadedModel) else model
+    key = (chunk_len, backend, repr(resolve_quant(quant)), id(calibration))
+    engines = _prepared.setdefault(base, {})
+    if key not in engines:
+        engines[key] = Prefiller(model, chunk_len, backend, quant, calibration, progress=progress)
+    return engines[key](input_ids)

@@ -1,0 +1,90 @@
+"""The chunk-sharing graph cache: compiled static subgraphs on disk, content-addressed.
+
+An entry is keyed by a hash of everything its compiled form depends on (backend, model weights'
+fingerprint, chunk length, quantization decisions, the subgraph's linears, this format's version),
+so a changed model, config or release never reads a stale entry: it gets a new key. Entries are
+written to a temporary name and renamed: two processes compiling the same subgraph at once both
+end with a complete file (the last rename wins; both wrote the same content). A damaged entry is
+detected on load (unreadable, or its header does not match its key) and rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..paths import atomic_path, cache_dir
+
+FORMAT = 1
+log = logging.getLogger(__name__)
+
+
+def entry_key(fields: dict) -> str:
+    blob = json.dumps({"format": FORMAT, **fields}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def payload_bytes(payload) -> int:
+    leaves = torch.utils._pytree.tree_leaves(payload)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class CacheStats:
+    compilations: int = 0     # subgraphs compiled in this process
+    hits: int = 0             # subgraphs loaded from disk or memory instead
+    rebuilt: int = 0          # damaged or foreign entries found on disk and replaced
+    bytes_held: int = 0       # compiled payloads held in memory
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class GraphCache:
+    """Compiled subgraph payloads (pytrees of tensors and plain values), in memory and on disk."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root else cache_dir() / "graphs"
+        self.stats = CacheStats()
+        self._memory: dict[str, object] = {}
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt"
+
+    def get_or_build(self, fields: dict, build: Callable[[], object]):
+        key = entry_key(fields)
+        if key in self._memory:
+            self.stats.hits += 1
+            return self._memory[key]
+        payload = self._load(key)
+        if payload is None:
+            payload = build()
+            self.stats.compilations += 1
+            with atomic_path(self.path(key)) as tmp:
+                torch.save({"format": FORMAT, "key": key, "payload": payload}, tmp)
+        else:
+            self.stats.hits += 1
+        self._memory[key] = payload
+        self.stats.bytes_held += payload_bytes(payload)
+        return payload
+
+    def _load(self, key: str):
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            entry = torch.load(path, weights_only=True)
+            if not isinstance(entry, dict) or entry.get("key") != key:
+                raise ValueError("header does not match the entry's name")
+            if entry.get("format") != FORMAT:
+                raise ValueError(f"written by cache format {entry.get('format')}, this is {FORMAT}")
+            return entry["payload"]
+        except Exception as e:  # unreadable for any reason: the entry is rebuilt, never trusted
+            log.warning("graph cache entry %s is damaged (%s): rebuilding it", path.name, e)
+            self.stats.rebuilt += 1
+            return None
