@@ -1,4 +1,4 @@
-"""The `llmnpu` command line: calibrate and evaluate (more stages arrive with the runtime)."""
+"""The `llmnpu` command line: calibrate, eval, partition."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +85,24 @@ def cmd_eval(args) -> dict:
     return result
 
 
+def cmd_partition(args) -> dict:
+    from .errors import LlmNpuError
+    from .partitioner.report import format_summary, partition_summary
+    from .prefill import default_calibration, plan_and_partition, resolve_quant
+
+    lm, calib_config = _setup(args)
+    if args.prompt_len < 1:
+        raise LlmNpuError(f"--prompt-len must be positive, got {args.prompt_len}")
+    quant = resolve_quant(args.quant)
+    calib = (default_calibration(lm, not args.no_progress, calib_config, args.calib_text_file)
+             if quant is not None else None)
+    _, partition = plan_and_partition(lm.model, lm, lm.fingerprint, args.chunk, quant, calib, args.norms,
+                                      not args.no_progress)
+    summary = partition_summary(partition, args.chunk, args.prompt_len, quantized=quant is not None)
+    args.text = format_summary(lm.spec, summary)
+    return {"model": lm.spec, "quant": args.quant, **summary}
+
+
 def _print_eval(result: dict) -> None:
     print(f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}")
     base = result["results"].get("fp32", {}).get("ppl")
@@ -129,6 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print the trade-off curve over clipping percentiles and pruning rates")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
+
+    from .prefill import DEFAULT_CHUNK, QUANT_MODES
+
+    p = sub.add_parser("partition", help="cut a chunk step into NPU/CPU subgraphs and print the table",
+                       description="Export one prefill chunk step, partition it into NPU (INT8 linears) and CPU "
+                                   "(float) subgraphs, and print counts, sharing, NPU FLOP share and memory "
+                                   "against one graph set per chunk position.")
+    _add_model_args(p)
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt length for FLOPs and memory (default 1024)")
+    p.add_argument("--quant", choices=list(QUANT_MODES), default="w8a8-shadow",
+                   help="quantization mode (default w8a8-shadow: shadow paths where calibration keeps them)")
+    p.add_argument("--norms", choices=["cpu", "npu"], default="cpu",
+                   help="where norms run (default cpu; npu folds them into the NPU region they feed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_partition)
     return ap
 
 
@@ -148,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     elif args.command == "eval":
         _print_eval(result)
+    elif hasattr(args, "text"):
+        print(args.text)
     else:
         print(json.dumps(result, indent=1))
     return 0

@@ -19,7 +19,7 @@ from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
 from .models import LoadedModel, fingerprint as model_fingerprint
 from .partitioner.regions import partition_graph
-from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linears
+from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .runtime.graph_cache import GraphCache
 from .runtime.program import ChunkProgram
 
@@ -75,23 +75,8 @@ class Prefiller:
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
 
-        t = time.perf_counter()
-        plans = None
-        if self.quant is not None:
-            calibration = calibration if calibration is not None else _default_calibration(lm, progress)
-            plans = plan_linears(self.model, calibration, self.quant, self.fingerprint, progress)
-        self.plans = plans
-        self.timings["plan_s"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        ep = export_chunk_step(self.model, chunk_len)
-        self.timings["export_s"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        shadowed = [n for n, p in (plans or {}).items() if p.shadow]
-        self.partition = partition_graph(ep.module(), quantizable_linears(self.model), shadowed=shadowed,
-                                         norms=norms, prefix="model.")
-        self.timings["partition_s"] = time.perf_counter() - t
+        self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
+                                                        calibration, norms, progress, self.timings)
 
         t = time.perf_counter()
         self.cache = cache if cache is not None else GraphCache()
@@ -164,15 +149,38 @@ class Prefiller:
         return {**self.cache.stats.to_dict(), **self.program.stats.to_dict()}
 
 
-def _default_calibration(lm: LoadedModel | None, progress: bool) -> Calibration:
+def default_calibration(lm: LoadedModel | None, progress: bool = True, config: CalibConfig = CalibConfig(),
+                        text_file=None) -> Calibration:
+    """The cached calibration of ``lm`` on the shipped calibration text (or ``text_file``)."""
     from .evaluate import read_text, tokenize
-    from .quantize import CalibConfig, load_or_calibrate
 
     if lm is None:
         raise LlmNpuError("a quantized prefill needs a calibration: pass calibration=..., or a LoadedModel "
                           "(load_model(...)) so the shipped calibration text can be tokenized")
-    ids = tokenize(lm, read_text(None, "calib"))
-    return load_or_calibrate(lm.model, ids, lm.fingerprint, CalibConfig(), progress=progress)
+    ids = tokenize(lm, read_text(text_file, "calib"))
+    return load_or_calibrate(lm.model, ids, lm.fingerprint, config, progress=progress)
+
+
+def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: str, chunk_len: int,
+                       quant: QuantConfig | None, calibration: Calibration | None = None, norms: str = "cpu",
+                       progress: bool = True, timings: dict | None = None):
+    """Quantization plan (None in float mode), then ``torch.export`` of a chunk step and its partition."""
+    timings = {} if timings is None else timings
+    t = time.perf_counter()
+    plans = None
+    if quant is not None:
+        calibration = calibration if calibration is not None else default_calibration(lm, progress)
+        plans = plan_linears(model, calibration, quant, fingerprint, progress)
+    timings["plan_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    ep = export_chunk_step(model, chunk_len)
+    timings["export_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    shadowed = [n for n, p in (plans or {}).items() if p.shadow]
+    partition = partition_graph(ep.module(), quantizable_linears(model), shadowed=shadowed, norms=norms,
+                                prefix="model.")
+    timings["partition_s"] = time.perf_counter() - t
+    return plans, partition
 
 
 _prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()

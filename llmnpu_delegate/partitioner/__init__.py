@@ -1,5 +1,6 @@
-"""FX graph analysis and NPU/CPU region tagging (ExecuTorch Partitioner).
+"""Partition stage: FX graph analysis, NPU/CPU region tagging, and the ExecuTorch Partitioner.
 
-Not built yet: this package is reserved for the partition stage (quantize -> **partition** ->
-lower -> run). Nothing in the released commands imports it.
+``regions`` holds the core pass over any FX ``GraphModule``; ``executorch`` wraps it as an
+ExecuTorch ``Partitioner``; ``report`` summarises a partition (sharing, FLOPs, memory).
 """
+from .regions import Partition, Subgraph, partition_graph, subgraph_module  # noqa: F401

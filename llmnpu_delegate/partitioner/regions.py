@@ -228,8 +228,11 @@ def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str]
 
 
 def _drop_asserts(graph: fx.Graph) -> None:
+    """Remove export's runtime checks (metadata asserts, the input-guard call): the runtime checks
+    prompts itself, and a guard reading every input would tie the last subgraph to all of them."""
     for node in list(graph.nodes):
-        if node.op == "call_function" and "_assert" in str(node.target) and not node.users:
+        if node.op in ("call_function", "call_module") and not node.users and (
+                "_assert" in str(node.target) or "_guards" in str(node.target)):
             graph.erase_node(node)
     graph.eliminate_dead_code()
 
