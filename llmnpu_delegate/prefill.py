@@ -74,6 +74,7 @@ class Prefiller:
         self.quant = resolve_quant(quant)
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
+        CpuInt8Backend.check_policy(norms)       # before the slow steps
 
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
@@ -81,7 +82,7 @@ class Prefiller:
         t = time.perf_counter()
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
-        self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, plans, weights, self.cache, norms)
+        self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
         self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers)
         self.timings["compile_s"] = time.perf_counter() - t
 

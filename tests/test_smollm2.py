@@ -38,3 +38,35 @@ def test_shadow_execution_on_real_outliers(smollm2):
             assert c["outlier_elements"] / c["seen_elements"] < 0.01
     assert ppl["shadow"] < 1.02 * fp32, (fp32, ppl)
     assert ppl["none"] > 1.5 * fp32, (fp32, ppl)
+
+
+def test_chunked_prefill_on_the_embedded_model(smollm2):
+    """Real text, real outliers, chunk 256: float equals HF; W8A8 + shadow equals the unchunked quantized
+    model and predicts the float model's next token."""
+    from llmnpu_delegate.prefill import Prefiller
+
+    ids = tokenize(smollm2, read_text(None, "eval"))[:600]
+    with torch.no_grad():
+        want = smollm2.model(ids[None]).logits[0, -1]
+    result = Prefiller(smollm2, 256, quant=None)(ids)
+    assert result.chunks == 3
+    torch.testing.assert_close(result.logits, want, atol=2e-3, rtol=1e-3)
+
+    calib = calibrate(smollm2.model, tokenize(smollm2, read_text(None, "calib")), smollm2.fingerprint,
+                      CalibConfig(samples=2, tokens=256), progress=False)
+    config = QuantConfig(importance="ratio")           # the default pruning rate, the paper's ranking
+    engine = Prefiller(smollm2, 256, quant=config, calibration=calib, progress=False)
+    got = engine(ids).logits
+    reference = copy.deepcopy(smollm2.model)
+    quantize_(reference, calib, config, smollm2.fingerprint, progress=False)
+    with torch.no_grad():
+        ref = reference(ids[None]).logits[0, -1]
+        # With activations of ~25,000, a float-level change anywhere (here: transformers' other
+        # attention implementation) flips some roundings and moves the quantized logits: that is
+        # the yardstick. Chunked prefill must stay within it (tiny models agree to 1e-6).
+        reference.config._attn_implementation = "eager"
+        ref_eager = reference(ids[None]).logits[0, -1]
+    noise = float((ref - ref_eager).abs().max())
+    assert 0 < noise < 10
+    assert float((got - ref).abs().max()) < 2 * noise
+    assert int(got.argmax()) == int(ref.argmax()) == int(want.argmax())

@@ -92,9 +92,7 @@ class CpuInt8Backend:
 
     def __init__(self, model: nn.Module, fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
                  weights: str = "channel", cache: GraphCache | None = None, norms: str = "cpu"):
-        if norms != "cpu":
-            raise LlmNpuError(f"backend {NAME} runs only INT8 work inside NPU subgraphs, so norms must stay on "
-                              f"the CPU (norms='cpu'); norms='{norms}' is for NPUs that run norms themselves")
+        self.check_policy(norms)
         self.model = model
         self.fingerprint = fingerprint
         self.chunk_len = chunk_len
@@ -102,6 +100,12 @@ class CpuInt8Backend:
         self.weights = weights
         self.cache = cache if cache is not None else GraphCache()
         self.modules = dict(model.named_modules())
+
+    @staticmethod
+    def check_policy(norms: str) -> None:
+        if norms != "cpu":
+            raise LlmNpuError(f"backend {NAME} runs only INT8 work inside NPU subgraphs, so norms must stay on "
+                              f"the CPU (norms='cpu'); norms='{norms}' is for NPUs that run norms themselves")
 
     @property
     def quantized(self) -> bool:

@@ -1,0 +1,213 @@
+"""Chunked prefill on exported, partitioned graphs against independent references: the Hugging Face
+model's own full-prompt forward (float) and the unchunked quantized model (W8A8 + shadow)."""
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.prefill import Prefiller, prefill
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
+from llmnpu_delegate.runtime.graph_cache import GraphCache
+
+from conftest import inject_outliers
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned
+
+
+def _hf(model, ids):
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True)
+    return out.logits[0, -1], out.past_key_values
+
+
+def _assert_kv_close(result, hf_cache, atol=1e-4):
+    for k, v, layer in zip(result.past_k, result.past_v, hf_cache.layers):
+        n = layer.keys.shape[2]   # sliding-window layers of HF keep only the window's tail
+        torch.testing.assert_close(k[:, :, -n:], layer.keys, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(v[:, :, -n:], layer.values, atol=atol, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    return lm
+
+
+@pytest.fixture(scope="module")
+def llama_calib(llama):
+    ids = torch.randint(0, 1000, (4 * 64,), generator=torch.Generator().manual_seed(1))
+    return calibrate(llama.model, ids, llama.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64),
+                     progress=False)
+
+
+@pytest.fixture(scope="module")
+def float_engines(llama):
+    return {c: Prefiller(llama, c, quant=None, cache=GraphCache()) for c in (8, 24)}
+
+
+@pytest.fixture(scope="module")
+def quant_engines(llama, llama_calib, tmp_path_factory):
+    cache = GraphCache(tmp_path_factory.mktemp("graphs"))
+    return {c: Prefiller(llama, c, quant=QUANT, calibration=llama_calib, cache=cache, progress=False)
+            for c in (8, 24)}
+
+
+@pytest.fixture(scope="module")
+def quant_reference(llama, llama_calib):
+    model = copy.deepcopy(llama.model)
+    quantize_(model, llama_calib, QUANT, llama.fingerprint, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_prefill_equals_hf_forward(family):
+    lm = load_model(f"random:{family}")
+    ids = torch.randint(0, 1000, (150,))      # > 2 sliding windows of 64 for gemma2/gemma3
+    result = Prefiller(lm, 32, quant=None, cache=GraphCache())(ids)
+    logits, cache = _hf(lm.model, ids)
+    assert result.chunks == 5 and result.tokens == 150
+    torch.testing.assert_close(result.logits, logits, atol=1e-4, rtol=1e-4)
+    _assert_kv_close(result, cache)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(1, 70), chunk=st.sampled_from([8, 24]))
+def test_float_chunked_equals_hf_for_any_length(float_engines, llama, length, chunk):
+    ids = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length))
+    result = float_engines[chunk](ids)
+    logits, cache = _hf(llama.model, ids)
+    torch.testing.assert_close(result.logits, logits, atol=1e-4, rtol=1e-4)
+    _assert_kv_close(result, cache)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(1, 70), chunk=st.sampled_from([8, 24]))
+def test_shadow_chunked_equals_unchunked_quantized(quant_engines, quant_reference, llama, length, chunk):
+    ids = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length))
+    result = quant_engines[chunk](ids)
+    logits, cache = _hf(quant_reference, ids)
+    # Same integer arithmetic; float sums of the attention differ in order between chunked and whole.
+    torch.testing.assert_close(result.logits, logits, atol=2e-3, rtol=1e-3)
+    _assert_kv_close(result, cache, atol=2e-3)
+    float_logits, _ = _hf(llama.model, ids)
+    assert not torch.allclose(result.logits, float_logits, atol=1e-4), "quantization had no effect"
+
+
+def test_shadow_path_is_exercised(quant_engines):
+    engine = quant_engines[8]
+    kinds = [s.kind for s in engine.partition.subgraphs]
+    assert "shadow" in kinds
+    engine(torch.randint(0, 1000, (40,)))
+    seen = sum(m.outlier_elements for m in engine.program.shadow.values())
+    assert seen > 0, "injected outliers never reached the shadow path"
+
+
+def test_npu_subgraphs_are_int8_only(quant_engines):
+    from llmnpu_delegate.backends.cpu_int8 import NpuRegion
+
+    engine = quant_engines[8]
+    npu = [s for s in engine.program.steps if s.sub.kind == "npu"]
+    assert npu and all(isinstance(s.fn, NpuRegion) for s in npu)
+    for step in npu:
+        for _, _, weights in step.fn.groups:
+            assert all(w.dtype == torch.int8 for w, _, _ in weights)
+
+
+def test_second_prompt_of_another_length_compiles_nothing(llama, llama_calib, tmp_path):
+    cache = GraphCache(tmp_path)
+    engine = Prefiller(llama, 16, quant=QUANT, calibration=llama_calib, cache=cache, progress=False)
+    npu = len(engine.partition.by_kind("npu"))
+    assert cache.stats.compilations == npu and cache.stats.hits == 0
+    engine(torch.randint(0, 1000, (37,)))
+    engine(torch.randint(0, 1000, (5,)))
+    assert cache.stats.compilations == npu
+    # A second process (a new engine and a new cache object on the same folder) compiles nothing.
+    again = GraphCache(tmp_path)
+    Prefiller(llama, 16, quant=QUANT, calibration=llama_calib, cache=again, progress=False)
+    assert again.stats.compilations == 0 and again.stats.hits == npu
+
+
+def test_corrupt_cache_entry_is_rebuilt(llama, llama_calib, tmp_path):
+    cache = GraphCache(tmp_path)
+    first = Prefiller(llama, 16, quant=QUANT, calibration=llama_calib, cache=cache, progress=False)
+    ids = torch.randint(0, 1000, (20,))
+    want = first(ids).logits
+    victim = sorted(tmp_path.glob("*.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    again = GraphCache(tmp_path)
+    second = Prefiller(llama, 16, quant=QUANT, calibration=llama_calib, cache=again, progress=False)
+    assert again.stats.rebuilt == 1 and again.stats.compilations == 1
+    torch.testing.assert_close(second(ids).logits, want)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+
+
+def test_cache_entry_of_another_format_is_not_trusted(tmp_path):
+    cache = GraphCache(tmp_path)
+    payload = cache.get_or_build({"x": 1}, lambda: {"w": torch.ones(3)})
+    path = next(tmp_path.glob("*.pt"))
+    entry = torch.load(path, weights_only=True)
+    entry["format"] = 999
+    torch.save(entry, path)
+    again = GraphCache(tmp_path)
+    rebuilt = again.get_or_build({"x": 1}, lambda: {"w": torch.ones(3)})
+    assert again.stats.rebuilt == 1 and torch.equal(rebuilt["w"], payload["w"])
+
+
+def test_concurrent_writers_leave_a_valid_entry(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_entry, args=(str(tmp_path),)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    cache = GraphCache(tmp_path)
+    out = cache.get_or_build({"entry": "shared"}, lambda: pytest.fail("the entry should be on disk"))
+    assert torch.equal(out["w"], torch.arange(1000.0)) and cache.stats.compilations == 0
+
+
+def _build_entry(root: str) -> None:
+    cache = GraphCache(root)
+    for _ in range(20):
+        cache._memory.clear()
+        cache.get_or_build({"entry": "shared"}, lambda: {"w": torch.arange(1000.0)})
+
+
+def test_prefill_function_reuses_its_engine(llama):
+    a = prefill(llama, torch.randint(0, 1000, (10,)), chunk_len=8, quant=None)
+    b = prefill(llama, torch.randint(0, 1000, (30,)), chunk_len=8, quant=None)
+    assert a.chunks == 2 and b.chunks == 4 and b.logits.shape == (llama.model.config.vocab_size,)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.zeros(0, dtype=torch.long), "empty"),
+    (torch.zeros(4097, dtype=torch.long), "context"),
+    (torch.zeros(2, 3, dtype=torch.long), "batch"),
+    (torch.full((3,), 10 ** 6), "token ids"),
+])
+def test_bad_prompts_are_refused(float_engines, ids, message):
+    with pytest.raises(LlmNpuError, match=message):
+        float_engines[8](ids)
+
+
+@pytest.mark.parametrize("chunk", [0, -4, 5000])
+def test_bad_chunk_lengths_are_refused(llama, chunk):
+    with pytest.raises(LlmNpuError, match="chunk length"):
+        Prefiller(llama, chunk, quant=None)
+
+
+def test_backend_and_policy_errors(llama):
+    with pytest.raises(LlmNpuError, match="unknown backend"):
+        Prefiller(llama, 8, backend="hexagon", quant=None)
+    with pytest.raises(LlmNpuError, match="norms"):
+        Prefiller(llama, 8, quant=None, norms="npu")
+    with pytest.raises(LlmNpuError, match="unknown quantization"):
+        Prefiller(llama, 8, quant="int4")
