@@ -120,14 +120,17 @@ class ChunkProgram:
             self.stats.workspace_bytes += ws.numel() * ws.element_size()
         return ws
 
-    def run_step(self, i: int, env: dict, position: int) -> None:
+    def call_step(self, i: int, values: dict, position: int) -> dict:
+        """Run step ``i`` of chunk ``position`` on ``values`` (its inputs by name); its outputs by name."""
         step = self.steps[i]
-        args = [env[name] for name in step.sub.inputs]
+        args = [values[name] for name in step.sub.inputs]
         if step.workspace_shape is not None:
             shape = step.workspace_shape(position * self.chunk_len)
             args.append(self.workspace(position)[: torch.Size(shape).numel()].view(shape))
-        outs = step.fn(*args)
-        env.update(zip(step.sub.outputs, outs))
+        return dict(zip(step.sub.outputs, step.fn(*args)))
+
+    def run_step(self, i: int, env: dict, position: int) -> None:
+        env.update(self.call_step(i, env, position))
 
     def run_chunk(self, feeds: dict[str, Tensor], position: int, final: bool) -> dict[str, Tensor]:
         """Run one chunk in program order; returns the graph outputs it computed."""

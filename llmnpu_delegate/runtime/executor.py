@@ -1,0 +1,229 @@
+"""Two workers, ``npu`` and ``cpu``, each running one task at a time on its own thread, and the
+policy that picks their next task.
+
+- ``inorder``: chunk after chunk, subgraph after subgraph; one task at a time in all.
+- ``overlap``: each processor takes its own tasks in program order; the two processors overlap,
+  but nothing is reordered.
+- ``ooo``: the paper's heuristic (section 3.4). Among the ready tasks of a processor, a CPU task
+  scores the total profiled NPU time of the tasks it makes ready, an NPU task scores minus its own
+  time; the highest score runs. The NPU is the critical path: feed it first.
+
+Values live in one environment per chunk and are dropped as soon as their last consumer has run.
+A task that raises stops both workers; the caller gets a ``TaskError`` naming the task.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..errors import LlmNpuError
+from .program import ChunkProgram
+from .tasks import Task, build_tasks, past_name
+
+POLICIES = ("inorder", "overlap", "ooo")
+PROCESSORS = ("npu", "cpu")
+
+
+class TaskError(LlmNpuError):
+    """A subgraph failed during prefill; ``task`` says which."""
+
+    def __init__(self, message: str, task: Task):
+        super().__init__(message)
+        self.task = task
+
+
+@dataclass
+class Record:
+    task: int
+    chunk: int
+    step: int
+    processor: str
+    start: float
+    end: float
+
+
+@dataclass
+class RunStats:
+    records: list[Record] = field(default_factory=list)
+    decisions: int = 0
+    decision_s: float = 0.0     # time spent choosing tasks (under the scheduler lock)
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Threads per worker and optional core pinning; the two must not oversubscribe the machine."""
+    threads: int = 1
+    cores: dict | None = None   # processor -> set of CPU ids, or None: no pinning
+
+    @classmethod
+    def auto(cls) -> "Workers":
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 2))
+        if len(cpus) < 2:
+            return cls(1, None)
+        half = len(cpus) // 2
+        return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])})
+
+
+class Scheduler:
+    def __init__(self, tasks: list[Task], policy: str):
+        if policy not in POLICIES:
+            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        self.tasks, self.policy = tasks, policy
+        self.missing = [len(t.deps) for t in tasks]
+        self.done = [False] * len(tasks)
+        self.running = 0
+        self.ready = {p: set() for p in PROCESSORS}
+        for t in tasks:
+            if not t.deps:
+                self.ready[t.processor].add(t.id)
+        self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].key)     # program order
+        self.cursor = 0                                                          # inorder
+        self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
+        self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
+
+    def pick(self, processor: str) -> Task | None:
+        ready = self.ready[processor]
+        if not ready:
+            return None
+        if self.policy == "inorder":
+            if self.running or self.cursor >= len(self.order):
+                return None
+            nxt = self.order[self.cursor]
+            if nxt not in ready:
+                return None
+            self.cursor += 1
+            choice = nxt
+        elif self.policy == "overlap":
+            queue, head = self.queues[processor], self.heads[processor]
+            if head >= len(queue) or queue[head] not in ready:
+                return None
+            self.heads[processor] += 1
+            choice = queue[head]
+        else:
+            choice = max(ready, key=self._score)
+        ready.discard(choice)
+        self.running += 1
+        return self.tasks[choice]
+
+    def _score(self, i: int) -> tuple:
+        t = self.tasks[i]
+        if t.processor == "npu":
+            score = -t.cost
+        else:
+            score = sum(self.tasks[u].cost for u in t.users
+                        if self.tasks[u].processor == "npu" and self.missing[u] == 1)
+        return (score, -t.chunk, -t.step)
+
+    def finish(self, t: Task) -> None:
+        self.done[t.id] = True
+        self.running -= 1
+        for u in t.users:
+            self.missing[u] -= 1
+            if self.missing[u] == 0:
+                self.ready[self.tasks[u].processor].add(u)
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+
+class Executor:
+    """Runs a ChunkProgram over the chunks of a prompt with two workers and a policy."""
+
+    def __init__(self, program: ChunkProgram, workers: Workers | None = None):
+        self.program = program
+        self.workers = workers or Workers.auto()
+
+    def run(self, feeds: list[dict[str, Tensor]], policy: str, costs: dict | None = None,
+            fail: tuple[int, int] | None = None) -> tuple[dict[str, Tensor], RunStats]:
+        """``feeds[i]``: chunk i's inputs except the past K/V. Returns the last chunk's outputs.
+        ``fail=(chunk, step)`` injects a failure (for tests of the error path)."""
+        program = self.program
+        tasks = build_tasks(program, len(feeds))
+        for t in tasks:
+            t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0)) if costs else 0.0
+        sched = Scheduler(tasks, policy)
+        envs = [dict(f) for f in feeds]
+        uses: list[dict[str, int]] = [dict() for _ in feeds]
+        for t in tasks:
+            for name in program.steps[t.step].sub.inputs:
+                uses[t.chunk][name] = uses[t.chunk].get(name, 0) + 1
+        keep = {program.out_logits, *program.out_k, *program.out_v}
+        layers = len(program.out_k)
+        handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
+        handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
+        stats = RunStats()
+        cond = threading.Condition()
+        error: list = []
+        t0 = time.perf_counter()
+
+        def worker(processor: str) -> None:
+            if self.workers.cores and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, self.workers.cores[processor])   # this thread only (Linux)
+            while True:
+                with cond:
+                    while True:
+                        if error or sched.finished:
+                            cond.notify_all()
+                            return
+                        d0 = time.perf_counter()
+                        task = sched.pick(processor)
+                        stats.decision_s += time.perf_counter() - d0
+                        stats.decisions += 1
+                        if task is not None:
+                            break
+                        cond.wait()
+                    env = envs[task.chunk]
+                    step = program.steps[task.step]
+                    args = {name: env[name] for name in step.sub.inputs}
+                start = time.perf_counter()
+                try:
+                    if fail == task.key:
+                        raise RuntimeError("injected failure")
+                    outs = program.call_step(task.step, args, task.chunk)
+                except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+                    with cond:
+                        error.append((task, e))
+                        cond.notify_all()
+                    return
+                end = time.perf_counter()
+                with cond:
+                    stats.records.append(Record(task.id, task.chunk, task.step, processor, start - t0, end - t0))
+                    env.update(outs)
+                    nxt = envs[task.chunk + 1] if task.chunk + 1 < len(envs) else None
+                    for name, value in outs.items():
+                        if nxt is not None and name in handoff:
+                            nxt[handoff[name]] = value
+                    for name in step.sub.inputs:
+                        uses[task.chunk][name] -= 1
+                        if uses[task.chunk][name] == 0 and name not in keep:
+                            env.pop(name, None)
+                    sched.finish(task)
+                    cond.notify_all()
+
+        threads = [threading.Thread(target=worker, args=(p,), name=f"llmnpu-{p}", daemon=True) for p in PROCESSORS]
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.workers.threads)
+        try:
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            torch.set_num_threads(saved)
+        stats.wall_s = time.perf_counter() - t0
+        if error:
+            task, exc = error[0]
+            sub = program.steps[task.step].sub
+            where = f"layer {sub.layer}" if sub.layer is not None else "model"
+            raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "
+                            f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc
+        last = envs[-1]
+        del layers
+        return {k: last[k] for k in keep if k in last}, stats
