@@ -20,8 +20,11 @@ from .errors import LlmNpuError
 from .models import LoadedModel, fingerprint as model_fingerprint
 from .partitioner.regions import partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
-from .runtime.graph_cache import GraphCache
+from .runtime.executor import POLICIES, Executor, RunStats, Workers
+from .runtime.graph_cache import GraphCache, entry_key
+from .runtime.profile import Profile
 from .runtime.program import ChunkProgram
+from .runtime.tasks import past_name
 
 BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
@@ -59,7 +62,8 @@ class Prefiller:
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
-                 norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True):
+                 norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
+                 policy: str = "ooo", workers: Workers | None = None):
         lm = model if isinstance(model, LoadedModel) else None
         self.model = lm.model if lm else model
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
@@ -70,7 +74,9 @@ class Prefiller:
                               f"got {chunk_len!r}")
         if backend not in BACKENDS:
             raise LlmNpuError(f"unknown backend '{backend}': available here: {', '.join(BACKENDS)}")
-        self.chunk_len, self.backend_name = chunk_len, backend
+        if policy not in POLICIES:
+            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        self.chunk_len, self.backend_name, self.policy = chunk_len, backend, policy
         self.quant = resolve_quant(quant)
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
@@ -85,6 +91,9 @@ class Prefiller:
         self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
         self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers)
         self.timings["compile_s"] = time.perf_counter() - t
+        self.executor = Executor(self.program, workers)
+        self.profile = Profile.load(self._profile_path())
+        self.last_run: RunStats | None = None
 
     # ------------------------------------------------------------------ prompts
     def check_prompt(self, input_ids) -> Tensor:
@@ -114,32 +123,44 @@ class Prefiller:
             out.append((torch.nn.functional.pad(part, (0, c - part.numel()))[None], part.numel()))
         return out
 
-    def feeds(self, chunk: Tensor, position: int, real: int, past_k: list[Tensor], past_v: list[Tensor]) -> dict:
-        c = self.chunk_len
-        names = self.partition.graph_inputs
-        n = self.kv.layers
-        values = [chunk, torch.arange(position * c, position * c + c), torch.tensor([real - 1]), *past_k, *past_v]
-        return dict(zip(names[:3 + 2 * n], values))
+    def feeds(self, ids: Tensor) -> list[dict[str, Tensor]]:
+        """Per chunk: its ids, positions and logits row (the past K/V arrive from the previous chunk)."""
+        c, s = self.chunk_len, self.kv
+        feeds = []
+        for position, (chunk, real) in enumerate(self.chunks(ids)):
+            feeds.append({"input_ids": chunk, "cache_position": torch.arange(position * c, position * c + c),
+                          "logits_index": torch.tensor([real - 1])})
+        empty = torch.zeros(1, s.kv_heads, 0, s.head_dim)
+        feeds[0].update({past_name(kind, i): empty for kind in "kv" for i in range(s.layers)})
+        return feeds
 
     @torch.inference_mode()
-    def __call__(self, input_ids) -> PrefillResult:
+    def __call__(self, input_ids, policy: str | None = None) -> PrefillResult:
         ids = self.check_prompt(input_ids)
-        t = time.perf_counter()
-        s = self.kv
-        past_k = [torch.zeros(1, s.kv_heads, 0, s.head_dim) for _ in range(s.layers)]
-        past_v = [torch.zeros(1, s.kv_heads, 0, s.head_dim) for _ in range(s.layers)]
-        chunks = self.chunks(ids)
-        out = None
-        for position, (chunk, real) in enumerate(chunks):
-            final = position == len(chunks) - 1
-            out = self.program.run_chunk(self.feeds(chunk, position, real, past_k, past_v), position, final)
-            past_k = [out[k] for k in self.program.out_k]
-            past_v = [out[v] for v in self.program.out_v]
+        policy = policy or self.policy
+        if policy not in POLICIES:
+            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        feeds = self.feeds(ids)
+        first_ooo = policy == "ooo" and self.profile is None
+        # The out-of-order policy needs each subgraph's time: the first prompt runs in order and
+        # is profiled (outputs are identical under every policy).
+        out, stats = self.executor.run(feeds, "inorder" if first_ooo else policy,
+                                       self.profile.costs(len(feeds)) if self.profile else None)
+        if first_ooo or (self.profile is None and policy == "inorder"):
+            self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
+            self.profile.save(self._profile_path())
+        self.last_run = stats
         total = ids.numel()
-        past_k = [k[:, :, :total] for k in past_k]
-        past_v = [v[:, :, :total] for v in past_v]
+        past_k = [out[k][:, :, :total] for k in self.program.out_k]
+        past_v = [out[v][:, :, :total] for v in self.program.out_v]
         logits = out[self.program.out_logits].reshape(-1)
-        return PrefillResult(logits, past_k, past_v, len(chunks), {"prefill_s": time.perf_counter() - t})
+        return PrefillResult(logits, past_k, past_v, len(feeds), {"prefill_s": stats.wall_s})
+
+    def _profile_path(self):
+        plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
+        key = entry_key({"profile": 1, "backend": self.backend_name, "model": self.fingerprint,
+                         "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads})
+        return self.cache.root / f"profile-{key}.json"
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -155,7 +155,6 @@ class Executor:
             for name in program.steps[t.step].sub.inputs:
                 uses[t.chunk][name] = uses[t.chunk].get(name, 0) + 1
         keep = {program.out_logits, *program.out_k, *program.out_v}
-        layers = len(program.out_k)
         handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
         handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
         stats = RunStats()
@@ -166,6 +165,10 @@ class Executor:
         def worker(processor: str) -> None:
             if self.workers.cores and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, self.workers.cores[processor])   # this thread only (Linux)
+            with torch.inference_mode():                                 # grad mode is per thread
+                work(processor)
+
+        def work(processor: str) -> None:
             while True:
                 with cond:
                     while True:
@@ -225,5 +228,4 @@ class Executor:
             raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "
                             f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc
         last = envs[-1]
-        del layers
         return {k: last[k] for k in keep if k in last}, stats

@@ -1,4 +1,4 @@
-"""A partitioned chunk step made runnable: one callable per subgraph, and a chunk-by-chunk runner.
+"""A partitioned chunk step made runnable: one callable per subgraph (the executor schedules them).
 
 Static subgraphs are built once (NPU ones compiled by the backend through the graph cache) and
 shared by every chunk. Dynamic subgraphs (attention over the past) get one instance per chunk
@@ -128,26 +128,6 @@ class ChunkProgram:
             shape = step.workspace_shape(position * self.chunk_len)
             args.append(self.workspace(position)[: torch.Size(shape).numel()].view(shape))
         return dict(zip(step.sub.outputs, step.fn(*args)))
-
-    def run_step(self, i: int, env: dict, position: int) -> None:
-        env.update(self.call_step(i, env, position))
-
-    def run_chunk(self, feeds: dict[str, Tensor], position: int, final: bool) -> dict[str, Tensor]:
-        """Run one chunk in program order; returns the graph outputs it computed."""
-        order = self.needed_final if final else self.needed_kv
-        env = dict(feeds)
-        last_use = {}
-        for i in order:
-            for name in self.steps[i].sub.inputs:
-                last_use[name] = i
-        keep = {self.out_logits, *self.out_k, *self.out_v}
-        for i in order:
-            self.run_step(i, env, position)
-            for name in self.steps[i].sub.inputs:
-                if last_use.get(name) == i and name not in keep and name not in feeds:
-                    env.pop(name, None)
-        return {k: env[k] for k in keep if k in env}
-
 
 def _attr(gm: fx.GraphModule, target: str):
     obj = gm

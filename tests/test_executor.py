@@ -1,0 +1,122 @@
+"""The out-of-order executor: same outputs under every policy, dependencies respected, failures
+reported with the task's name, no threads left behind."""
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.runtime.executor import POLICIES, Scheduler, TaskError, Workers
+from llmnpu_delegate.runtime.graph_cache import GraphCache
+from llmnpu_delegate.runtime.tasks import build_tasks
+
+from conftest import inject_outliers
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    ids = torch.randint(0, 1000, (4 * 64,), generator=torch.Generator().manual_seed(2))
+    calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    return Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib,
+                     cache=GraphCache(tmp_path_factory.mktemp("graphs")), progress=False)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(1, 60))
+def test_policies_give_bit_identical_outputs(engine, length):
+    ids = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(length))
+    results = {p: engine(ids, policy=p) for p in POLICIES}
+    base = results["inorder"]
+    for p in POLICIES:
+        assert torch.equal(results[p].logits, base.logits), p
+        assert all(torch.equal(a, b) for a, b in zip(results[p].past_k, base.past_k)), p
+        assert all(torch.equal(a, b) for a, b in zip(results[p].past_v, base.past_v)), p
+
+
+def test_every_task_starts_after_its_dependencies(engine):
+    ids = torch.randint(0, 1000, (45,))
+    engine(ids)                                    # profiles if needed
+    engine(ids, policy="ooo")
+    stats = engine.last_run
+    tasks = build_tasks(engine.program, 6)
+    end = {r.task: r.end for r in stats.records}
+    start = {r.task: r.start for r in stats.records}
+    assert len(stats.records) == len(tasks)
+    for t in tasks:
+        assert all(end[d] <= start[t.id] for d in t.deps), t
+    # one task at a time per processor
+    for proc in ("npu", "cpu"):
+        spans = sorted((r.start, r.end) for r in stats.records if r.processor == proc)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), proc
+    assert stats.decisions > 0 and stats.decision_s / stats.decisions < 1e-3
+
+
+def test_cross_chunk_dependencies_are_per_layer(engine):
+    tasks = build_tasks(engine.program, 3)
+    steps = engine.program.steps
+    for t in tasks:
+        for d in t.deps:
+            dep = tasks[d]
+            if dep.chunk != t.chunk:
+                assert dep.chunk == t.chunk - 1
+                assert steps[dep.step].sub.layer == steps[t.step].sub.layer
+                assert not steps[t.step].static
+
+
+def test_inorder_never_overlaps_and_overlap_keeps_program_order(engine):
+    ids = torch.randint(0, 1000, (40,))
+    engine(ids, policy="inorder")
+    spans = sorted((r.start, r.end) for r in engine.last_run.records)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    engine(ids, policy="overlap")
+    for proc in ("npu", "cpu"):
+        order = [(r.chunk, r.step) for r in sorted(engine.last_run.records, key=lambda r: r.start) if r.processor == proc]
+        assert order == sorted(order)
+
+
+def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
+    from llmnpu_delegate.runtime.tasks import Task
+
+    # cpu task 0 unlocks an NPU task of 5 s; cpu task 1 unlocks nothing; npu tasks score -cost
+    tasks = [Task(0, 1, 0, "cpu", [], [2], 1.0), Task(1, 0, 1, "cpu", [], [], 1.0),
+             Task(2, 1, 1, "npu", [0], [], 5.0), Task(3, 0, 2, "npu", [], [], 2.0), Task(4, 0, 3, "npu", [], [], 1.0)]
+    s = Scheduler(tasks, "ooo")
+    assert s.pick("cpu").id == 0          # even though task 1 comes first in program order
+    assert s.pick("npu").id == 4          # the shortest NPU task (score -1 > -2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_failing_task_is_reported_and_no_thread_is_left(engine, policy):
+    before = threading.active_count()
+    feeds = engine.feeds(torch.randint(0, 1000, (30,)))
+    target = build_tasks(engine.program, len(feeds))[17]
+    with pytest.raises(TaskError, match=f"chunk {target.chunk}, subgraph {target.step}") as info:
+        engine.executor.run(feeds, policy, fail=target.key)
+    assert info.value.task.key == target.key
+    assert threading.active_count() == before
+    engine(torch.randint(0, 1000, (12,)), policy=policy)      # still usable afterwards
+
+
+def test_workers_split_the_cores_without_oversubscribing():
+    w = Workers.auto()
+    if w.cores:
+        assert not (w.cores["npu"] & w.cores["cpu"])
+        assert len(w.cores["npu"]) == w.threads == len(w.cores["cpu"])
+    assert w.threads >= 1
+
+
+def test_profile_is_stored_and_reused(engine):
+    assert engine.profile is not None
+    path = engine._profile_path()
+    assert path.is_file()
+    again = type(engine.profile).load(path)
+    assert again.static == engine.profile.static
+    costs = again.costs(6)
+    dynamic = next(iter(again.dynamic))
+    assert costs[(dynamic, 5)] > 0
