@@ -116,9 +116,8 @@ def _print_eval(result: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import MODES
-
     from . import __version__
+    from .evaluate import MODES
 
     ap = argparse.ArgumentParser(prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.")
     ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")

@@ -14,7 +14,13 @@ from tqdm.auto import tqdm
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .paths import data_dir
-from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
+from .quantize import (
+    CalibConfig,
+    QuantConfig,
+    load_or_calibrate,
+    outlier_counters,
+    quantize_,
+)
 
 # Mode name -> config (None: the float model). The first three are the baselines.
 MODES: dict[str, QuantConfig | None] = {

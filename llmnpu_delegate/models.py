@@ -19,7 +19,6 @@ from torch import nn
 from .errors import LlmNpuError
 from .paths import atomic_path, cache_dir
 
-
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

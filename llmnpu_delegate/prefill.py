@@ -14,12 +14,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .backends.cpu_int8 import NAME as CPU_INT8, CpuInt8Backend
+from .backends.cpu_int8 import NAME as CPU_INT8
+from .backends.cpu_int8 import CpuInt8Backend
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
-from .models import LoadedModel, fingerprint as model_fingerprint
+from .models import LoadedModel
+from .models import fingerprint as model_fingerprint
 from .partitioner.regions import partition_graph
-from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
+from .quantize import (
+    CalibConfig,
+    Calibration,
+    QuantConfig,
+    load_or_calibrate,
+    plan_linears,
+    quantizable_linears,
+)
 from .runtime.executor import POLICIES, Executor, RunStats, Workers
 from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
@@ -168,7 +177,7 @@ class Prefiller:
         return self.cache.stats.compilations
 
     def counters(self) -> dict:
-        return {**self.cache.stats.to_dict(), **self.program.stats.to_dict()}
+        return self.cache.stats.to_dict()
 
 
 def default_calibration(lm: LoadedModel | None, progress: bool = True, config: CalibConfig = CalibConfig(),

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+from conftest import inject_outliers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,8 +14,6 @@ from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
 from llmnpu_delegate.runtime.executor import POLICIES, Scheduler, TaskError, Workers
 from llmnpu_delegate.runtime.graph_cache import GraphCache
 from llmnpu_delegate.runtime.tasks import build_tasks
-
-from conftest import inject_outliers
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from llmnpu_delegate.capture import example_inputs, export_chunk_step
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.partitioner import partition_graph
-from llmnpu_delegate.partitioner.report import memory_report, partition_summary
+from llmnpu_delegate.partitioner.report import memory_report
 from llmnpu_delegate.quantize import quantizable_linears
 
 CHUNK = 16
@@ -119,10 +119,13 @@ def test_summary_and_cli(capsys):
 
 def test_executorch_lowering_delegates_every_region(llama, exported):
     from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.backend.partitioner import DelegationSpec
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
-    from llmnpu_delegate.partitioner.executorch import LlmNpuPartitioner, plan_compile_specs
-    from executorch.exir.backend.partitioner import DelegationSpec
+    from llmnpu_delegate.partitioner.executorch import (
+        LlmNpuPartitioner,
+        plan_compile_specs,
+    )
 
     names = quantizable_linears(llama.model)
     scales = {n: 0.01 * (i + 1) for i, n in enumerate(names)}

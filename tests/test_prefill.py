@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from conftest import inject_outliers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,8 +13,6 @@ from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
 from llmnpu_delegate.runtime.graph_cache import GraphCache
-
-from conftest import inject_outliers
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned

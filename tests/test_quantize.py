@@ -3,8 +3,8 @@ the artefact, pruning, and quantize_ over every supported family."""
 import numpy as np
 import pytest
 import torch
-
 from conftest import inject_outliers
+
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.models import RANDOM_SHAPES, load_model
 from llmnpu_delegate.quantize import (
@@ -19,7 +19,11 @@ from llmnpu_delegate.quantize import (
     quantize_weight,
 )
 from llmnpu_delegate.quantize.importance import layers_to_prune
-from llmnpu_delegate.quantize.shadow import ShadowWeights, hot_channels, weight_rows_file
+from llmnpu_delegate.quantize.shadow import (
+    ShadowWeights,
+    hot_channels,
+    weight_rows_file,
+)
 
 TINY = [s for s in RANDOM_SHAPES if s.startswith("tiny-")]
 
@@ -268,6 +272,7 @@ def test_pruning_by_output_effect_is_profiled_once_and_saved(tmp_path):
 def test_output_importance_replay_equals_full_recompute(shape):
     """Replaying the unchanged early blocks gives the same per-layer effects as running everything."""
     import copy
+
     from llmnpu_delegate.quantize import importance as I
     lm = _tiny(shape)
     ids = torch.randint(0, 2000, (400,))
@@ -299,6 +304,7 @@ def test_quantize_modes_build_what_they_claim():
     """smooth: x/s and W*s with the absmax of the smoothed input; tensor weights: one scale per layer;
     shadow: the hot rows are the calibration's hot channels."""
     import copy
+
     from llmnpu_delegate.quantize.apply import _smooth_factors
     lm = _tiny()
     ids = torch.randint(0, 2000, (400,))

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from llmnpu_delegate.evaluate import eval_windows, perplexity, read_text, tokenize
-from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, outlier_counters, quantize_
+from llmnpu_delegate.quantize import (
+    CalibConfig,
+    QuantConfig,
+    calibrate,
+    outlier_counters,
+    quantize_,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,7 @@ Importing this package registers the ops; call them through ``torch.ops.llmnpu.<
 Python wrappers re-exported here. Every op has a fake (meta) implementation so graphs that use
 it survive ``torch.export``.
 """
+from .attention import causal_mask, chunk_attention  # noqa: F401
 from .ops import (  # noqa: F401
     QMAX,
     dequantize,
@@ -14,4 +15,3 @@ from .ops import (  # noqa: F401
     w8a8_linear,
     w8a8_linears,
 )
-from .attention import causal_mask, chunk_attention, chunk_attention_ws  # noqa: F401

@@ -218,7 +218,7 @@ def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str]
             delta = graph.call_function(shadow_delta, (node.args[0], name))
         with graph.inserting_after(delta):
             total = graph.call_function(operator.add, (node, delta))
-        node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
+        node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
         delta.meta["val"] = node.meta.get("val")
         total.meta["val"] = node.meta.get("val")
         for n in (delta, total):

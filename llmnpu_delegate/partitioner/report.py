@@ -2,19 +2,15 @@
 design of one full graph set per chunk position (the paper's Figure 7(b) versus 7(c)).
 
 Memory is counted from the graph itself: weights a subgraph holds (INT8 + scales for NPU
-subgraphs, float for CPU ones), the activation buffers at its boundaries, and for attention the
-score buffer of its chunk position.
+subgraphs, float for CPU ones; tied weights once) and the output buffers it owns.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.fx import Node
 
 from .regions import Partition, _shape, is_linear
-
-_ATTENTION = torch.ops.llmnpu.chunk_attention.default
 
 
 def _output_bytes(partition: Partition, sub, past: int) -> int:
@@ -49,15 +45,6 @@ def _weight_bytes(partition: Partition, sub, quantized: bool, seen: set) -> int:
     return total
 
 
-def _workspace_bytes(sub, past: int) -> int:
-    best = 0
-    for n in sub.nodes:
-        if isinstance(n, Node) and n.op == "call_function" and n.target == _ATTENTION:
-            q, k = _shape(n.args[0], past), _shape(n.args[1], past)
-            best = max(best, q[1] * q[2] * k[2] * 4)
-    return best
-
-
 def memory_report(partition: Partition, chunk_len: int, prompt_len: int, quantized: bool = True) -> dict:
     """Bytes held by the chunk-sharing design and by one full graph set per chunk position."""
     chunks = math.ceil(prompt_len / chunk_len)
@@ -65,11 +52,10 @@ def memory_report(partition: Partition, chunk_len: int, prompt_len: int, quantiz
     dynamic = [s for s in partition.subgraphs if not s.static]
     seen: set = set()
     static_bytes = sum(_weight_bytes(partition, s, quantized, seen) + _output_bytes(partition, s, 0) for s in static)
-    # Dynamic subgraphs hold no weights (``seen`` would show any): their output buffers and the
-    # attention score buffer, sized for each chunk position.
+    # Dynamic subgraphs hold no weights (``seen`` would show any): their output buffers, sized
+    # for each chunk position (the K/V they pass on grow with it).
     per_position = [sum(_weight_bytes(partition, s, quantized, seen) + _output_bytes(partition, s, i * chunk_len)
-                        for s in dynamic) + max((_workspace_bytes(s, i * chunk_len) for s in dynamic), default=0)
-                    for i in range(chunks)]
+                        for s in dynamic) for i in range(chunks)]
     shared = static_bytes + sum(per_position)
     naive = chunks * static_bytes + sum(per_position)
     return {"prompt_len": prompt_len, "chunk": chunk_len, "chunks": chunks,

@@ -10,7 +10,13 @@ from ..errors import LlmNpuError
 from ..kernels import QMAX
 from .calibrate import Calibration, quantizable_linears
 from .config import QuantConfig
-from .importance import importance_key, layers_to_prune, logits_of, output_importance, ratio_importance
+from .importance import (
+    importance_key,
+    layers_to_prune,
+    logits_of,
+    output_importance,
+    ratio_importance,
+)
 from .linear import QuantLinear, quantize_weight
 from .shadow import ShadowWeights, hot_channels, weight_rows_file
 

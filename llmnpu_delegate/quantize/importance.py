@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .calibrate import Calibration
 from ..kernels import QMAX
 from ..models import decoder_layers
+from .calibrate import Calibration
 from .config import QuantConfig
 from .linear import QuantLinear
 

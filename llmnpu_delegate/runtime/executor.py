@@ -189,7 +189,7 @@ class Executor:
                 try:
                     if fail == task.key:
                         raise RuntimeError("injected failure")
-                    outs = program.call_step(task.step, args, task.chunk)
+                    outs = program.call_step(task.step, args)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                     with cond:
                         error.append((task, e))
