@@ -81,7 +81,7 @@ class ShadowDelta(nn.Module):
         if channels.numel() == 0:
             return x.new_zeros(())
         self.outlier_elements += int(torch.count_nonzero(residue))
-        y = torch.mm(residue, self.rows.rows(channels))
+        y = K.outlier_product(residue, self.rows.rows(channels))
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -11,6 +11,7 @@ from .ops import (  # noqa: F401
     int8_linear,
     outlier_compensate,
     outlier_extract,
+    outlier_product,
     quantize,
     w8a8_linear,
     w8a8_linears,

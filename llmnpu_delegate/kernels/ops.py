@@ -160,18 +160,25 @@ def _(x, threshold):
     return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.shape[0], k))
 
 
-@torch.library.custom_op("llmnpu::outlier_compensate", mutates_args=())
-def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
-    """y [M, N] + residue [M, k] @ w_rows [k, N]: the float shadow matmul merged into the NPU result.
+def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) -> Tensor:
+    """``residue [M, k] @ w_rows [k, N]`` (added into ``out`` if given), sparse when that is faster.
 
     Outliers cluster in a few channels (a dense residue block: one small GEMM), but when they are
     scattered over many channels the block is mostly zeros and a sparse (CSR) product is ~5x faster.
     """
-    if residue.numel() and int(torch.count_nonzero(residue)) * 20 < residue.numel():
+    sparse = residue.numel() and int(torch.count_nonzero(residue)) * 20 < residue.numel()
+    if sparse:
         with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
             warnings.simplefilter("ignore", UserWarning)
-            return torch.addmm(y, residue.to_sparse_csr(), w_rows)
-    return torch.addmm(y, residue, w_rows)
+            residue = residue.to_sparse_csr()
+            return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
+    return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
+
+
+@torch.library.custom_op("llmnpu::outlier_compensate", mutates_args=())
+def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
+    """y [M, N] + residue [M, k] @ w_rows [k, N]: the float shadow matmul merged into the NPU result."""
+    return outlier_product(residue, w_rows, y)
 
 
 @outlier_compensate.register_fake
