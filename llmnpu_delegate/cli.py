@@ -1,4 +1,4 @@
-"""The `llmnpu` command line: calibrate, eval, partition."""
+"""The `llmnpu` command line: calibrate, eval, partition, bench."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,46 @@ def cmd_partition(args) -> dict:
     return {"model": lm.spec, "quant": args.quant, **summary}
 
 
+def cmd_bench(args) -> dict:
+    from .bench import bench
+    from .models import load_model
+
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    lm = load_model(args.model)
+    result = bench(lm, args.prompt_len, args.chunk, tuple(args.policies), args.ablation, args.trace_dir,
+                   args.repeats, args.quant, progress=not args.no_progress)
+    args.text = _format_bench(result)
+    return result
+
+
+def _format_bench(r: dict) -> str:
+    lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
+             f"{r['quant']}, median of {r['repeats']}"]
+    rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None)]
+    for p in ("inorder", "overlap", "ooo"):
+        if f"{p}_tok_s" in r:
+            rows.append((f"llmnpu {p}", r[f"{p}_tok_s"], r[f"bubble_rate_{p}"]))
+    rows.append(("two-engine bound", r["bound_tok_s"], None))
+    if r.get("llamacpp_tok_s"):
+        rows.append(("llama.cpp (same GGUF)", r["llamacpp_tok_s"], None))
+    lines.append(f"{'':<24}{'tok/s':>9}{'vs hf':>8}{'NPU bubbles':>13}")
+    for name, tok_s, bubbles in rows:
+        b = f"{100 * bubbles:.1f} %" if bubbles is not None else ""
+        lines.append(f"{name:<24}{tok_s:>9.1f}{tok_s / r['hf_fp32_tok_s']:>7.2f}x{b:>13}")
+    if "ooo_vs_inorder" in r:
+        lines.append(f"ooo vs inorder {r['ooo_vs_inorder']:.2f}x, efficiency vs bound {r['efficiency_vs_bound']:.2f}")
+    if r.get("llamacpp_reason"):
+        lines.append(f"llama.cpp: not measured ({r['llamacpp_reason']})")
+    for step, tok_s in r.get("ablation", {}).get("tok_s", {}).items():
+        lines.append(f"ablation {step}: {tok_s:.1f} tok/s")
+    for p, files in r.get("traces", {}).items():
+        lines.append(f"trace {p}: {files['json']}  timeline: {files['png']}")
+    return "\n".join(lines)
+
+
 def _print_eval(result: dict) -> None:
     print(f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}")
     base = result["results"].get("fp32", {}).get("ppl")
@@ -162,6 +202,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where norms run (default cpu; npu folds them into the NPU region they feed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_partition)
+
+    from .runtime.executor import POLICIES
+
+    p = sub.add_parser("bench", help="prefill speed of each scheduling policy against HF eager fp32 and llama.cpp",
+                       description="Time the chunked prefill (two workers: INT8 'npu', float 'cpu') under each "
+                                   "policy, interleaved with the baselines, in one process; medians of --repeats.")
+    p.add_argument("--model", default="smollm2-135m", help="model spec (default smollm2-135m)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+                   help="scheduling policies to time (default: all)")
+    p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"] + ["fp32"], default="w8a8-shadow",
+                   help="quantization (default w8a8-shadow)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (default 3)")
+    p.add_argument("--ablation", action="store_true",
+                   help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
+    p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench)
     return ap
 
 

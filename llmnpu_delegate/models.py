@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .errors import LlmNpuError
 from .paths import atomic_path, cache_dir
@@ -187,7 +187,36 @@ def _build_random(shape: str):
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same spec always gives the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if not shape.startswith("tiny-"):
+            _llm_like_outliers(model)
     return model, _shared_tokenizer(config.vocab_size)
+
+
+OUTLIER_CHANNEL_SHARE = 0.01   # share of each linear's input channels that carry outliers
+OUTLIER_GAIN = 40.0
+
+
+@torch.no_grad()
+def _llm_like_outliers(model: nn.Module) -> None:
+    """Give a random model the activation structure of a real LLM: a few fixed input channels of
+    every linear carry values ~40x larger than the rest (real models: 0.1-1 % of channels, ratios
+    of 10-4,000 to the 99.5th percentile). Speed does not depend on weight values, except through
+    the shadow path, whose cost depends on where outliers fall: gaussian activations would spread
+    them over every channel, which no real model does."""
+    gen = torch.Generator().manual_seed(1)
+
+    def channels(n: int) -> Tensor:
+        return torch.randperm(n, generator=gen)[: max(2, round(OUTLIER_CHANNEL_SHARE * n))]
+
+    for layer in decoder_layers(model):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w = getattr(layer, norm).weight
+            w[channels(w.numel())] *= OUTLIER_GAIN           # q/k/v and gate/up inputs
+        mlp, attn = layer.mlp, layer.self_attn
+        up = mlp.up_proj.weight
+        up[channels(up.shape[0])] *= OUTLIER_GAIN            # down_proj input channels
+        v = attn.v_proj.weight
+        v[channels(v.shape[0])] *= OUTLIER_GAIN              # o_proj input channels
 
 
 def _shared_tokenizer(vocab_size: int):
