@@ -41,6 +41,33 @@ def _bind_shadow(gm: fx.GraphModule, backend, bound: dict) -> None:
     gm.recompile()
 
 
+_ACTIVATIONS = {torch.ops.aten.silu.default: torch.ops.aten.silu_.default,
+                torch.ops.aten.gelu.default: torch.ops.aten.gelu_.default}
+
+
+def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
+    """``act(a) * b`` -> ``act_(a).mul_(b)`` when nothing else reads ``a`` or ``act(a)`` (the gate
+    projection's output, consumed once): no [C, ffn] temporaries in the gated MLP."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.mul.Tensor:
+            continue
+        act, other = node.args
+        if not (isinstance(act, fx.Node) and act.target in _ACTIVATIONS and len(act.users) == 1):
+            continue
+        src = act.args[0]
+        if not (isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "placeholder"
+                and src.name in private):
+            continue   # only buffers no other subgraph reads, never a weight or a kept value
+        if act.kwargs or len(act.args) != 1:
+            continue
+        act.target = _ACTIVATIONS[act.target]
+        with gm.graph.inserting_after(node):
+            fused = gm.graph.call_function(torch.ops.aten.mul_.Tensor, (act, other))
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
 class ChunkProgram:
     def __init__(self, partition: Partition, backend, chunk_len: int, layers: int):
         self.partition = partition
@@ -54,6 +81,7 @@ class ChunkProgram:
                 continue
             gm = subgraph_module(partition, sub)
             _bind_shadow(gm, backend, self.shadow)
+            _fuse_activation_mul(gm, self._private_inputs(sub))
             params = {id(p): p for n in gm.graph.nodes if n.op == "get_attr"
                       for p in [_attr(gm, n.target)] if isinstance(p, Tensor)}
             self.steps.append(Step(sub, gm, sum(p.numel() * p.element_size() for p in params.values())))
@@ -61,6 +89,13 @@ class ChunkProgram:
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
         self.needed_final = self._needed([self.out_logits, *self.out_k, *self.out_v])
         self.needed_kv = self._needed([*self.out_k, *self.out_v])
+
+    def _private_inputs(self, sub: Subgraph) -> set[str]:
+        """Inputs of ``sub`` that no other subgraph and no graph output reads."""
+        nodes = {n.name: n for n in self.partition.graph_module.graph.nodes}
+        members = set(sub.nodes)
+        return {name for name in sub.inputs
+                if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []
