@@ -122,6 +122,8 @@ def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, median of {r['repeats']}"]
     rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None)]
+    if r.get("hf_fp32_default_malloc_tok_s"):
+        rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None))
     for p in ("inorder", "overlap", "ooo"):
         if f"{p}_tok_s" in r:
             rows.append((f"llmnpu {p}", r[f"{p}_tok_s"], r[f"bubble_rate_{p}"]))

@@ -29,6 +29,7 @@ from .quantize import (
     plan_linears,
     quantizable_linears,
 )
+from .runtime.allocator import tune_malloc
 from .runtime.executor import POLICIES, Executor, RunStats, Workers
 from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
@@ -90,6 +91,7 @@ class Prefiller:
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
         CpuInt8Backend.check_policy(norms)       # before the slow steps
+        tune_malloc()
 
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
