@@ -58,28 +58,31 @@ def _hf_once(model, ids: torch.Tensor, threads: int) -> float:
         torch.set_num_threads(saved)
 
 
-def llamacpp_prefill(lm: LoadedModel, text: str, repeats: int) -> tuple[float | None, str | None, int]:
-    """(tokens/s of llama.cpp prompt processing, reason when unavailable, prompt tokens)."""
+def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: int) -> tuple[float | None, str | None]:
+    """(tokens/s of llama.cpp prompt processing of ``ids`` with ``threads`` threads, reason when unavailable)."""
     if lm.spec != "smollm2-135m" and not lm.spec.endswith(".gguf"):
-        return None, "the model is not a GGUF file", 0
+        return None, "the model is not a GGUF file"
     try:
-        from cyllama import LLM, GenerationConfig
+        from cyllama.llama import llama_cpp as cy
     except ImportError:
-        return None, "cyllama is not installed (pip install 'llmnpu_delegate[bench]')", 0
+        return None, "cyllama is not installed (pip install -e '.[bench]')"
     path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == "smollm2-135m" else Path(lm.spec)
-    llm = LLM(str(path), verbose=False)
-    try:
-        config = GenerationConfig(max_tokens=1, n_ctx=4096, n_batch=4096, temperature=0.0)
-        times, n = [], 0
-        for _ in range(repeats + 1):             # the first call warms up
-            t = time.perf_counter()
-            out = llm.generate_with_stats(text, config)
-            times.append(time.perf_counter() - t)
-            n = out.stats.prompt_tokens
-            llm.reset_context()
-        return n / _median(times[1:]), None, n
-    finally:
-        llm.close()
+    cy.disable_logging()
+    cy.ggml_backend_load_all()
+    model = cy.LlamaModel(str(path), cy.LlamaModelParams())
+    tokens = [int(t) for t in ids]          # the very same token ids (same tokenizer, same GGUF)
+    times = []
+    for _ in range(repeats + 1):            # the first pass warms up
+        params = cy.LlamaContextParams()
+        params.n_ctx = params.n_batch = params.n_ubatch = len(tokens)
+        params.n_threads = params.n_threads_batch = threads
+        ctx = cy.LlamaContext(model, params)
+        batch = cy.llama_batch_get_one(tokens)
+        t = time.perf_counter()
+        ctx.decode(batch)                   # one prompt-processing pass (logits of the last token)
+        times.append(time.perf_counter() - t)
+        del ctx
+    return len(tokens) / _median(times[1:]), None
 
 
 def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablation: bool = False,
@@ -130,13 +133,10 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
     if "inorder" in policies and "ooo" in policies:
         out["ooo_vs_inorder"] = out["ooo_tok_s"] / out["inorder_tok_s"]
     out["efficiency_vs_bound"] = out[f"{best}_tok_s"] / out["bound_tok_s"]
-    text = lm.tokenizer.decode(ids) if lm.tokenizer is not None else ""
-    tok_s, reason, n = llamacpp_prefill(lm, text, repeats) if text else (None, "the model has no tokenizer", 0)
+    tok_s, reason = llamacpp_prefill(lm, ids, threads, repeats)
     out["llamacpp_tok_s"] = tok_s
     if reason:
         out["llamacpp_reason"] = reason
-    else:
-        out["llamacpp_prompt_tokens"] = n
     if ablation:
         out["ablation"] = _ablation(lm, ids, chunk, quant, out, workers, progress)
     if trace_dir is not None:
