@@ -148,8 +148,8 @@ def outlier_extract(x: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     Returns ``channels`` [k] (int64, sorted input channels with any |x| > threshold) and
     ``residue`` [M, k] = x - clip(x, -t, t) on those channels (zero elsewhere in the column).
     """
-    col_max = x.abs().amax(dim=0)
-    channels = torch.nonzero(col_max > threshold).flatten()
+    lo, hi = torch.aminmax(x, dim=0)            # one pass over x, no |x| temporary
+    channels = torch.nonzero((hi > threshold) | (lo < -threshold)).flatten()
     cols = x.index_select(1, channels)
     return channels, cols - cols.clamp(-threshold, threshold)
 
