@@ -3,8 +3,10 @@
 
 ``LlmNpuCpuInt8Backend`` is the delegate the tagged regions lower to by default: its payload is
 the region's INT8 weights, per-channel weight scales and static activation scales (from a
-quantization plan passed as compile specs), serialized with ``torch.save``. Other backends (the
-QNN delegate) take the same tags with their own ``DelegationSpec``.
+quantization plan passed as compile specs), serialized with ``torch.save``. It has no ExecuTorch
+C++ runtime counterpart: a program lowered to it runs in Python (delegates fall back to their
+original graphs) and shows what the NPU side receives; on a phone, the QNN delegate takes the same
+tags with its own ``DelegationSpec``.
 """
 from __future__ import annotations
 
