@@ -89,6 +89,10 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
           trace_dir: Path | None = None, repeats: int = 3, quant="w8a8-shadow", progress: bool = True) -> dict:
     if prompt_len < 1:
         raise LlmNpuError(f"prompt length must be positive, got {prompt_len}")
+    if repeats < 1:
+        raise LlmNpuError(f"repeats must be at least 1, got {repeats}")
+    if not policies:
+        raise LlmNpuError(f"give at least one policy of {', '.join(POLICIES)}")
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise LlmNpuError(f"unknown policies {sorted(unknown)}: use {', '.join(POLICIES)}")

@@ -139,7 +139,7 @@ def _format_bench(r: dict) -> str:
     if r.get("llamacpp_reason"):
         lines.append(f"llama.cpp: not measured ({r['llamacpp_reason']})")
     for step, tok_s in r.get("ablation", {}).get("tok_s", {}).items():
-        lines.append(f"ablation {step}: {tok_s:.1f} tok/s")
+        lines.append(f"ablation {step}: " + (f"{tok_s:.1f} tok/s" if tok_s else "not timed (policy not selected)"))
     for p, files in r.get("traces", {}).items():
         lines.append(f"trace {p}: {files['json']}  timeline: {files['png']}")
     return "\n".join(lines)

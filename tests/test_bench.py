@@ -46,3 +46,4 @@ def test_bench_command(tmp_path, capsys):
     assert all(r[f"{p}_tok_s"] > 0 for p in ("inorder", "overlap", "ooo"))
     assert (tmp_path / "ooo.png").is_file() and (tmp_path / "inorder.trace.json").is_file()
     assert main(["bench", "--model", "random:tiny-llama", "--prompt-len", "0", "--quant", "fp32"]) == 2
+    assert main(["bench", "--model", "random:tiny-llama", "--repeats", "0", "--quant", "fp32"]) == 2
