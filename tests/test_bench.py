@@ -4,7 +4,12 @@ import json
 import pytest
 
 from llmnpu_delegate.runtime.executor import Record, RunStats
-from llmnpu_delegate.runtime.trace import chrome_trace, metrics, write_timeline, write_trace
+from llmnpu_delegate.runtime.trace import (
+    chrome_trace,
+    metrics,
+    write_timeline,
+    write_trace,
+)
 
 
 def _stats():

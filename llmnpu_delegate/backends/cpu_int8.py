@@ -38,8 +38,6 @@ class NpuRegion(nn.Module):
             groups.setdefault(float(s), []).append(i)
         self.groups = [(scale, idx, [(payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]) for i in idx])
                        for scale, idx in groups.items()]
-        self.weight_bytes = sum(w.numel() + 4 * s.numel() + (0 if b is None else 4 * b.numel())
-                                for _, _, ws in self.groups for w, s, b in ws)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         lead = x.shape[:-1]
@@ -58,7 +56,6 @@ class FloatRegion(nn.Module):
         super().__init__()
         self.mods = linears
         self.linears = names
-        self.weight_bytes = 0   # the model's own weights, not a compiled copy
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return tuple(F.linear(x, m.weight, m.bias) for m in self.mods)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import Tensor, fx
+from torch import fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
@@ -21,7 +21,6 @@ from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_mo
 class Step:
     sub: Subgraph
     fn: Callable                                  # fn(*inputs) -> tuple of outputs
-    weight_bytes: int = 0                         # compiled or float weights this step holds
 
     @property
     def static(self) -> bool:
@@ -74,25 +73,23 @@ class ChunkProgram:
         self.chunk_len = chunk_len
         self.shadow: dict[str, torch.nn.Module] = {}
         self.steps: list[Step] = []
+        by_name = {n.name: n for n in partition.graph_module.graph.nodes}
         for sub in partition.subgraphs:
             if sub.kind == "npu":
                 region = backend.lower_npu(sub)
-                self.steps.append(Step(sub, region, region.weight_bytes))
+                self.steps.append(Step(sub, region))
                 continue
             gm = subgraph_module(partition, sub)
             _bind_shadow(gm, backend, self.shadow)
-            _fuse_activation_mul(gm, self._private_inputs(sub))
-            params = {id(p): p for n in gm.graph.nodes if n.op == "get_attr"
-                      for p in [_attr(gm, n.target)] if isinstance(p, Tensor)}
-            self.steps.append(Step(sub, gm, sum(p.numel() * p.element_size() for p in params.values())))
+            _fuse_activation_mul(gm, self._private_inputs(sub, by_name))
+            self.steps.append(Step(sub, gm))
         outs = partition.graph_outputs
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
         self.needed_final = self._needed([self.out_logits, *self.out_k, *self.out_v])
         self.needed_kv = self._needed([*self.out_k, *self.out_v])
 
-    def _private_inputs(self, sub: Subgraph) -> set[str]:
+    def _private_inputs(self, sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
         """Inputs of ``sub`` that no other subgraph and no graph output reads."""
-        nodes = {n.name: n for n in self.partition.graph_module.graph.nodes}
         members = set(sub.nodes)
         return {name for name in sub.inputs
                 if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
@@ -110,11 +107,3 @@ class ChunkProgram:
         """Run step ``i`` on ``values`` (its inputs by name); its outputs by name."""
         step = self.steps[i]
         return dict(zip(step.sub.outputs, step.fn(*[values[name] for name in step.sub.inputs])))
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
