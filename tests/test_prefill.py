@@ -210,3 +210,19 @@ def test_backend_and_policy_errors(llama):
         Prefiller(llama, 8, quant=None, norms="npu")
     with pytest.raises(LlmNpuError, match="unknown quantization"):
         Prefiller(llama, 8, quant="int4")
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+def test_shadow_prefill_equals_quantized_model_for_every_family(family):
+    lm = load_model(f"random:{family}")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    ids = torch.randint(0, 1000, (100,))
+    engine = Prefiller(lm, 32, quant=QUANT, calibration=calib, cache=GraphCache(), progress=False)
+    assert engine.partition.by_kind("shadow")
+    got = engine(ids).logits
+    reference = copy.deepcopy(lm.model)
+    quantize_(reference, calib, QUANT, lm.fingerprint, progress=False)
+    want, _ = _hf(reference, ids)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
