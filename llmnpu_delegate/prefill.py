@@ -1,9 +1,11 @@
-"""Chunked prefill: the prompt goes through fixed-size chunk graphs, causally, chunk after chunk.
+"""Chunked prefill: the prompt goes through fixed-size chunk graphs, causally.
 
 ``Prefiller`` prepares once (calibration plan, ``torch.export`` of one chunk step, partition,
 compilation of the static NPU subgraphs through the graph cache) and then serves prompts of any
 length: the last chunk is padded at its end, which needs no extra mask (a padded position comes
 after every real one, so causal masking already hides it) and its K/V are cut off afterwards.
+The (chunk, subgraph) tasks run on two workers under a scheduling policy (``runtime/executor.py``);
+every policy gives the same outputs, bit for bit.
 """
 from __future__ import annotations
 
@@ -68,7 +70,19 @@ class PrefillResult:
 
 
 class Prefiller:
-    """A prepared chunked-prefill engine for one model, chunk length, backend and quantization."""
+    """A prepared chunked-prefill engine for one model, chunk length, backend and quantization.
+
+    Args:
+        model: a ``LoadedModel`` (``load_model(...)``) or a transformers causal LM.
+        chunk_len: tokens per chunk graph (the paper's default: 256).
+        backend: ``"cpu-int8"``, the INT8 stand-in NPU.
+        quant: ``"w8a8-shadow"`` (default), ``"w8a8"``, ``"fp32"`` (the float reference) or a QuantConfig.
+        calibration: a Calibration; by default the cached one on the shipped calibration text.
+        norms: where norms run (``"cpu"``; ``"npu"`` is refused by ``cpu-int8``).
+        cache: the graph cache (default: on disk under the cache folder).
+        policy: default scheduling policy, ``"ooo"`` | ``"overlap"`` | ``"inorder"``.
+        workers: threads and cores of the two workers (default: half the cores each).
+    """
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
