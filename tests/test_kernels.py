@@ -124,3 +124,16 @@ def test_ops_survive_torch_export():
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "llmnpu.w8a8_linear.default" in targets
     torch.testing.assert_close(ep.module()(x), m(x))
+
+
+def test_fused_uint8_quantization_matches_the_quantize_op():
+    from llmnpu_delegate.kernels import ops
+
+    scale = 0.05
+    halves = (torch.arange(-300, 301) + 0.5) * scale       # exact .5 steps: round-half-even must agree
+    x = torch.cat([halves, torch.randn(4000) * 20, torch.tensor([1e6, -1e6, 0.0])]).reshape(1, -1)
+    got = ops.quantize_u8(x, scale)
+    want = (ops.quantize(x, scale).to(torch.int16) + 128).to(torch.uint8)
+    assert torch.equal(got, want)
+    assert ops._fused_state in ("ok", "failed")             # compiled where a compiler exists, else eager
+    assert int(got.min()) == 1 and int(got.max()) == 255    # symmetric: -128 is never produced

@@ -13,6 +13,7 @@ from .ops import (  # noqa: F401
     outlier_extract,
     outlier_product,
     quantize,
+    quantize_u8,
     w8a8_linear,
     w8a8_linears,
 )
