@@ -171,12 +171,11 @@ class Prefiller:
         if policy not in POLICIES:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         feeds = self.feeds(ids)
-        first_ooo = policy == "ooo" and self.profile is None
-        # The out-of-order policy needs each subgraph's time: the first prompt runs in order and
-        # is profiled (outputs are identical under every policy).
-        out, stats = self.executor.run(feeds, "inorder" if first_ooo else policy,
-                                       self.profile.costs(len(feeds)) if self.profile else None)
-        if first_ooo or (self.profile is None and policy == "inorder"):
+        # The out-of-order policy needs each subgraph's time: until a profile exists, prompts run in
+        # order and the first one is profiled (outputs are identical under every policy).
+        run_policy = "inorder" if policy == "ooo" and self.profile is None else policy
+        out, stats = self.executor.run(feeds, run_policy, self.profile.costs(len(feeds)) if self.profile else None)
+        if self.profile is None and run_policy == "inorder":
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
             self.profile.save(self._profile_path())
         self.last_run = stats

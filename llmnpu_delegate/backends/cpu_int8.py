@@ -71,7 +71,7 @@ class ShadowDelta(nn.Module):
         self.outlier_elements = 0
         self.seen_elements = 0
 
-    def forward(self, x: Tensor, _name: str = "") -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         self.seen_elements += x2.numel()
         channels, residue = K.outlier_extract(x2, self.clip)
@@ -119,11 +119,12 @@ class CpuInt8Backend:
             raise LlmNpuError(f"NPU subgraph {sub.index} holds non-linear work; {NAME} runs INT8 linears only")
         if not self.quantized:
             return FloatRegion([self._linear(n) for n in sub.linears], sub.linears)
+        scales = [self.plans[n].act_scale for n in sub.linears]
         fields = {"backend": NAME, "model": self.fingerprint, "chunk_len": self.chunk_len, "weights": self.weights,
-                  "linears": sub.linears, "act_scale": [self.plans[n].act_scale for n in sub.linears]}
-        return NpuRegion(self.cache.get_or_build(fields, lambda: self._compile(sub.linears)))
+                  "linears": sub.linears, "act_scale": scales}
+        return NpuRegion(self.cache.get_or_build(fields, lambda: self._compile(sub.linears, scales)))
 
-    def _compile(self, names: list[str]) -> dict:
+    def _compile(self, names: list[str], scales: list[float]) -> dict:
         w_q, w_scale, bias = [], [], []
         for name in names:
             lin = self._linear(name)
@@ -131,8 +132,7 @@ class CpuInt8Backend:
             w_q.append(q)
             w_scale.append(s)
             bias.append(None if lin.bias is None else lin.bias.detach().float().clone())
-        return {"names": list(names), "w_q": w_q, "w_scale": w_scale, "bias": bias,
-                "act_scale": [self.plans[n].act_scale for n in names]}
+        return {"names": list(names), "w_q": w_q, "w_scale": w_scale, "bias": bias, "act_scale": list(scales)}
 
     def shadow_module(self, name: str) -> ShadowDelta:
         plan = self.plans[name] if self.plans else None

@@ -105,26 +105,25 @@ def _(x_q, x_scale, w_q, w_scale, bias=None):
     return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=torch.float32)
 
 
+def _quantize_u8_eager(x: Tensor, scale: Tensor | float) -> Tensor:
+    # One float temporary: the quotient is rounded, saturated and shifted in place.
+    y = torch.div(x, scale)
+    return y.round_().clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
+
+
 @torch.library.custom_op("llmnpu::w8a8_linear", mutates_args=())
 def w8a8_linear(x: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """float [M, K] -> quantize (saturating, per-tensor) -> int8 GEMM -> float [M, N]; one fused op."""
     _check_linear_args(x, w_q, w_scale)
     if _HAS_ONEDNN and x.device.type == "cpu":
-        # One temporary: the float quotient is rounded, saturated and shifted in place.
-        y = torch.div(x, x_scale)
-        y.round_().clamp_(-QMAX, QMAX).add_(128)
-        return _onednn_linear(y.to(torch.uint8), x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
+        x_u8 = _quantize_u8_eager(x, x_scale)
+        return _onednn_linear(x_u8, x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
     return _int_mm_linear(quantize(x, x_scale), x_scale, w_q, w_scale, bias)
 
 
 @w8a8_linear.register_fake
 def _(x, x_scale, w_q, w_scale, bias=None):
     return x.new_empty((x.shape[0], w_q.shape[0]), dtype=torch.float32)
-
-
-def _quantize_u8_eager(x: Tensor, scale: Tensor) -> Tensor:
-    y = torch.div(x, scale)
-    return y.round_().clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
 
 
 def _quantize_u8_expr(x: Tensor, scale: Tensor) -> Tensor:
@@ -204,12 +203,11 @@ def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) 
     scattered over many channels the block is mostly zeros and a sparse (CSR) product is ~5x faster.
     """
     sparse = residue.numel() and int(torch.count_nonzero(residue)) * 20 < residue.numel()
-    if sparse:
-        with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
-            warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
+        warnings.simplefilter("ignore", UserWarning)
+        if sparse:
             residue = residue.to_sparse_csr()
-            return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
-    return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
+        return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
 
 
 @torch.library.custom_op("llmnpu::outlier_compensate", mutates_args=())
