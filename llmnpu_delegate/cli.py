@@ -1,4 +1,4 @@
-"""The `llmnpu` command line: calibrate, eval, partition, bench."""
+"""The `llmnpu` command line: run, eval, calibrate, partition, bench."""
 from __future__ import annotations
 
 import argparse
@@ -118,6 +118,41 @@ def cmd_bench(args) -> dict:
     return result
 
 
+def cmd_run(args) -> dict:
+    from pathlib import Path
+
+    from .errors import LlmNpuError
+    from .hf import LlmNpuForCausalLM
+    from .models import load_model
+    from .run import format_summary, run
+
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise LlmNpuError(f"prompt file {path} does not exist")
+        prompt = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        prompt = args.prompt
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if args.temperature is not None and args.temperature <= 0:
+        raise LlmNpuError(f"--temperature must be positive (omit it for greedy decoding), got {args.temperature}")
+    wrapper = LlmNpuForCausalLM(load_model(args.model), chunk_len=args.chunk, backend=args.backend, quant=args.quant,
+                                pruning_rate=args.pruning_rate, policy=args.policy, progress=not args.no_progress)
+    sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+                if args.temperature is not None else {"do_sample": False})
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
+    summary = run(wrapper, prompt, args.max_new_tokens, args.chat, stream=not args.json, trace_dir=args.trace,
+                  **sampling)
+    args.text = format_summary(summary)
+    return summary
+
+
 def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, median of {r['repeats']}"]
@@ -164,6 +199,37 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.")
     ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+    from .prefill import BACKENDS, DEFAULT_CHUNK, QUANT_MODES
+    from .runtime.executor import POLICIES
+
+    p = sub.add_parser("run", help="generate from a prompt: NPU-path prefill, CPU decode, streamed, with a summary",
+                       description="Prefill the prompt through the NPU path (chunks, shadow outliers, out-of-order "
+                                   "schedule), decode on the CPU in float, stream the tokens, then print time to "
+                                   "first token, prefill and decode speed, chunks and outlier share. The first use "
+                                   "of a model calibrates and compiles (cached), and its first prompt runs in "
+                                   "order to profile the subgraphs for the out-of-order schedule.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this text file")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling share when sampling (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--backend", choices=list(BACKENDS), default=BACKENDS[0], help=f"prefill backend (default {BACKENDS[0]})")
+    p.add_argument("--quant", choices=list(QUANT_MODES), default="w8a8-shadow",
+                   help="quantization of the prefill (default w8a8-shadow)")
+    p.add_argument("--pruning-rate", type=float, default=None,
+                   help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--policy", choices=list(POLICIES), default="ooo", help="prefill schedule (default ooo)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write the prefill's Chrome/Perfetto trace and timeline PNG into DIR")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help="no streaming; print the text and summary as one JSON object")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("calibrate", help="record activation statistics of every decoder linear and save them",
                        description="Run the float model over calibration text; save the versioned artefact.")
@@ -189,8 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
-    from .prefill import DEFAULT_CHUNK, QUANT_MODES
-
     p = sub.add_parser("partition", help="cut a chunk step into NPU/CPU subgraphs and print the table",
                        description="Export one prefill chunk step, partition it into NPU (INT8 linears) and CPU "
                                    "(float) subgraphs, and print counts, sharing, NPU FLOP share and memory "
@@ -204,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where norms run (default cpu; npu folds them into the NPU region they feed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_partition)
-
-    from .runtime.executor import POLICIES
 
     p = sub.add_parser("bench", help="prefill speed of each scheduling policy against HF eager fp32 and llama.cpp",
                        description="Time the chunked prefill (two workers: INT8 'npu', float 'cpu') under each "

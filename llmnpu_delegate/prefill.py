@@ -64,6 +64,13 @@ class PrefillResult:
     past_v: list[Tensor]
     chunks: int
     timings: dict = field(default_factory=dict)
+    # Activation elements of this prompt that entered shadowed linears, and those sent to the shadow path.
+    seen_elements: int = 0
+    outlier_elements: int = 0
+
+    @property
+    def outlier_share(self) -> float:
+        return self.outlier_elements / self.seen_elements if self.seen_elements else 0.0
 
     @property
     def tokens(self) -> int:
@@ -115,7 +122,7 @@ class Prefiller:
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
         self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
-        self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers)
+        self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers, progress)
         self.timings["compile_s"] = time.perf_counter() - t
         self.executor = Executor(self.program, workers)
         if self.plans is not None:
@@ -171,6 +178,7 @@ class Prefiller:
         if policy not in POLICIES:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         feeds = self.feeds(ids)
+        seen0, outliers0 = self._outlier_counts()
         # The out-of-order policy needs each subgraph's time: until a profile exists, prompts run in
         # order and the first one is profiled (outputs are identical under every policy).
         run_policy = "inorder" if policy == "ooo" and self.profile is None else policy
@@ -183,7 +191,13 @@ class Prefiller:
         past_k = [out[k][:, :, :total] for k in self.program.out_k]
         past_v = [out[v][:, :, :total] for v in self.program.out_v]
         logits = out[self.program.out_logits].reshape(-1)
-        return PrefillResult(logits, past_k, past_v, len(feeds), {"prefill_s": stats.wall_s})
+        seen, outliers = self._outlier_counts()
+        return PrefillResult(logits, past_k, past_v, len(feeds), {"prefill_s": stats.wall_s},
+                             seen - seen0, outliers - outliers0)
+
+    def _outlier_counts(self) -> tuple[int, int]:
+        shadows = self.program.shadow.values()
+        return sum(m.seen_elements for m in shadows), sum(m.outlier_elements for m in shadows)
 
     def _profile_path(self):
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())

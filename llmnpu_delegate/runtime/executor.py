@@ -54,6 +54,7 @@ class RunStats:
     decisions: int = 0
     decision_s: float = 0.0     # time spent choosing tasks (under the scheduler lock)
     wall_s: float = 0.0
+    policy: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class Executor:
         keep = {program.out_logits, *program.out_k, *program.out_v}
         handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
         handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
-        stats = RunStats()
+        stats = RunStats(policy=policy)
         cond = threading.Condition()
         error: list = []
         t0 = time.perf_counter()

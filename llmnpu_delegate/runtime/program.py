@@ -68,13 +68,15 @@ def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
 
 
 class ChunkProgram:
-    def __init__(self, partition: Partition, backend, chunk_len: int, layers: int):
+    def __init__(self, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False):
         self.partition = partition
         self.chunk_len = chunk_len
         self.shadow: dict[str, torch.nn.Module] = {}
         self.steps: list[Step] = []
         by_name = {n.name: n for n in partition.graph_module.graph.nodes}
-        for sub in partition.subgraphs:
+        from tqdm.auto import tqdm
+
+        for sub in tqdm(partition.subgraphs, desc="compiling subgraphs", unit="graph", disable=not progress):
             if sub.kind == "npu":
                 region = backend.lower_npu(sub)
                 self.steps.append(Step(sub, region))

@@ -1,0 +1,130 @@
+"""Hugging Face door: ``LlmNpuForCausalLM`` — load, prepare, ``generate()``.
+
+The prompt runs through the NPU path (chunk graphs, shadow outliers, out-of-order executor) and the
+tokens after it are decoded by the model's own ``transformers`` forward on the CPU, in float, from
+the KV cache the prefill produced: the paper's split (prefill on the NPU, decode on the CPU).
+
+``generate`` is ``transformers``' own, with every argument it takes (sampling, streamers, stopping
+criteria, logits processors). Only its prefill step is replaced, for the duration of the call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .errors import LlmNpuError
+from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
+from .prefill import DEFAULT_CHUNK, Prefiller, resolve_quant
+from .quantize import Calibration, QuantConfig
+
+
+def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = None,
+                 clip_percentile: float | None = None) -> QuantConfig | None:
+    """A named mode (``w8a8-shadow``, ``w8a8``, ``fp32``) or a QuantConfig, with the shadow knobs applied."""
+    config = resolve_quant(quant)
+    knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile)) if v is not None}
+    if not knobs:
+        return config
+    if config is None or config.outliers != "shadow":
+        raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow outlier mode (quant='w8a8-shadow')")
+    return dataclasses.replace(config, **knobs)
+
+
+class LlmNpuForCausalLM:
+    """A causal LM whose prompts are prefilled on the (stand-in) NPU and decoded on the CPU.
+
+    Args:
+        model: a ``LoadedModel`` (``load_model(...)``) or a ``transformers`` causal LM.
+        tokenizer: the model's tokenizer (taken from a ``LoadedModel`` when not given).
+        chunk_len, backend, quant, calibration, policy: as for ``Prefiller``.
+        pruning_rate, clip_percentile: the shadow outlier knobs (default 0.85 and the 99.5th percentile).
+
+    Calibration artefacts and compiled graphs are cached on disk, so a second start is fast.
+    """
+
+    def __init__(self, model: LoadedModel | nn.Module, tokenizer=None, *, chunk_len: int = DEFAULT_CHUNK,
+                 backend: str = "cpu-int8", quant: QuantConfig | str | None = "w8a8-shadow",
+                 pruning_rate: float | None = None, clip_percentile: float | None = None,
+                 calibration: Calibration | None = None, policy: str = "ooo", progress: bool = True):
+        if not isinstance(model, LoadedModel):
+            if not (isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "generate")):
+                raise LlmNpuError(f"expected a transformers causal LM or load_model(...), got {type(model).__name__}")
+            check_family(model.config)
+            model = LoadedModel(getattr(model.config, "name_or_path", "") or "<model>", model.eval(), tokenizer,
+                                fingerprint(model))
+        self.loaded = model
+        self.model = model.model
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        self.engine = Prefiller(model, chunk_len, backend, quant_config(quant, pruning_rate, clip_percentile),
+                                calibration, progress=progress, policy=policy)
+        self.last_prefill: dict = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, **kwargs) -> "LlmNpuForCausalLM":
+        """Load a model (``smollm2-135m``, a Hugging Face folder, a ``.gguf`` file or ``random:<shape>``)
+        and prepare it; keyword arguments as for the constructor."""
+        return cls(load_model(name_or_path), **kwargs)
+
+    # transformers-like surface
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def __call__(self, *args, **kwargs):
+        """The float model's forward (e.g. for perplexity); ``generate`` is where the NPU path runs."""
+        return self.model(*args, **kwargs)
+
+    @torch.inference_mode()
+    def generate(self, *args, **kwargs):
+        """``transformers``' ``generate`` with the prompt prefilled by the NPU path (batch 1, no padding)."""
+        with self._lock, self._npu_prefill():
+            return self.model.generate(*args, **kwargs)
+
+    @contextmanager
+    def _npu_prefill(self):
+        model = self.model
+        model._prefill = self._prefill   # an instance attribute shadows GenerationMixin._prefill
+        try:
+            yield
+        finally:
+            del model._prefill
+
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration: bool = True):
+        cache = model_kwargs.get("past_key_values")
+        if model_kwargs.get("inputs_embeds") is not None:
+            raise LlmNpuError("the NPU prefill takes token ids, not inputs_embeds")
+        if cache is None:
+            raise LlmNpuError("the NPU prefill hands its KV cache to the decoder: keep use_cache=True")
+        if cache.get_seq_length() != 0:
+            raise LlmNpuError("generate was given a non-empty cache: the NPU prefill starts from an empty one")
+        if input_ids.shape[0] != 1:
+            raise LlmNpuError(f"the NPU prefill runs one prompt at a time (batch 1), got {input_ids.shape[0]}")
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise LlmNpuError("the prompt has padding (zeros in attention_mask): pass the unpadded prompt")
+        if generation_config.prefill_chunk_size is not None:
+            warnings.warn("prefill_chunk_size is ignored: the NPU path prefills in chunks of "
+                          f"{self.engine.chunk_len} (chunk_len)", stacklevel=2)
+        t = time.perf_counter()
+        result = self.engine(input_ids)
+        for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
+            cache.update(k, v, layer)
+        self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks,
+                             "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
+        return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)

@@ -1,0 +1,104 @@
+"""``llmnpu run``: one prompt through the wrapper, tokens streamed, then a summary of where time went."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
+
+from .errors import LlmNpuError
+from .hf import LlmNpuForCausalLM
+
+
+class _Clock(BaseStreamer):
+    """Records when each generated token arrives; forwards to an optional printing streamer."""
+
+    def __init__(self, inner: BaseStreamer | None = None):
+        self.inner, self.times, self._prompt_seen = inner, [], False
+
+    def put(self, value):
+        if self._prompt_seen:
+            self.times.extend([time.perf_counter()] * value.numel())
+        self._prompt_seen = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+
+def prompt_ids(wrapper: LlmNpuForCausalLM, prompt: str, chat: bool) -> torch.Tensor:
+    tok = wrapper.tokenizer
+    if tok is None:
+        raise LlmNpuError(f"model '{wrapper.loaded.spec}' has no tokenizer: give a model folder with tokenizer files")
+    if not prompt.strip():
+        raise LlmNpuError("the prompt is empty: give --prompt TEXT or a --prompt-file with text in it")
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise LlmNpuError(f"the tokenizer of '{wrapper.loaded.spec}' has no chat template: drop --chat")
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"]
+    return tok(prompt, return_tensors="pt").input_ids
+
+
+def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat: bool = False,
+        stream: bool = True, trace_dir: str | None = None, **generate_kwargs) -> dict:
+    """Generate from ``prompt``; returns the text and the summary (TTFT, prefill and decode speed, ...)."""
+    if max_new_tokens < 1:
+        raise LlmNpuError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    ids = prompt_ids(wrapper, prompt, chat)
+    printer = TextStreamer(wrapper.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    clock = _Clock(printer)
+    start = time.perf_counter()
+    out = wrapper.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                           streamer=clock, pad_token_id=wrapper.tokenizer.eos_token_id, **generate_kwargs)
+    if stream:
+        sys.stdout.flush()
+    new = out[0, ids.shape[1]:]
+    pre = wrapper.last_prefill
+    times = clock.times
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    summary = {
+        "model": wrapper.loaded.spec,
+        "backend": wrapper.engine.backend_name,
+        "quant": "fp32" if wrapper.engine.quant is None else
+                 ("w8a8-shadow" if wrapper.engine.quant.outliers == "shadow" else "w8a8"),
+        "chunk": wrapper.engine.chunk_len,
+        "prompt_tokens": int(ids.shape[1]),
+        "new_tokens": int(new.numel()),
+        "chunks": pre["chunks"],
+        "ttft_s": round(times[0] - start, 4) if times else None,
+        "prefill_s": round(pre["prefill_s"], 4),
+        "prefill_tok_s": round(pre["tokens"] / pre["prefill_s"], 1),
+        "decode_tok_s": round((len(times) - 1) / decode_s, 1) if decode_s > 0 else None,
+        "outlier_share": round(pre["outlier_share"], 6),
+        "policy": wrapper.engine.last_run.policy if wrapper.engine.last_run else None,
+        "text": wrapper.tokenizer.decode(new, skip_special_tokens=True),
+    }
+    if trace_dir is not None:
+        from .runtime.trace import write_timeline, write_trace
+
+        stats = wrapper.engine.last_run
+        summary["trace"] = str(write_trace(stats, Path(trace_dir) / "prefill.trace.json"))
+        summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", f"prefill of {ids.shape[1]} tokens"))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    decode = f"{s['decode_tok_s']:.1f} tok/s" if s["decode_tok_s"] else "n/a (one token)"
+    lines = [
+        "",
+        f"--- {s['model']} on {s['backend']} ({s['quant']}, chunk {s['chunk']}, {s['policy']} schedule)",
+        f"prompt {s['prompt_tokens']} tokens in {s['chunks']} chunk(s); {s['new_tokens']} new tokens",
+        f"time to first token {1e3 * s['ttft_s']:.0f} ms",
+        f"prefill {s['prefill_tok_s']:.1f} tok/s ({1e3 * s['prefill_s']:.0f} ms)",
+        f"decode  {decode} (float, CPU)",
+        f"activations on the shadow outlier path: {100 * s['outlier_share']:.3f} %",
+    ]
+    if "trace" in s:
+        lines.append(f"trace: {s['trace']}  timeline: {s['timeline']}")
+    return "\n".join(lines)
