@@ -87,7 +87,7 @@ class CpuInt8Backend:
 
     name = NAME
 
-    def __init__(self, model: nn.Module, fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
+    def __init__(self, model: nn.Module | dict[str, nn.Linear], fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
                  weights: str = "channel", cache: GraphCache | None = None, norms: str = "cpu"):
         self.check_policy(norms)
         self.model = model
@@ -96,7 +96,8 @@ class CpuInt8Backend:
         self.plans = plans
         self.weights = weights
         self.cache = cache if cache is not None else GraphCache()
-        self.modules = dict(model.named_modules())
+        # the model, or just its linears by name (a Dynamo graph's weights)
+        self.modules = dict(model.named_modules()) if isinstance(model, nn.Module) else dict(model)
 
     @staticmethod
     def check_policy(norms: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.fx import Node
 
+from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recognizes)
 from ..errors import LlmNpuError
 
 NORM_POLICIES = ("cpu", "npu")
@@ -260,7 +261,8 @@ def _canonical_sizes(graph: fx.Graph) -> None:
 
 
 def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed: Iterable[str] = (),
-                    norms: str = "cpu", prefix: str = "") -> Partition:
+                    norms: str = "cpu", prefix: str = "",
+                    param_of_placeholder: dict[str, str] | None = None) -> Partition:
     """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched)."""
     graph = fx.Graph()
     out_map: dict[Node, Node] = {}
@@ -274,7 +276,7 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
     _drop_asserts(new.graph)
     _canonical_sizes(new.graph)
 
-    linears = linear_names(new, quantizable, prefix)
+    linears = linear_names(new, quantizable, prefix, param_of_placeholder)
     shadowed = set(shadowed) & set(linears.values())
     markers = _insert_shadow(new.graph, linears, shadowed)
     regions = npu_regions(new, linears, norms)
@@ -326,10 +328,12 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
     for s in sorted(by_slot):
         nodes = by_slot[s]
         members = set(nodes)
+        # An NPU region's weights are compiled into it: lifted weight placeholders are not runtime inputs.
+        weights = {a for n in nodes if s % 3 == 2 and n in linears for a in n.args[1:3] if isinstance(a, Node)}
         inputs: list[str] = []
         for n in nodes:
             for a in n.all_input_nodes:
-                if a not in members and a.op != "get_attr" and a.name not in inputs:
+                if a not in members and a.op != "get_attr" and a not in weights and a.name not in inputs:
                     inputs.append(a.name)
         outputs = [n.name for n in nodes
                    if any(u.op == "output" or (u not in members and u in produced_in) for u in n.users)]

@@ -67,34 +67,41 @@ def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
     gm.recompile()
 
 
+def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
+    """Inputs of ``sub`` that no other subgraph and no graph output reads."""
+    members = set(sub.nodes)
+    return {name for name in sub.inputs
+            if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
+
+
+def build_steps(partition: Partition, backend, progress: bool = False) -> tuple[list[Step], dict]:
+    """One callable per subgraph, in order: NPU ones lowered by ``backend``, the others as float
+    GraphModules with their shadow paths bound. Returns the steps and the bound shadow modules."""
+    from tqdm.auto import tqdm
+
+    shadow: dict[str, torch.nn.Module] = {}
+    steps: list[Step] = []
+    by_name = {n.name: n for n in partition.graph_module.graph.nodes}
+    for sub in tqdm(partition.subgraphs, desc="compiling subgraphs", unit="graph", disable=not progress):
+        if sub.kind == "npu":
+            steps.append(Step(sub, backend.lower_npu(sub)))
+            continue
+        gm = subgraph_module(partition, sub)
+        _bind_shadow(gm, backend, shadow)
+        _fuse_activation_mul(gm, _private_inputs(sub, by_name))
+        steps.append(Step(sub, gm))
+    return steps, shadow
+
+
 class ChunkProgram:
     def __init__(self, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False):
         self.partition = partition
         self.chunk_len = chunk_len
-        self.shadow: dict[str, torch.nn.Module] = {}
-        self.steps: list[Step] = []
-        by_name = {n.name: n for n in partition.graph_module.graph.nodes}
-        from tqdm.auto import tqdm
-
-        for sub in tqdm(partition.subgraphs, desc="compiling subgraphs", unit="graph", disable=not progress):
-            if sub.kind == "npu":
-                region = backend.lower_npu(sub)
-                self.steps.append(Step(sub, region))
-                continue
-            gm = subgraph_module(partition, sub)
-            _bind_shadow(gm, backend, self.shadow)
-            _fuse_activation_mul(gm, self._private_inputs(sub, by_name))
-            self.steps.append(Step(sub, gm))
+        self.steps, self.shadow = build_steps(partition, backend, progress)
         outs = partition.graph_outputs
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
         self.needed_final = self._needed([self.out_logits, *self.out_k, *self.out_v])
         self.needed_kv = self._needed([*self.out_k, *self.out_v])
-
-    def _private_inputs(self, sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
-        """Inputs of ``sub`` that no other subgraph and no graph output reads."""
-        members = set(sub.nodes)
-        return {name for name in sub.inputs
-                if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []
