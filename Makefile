@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test install data clean
 
 demo: install data
-	$(BIN)/llmnpu eval --model smollm2-135m
+	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
 test: install data
 	$(BIN)/python -m pytest -q -ra

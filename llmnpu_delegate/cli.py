@@ -196,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .evaluate import MODES
 
-    ap = argparse.ArgumentParser(prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.")
+    ap = argparse.ArgumentParser(
+        prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.",
+        epilog="start with: llmnpu run --prompt 'What is a lighthouse?' --chat   "
+               "(each command: llmnpu COMMAND --help)")
     ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     from .prefill import BACKENDS, DEFAULT_CHUNK, QUANT_MODES
@@ -206,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Prefill the prompt through the NPU path (chunks, shadow outliers, out-of-order "
                                    "schedule), decode on the CPU in float, stream the tokens, then print time to "
                                    "first token, prefill and decode speed, chunks and outlier share. The first use "
-                                   "of a model calibrates and compiles (cached), and its first prompt runs in "
-                                   "order to profile the subgraphs for the out-of-order schedule.")
+                                   "of a model calibrates, compiles and profiles its subgraphs for the out-of-order "
+                                   "schedule (a few minutes, all cached); later starts take seconds.")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
     src = p.add_mutually_exclusive_group(required=True)

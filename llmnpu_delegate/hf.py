@@ -128,3 +128,37 @@ class LlmNpuForCausalLM:
         self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
         return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)
+
+
+@torch.inference_mode()
+def greedy_agreement(wrapper: LlmNpuForCausalLM, prompts: list[torch.Tensor], max_new_tokens: int = 24) -> dict:
+    """How often the wrapper's greedy tokens match the float model's own ``generate``.
+
+    ``free_running``: share of positions where the two greedy continuations agree (one early miss
+    changes everything after it). ``teacher_forced``: share of the float continuation's tokens the
+    wrapper predicts when fed the float continuation itself (its prefill, then float decode from
+    that KV cache): the per-token agreement, free of that cascade. ``first_token``: prompts whose
+    first generated token agrees.
+    """
+    from transformers import DynamicCache
+
+    model = wrapper.model
+    forced = free = total = first = ref_tokens = 0
+    for ids in prompts:
+        ref = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        got = wrapper.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        n = min(len(ref), len(got))
+        free += int((ref[:n] == got[:n]).sum())
+        total += max(len(ref), len(got))
+        ref_tokens += len(ref)
+        first += int(got[0] == ref[0])
+        result = wrapper.engine(ids)
+        cache = DynamicCache(config=model.config)
+        for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
+            cache.update(k, v, layer)
+        pred = [result.logits.argmax().reshape(1)]
+        if len(ref) > 1:
+            pred.append(model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1))
+        forced += int((torch.cat(pred) == ref).sum())
+    return {"prompts": len(prompts), "teacher_forced": forced / ref_tokens, "free_running": free / total,
+            "first_token": first / len(prompts)}

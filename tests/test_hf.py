@@ -130,3 +130,19 @@ def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
             tokens.append(int(logits[0, -1].argmax()))
     assert out.tolist() == tokens
     assert 0 < wrapper.last_prefill["outlier_share"] < 0.2
+
+
+def test_run_command_and_its_errors(tmp_path, capsys):
+    from llmnpu_delegate.cli import main
+
+    import json
+
+    assert main(["run", "--model", "random:tiny-llama", "--prompt", "hello there", "--quant", "fp32", "--chunk", "8",
+                 "--max-new-tokens", "3", "--json", "--no-progress", "--trace", str(tmp_path / "tr")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["new_tokens"] == 3 and summary["chunks"] == 1 and summary["policy"] == "ooo"
+    assert (tmp_path / "tr" / "prefill.trace.json").is_file() and (tmp_path / "tr" / "prefill.png").is_file()
+    assert main(["run", "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["run", "--prompt", "hi", "--temperature", "0"]) == 2
+    assert "--temperature must be positive" in capsys.readouterr().err
