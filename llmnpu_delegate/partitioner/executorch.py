@@ -24,7 +24,7 @@ from executorch.exir.backend.partitioner import (
 from torch.export import ExportedProgram
 
 from ..quantize.linear import quantize_weight
-from .regions import is_linear, linear_names, npu_regions
+from .regions import is_linear, is_qdq, linear_names, npu_regions
 
 PAYLOAD_FORMAT = 1
 
@@ -56,18 +56,51 @@ class LlmNpuPartitioner(Partitioner):
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         gm = exported_program.graph_module
-        params = dict(exported_program.graph_signature.inputs_to_parameters)
+        sig = exported_program.graph_signature
+        params = dict(sig.inputs_to_parameters)
+        constants = {**params, **dict(sig.inputs_to_buffers), **dict(sig.inputs_to_lifted_tensor_constants)}
         linears = linear_names(gm, self.quantizable, self.prefix, params)
         tags = {}
-        for i, region in enumerate(npu_regions(gm, linears, self.norms)):
+        for i, region in enumerate(npu_regions(_grouped_by_source(gm, linears), linears, self.norms)):
             tag = f"llmnpu_npu_{i}"
-            for node in region:
+            for node in _with_qdq(region):
                 node.meta["delegation_tag"] = tag
                 for arg in node.all_input_nodes:
-                    if arg.op == "placeholder" and arg.name in params:
+                    if arg.op == "placeholder" and arg.name in constants:
                         arg.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
+
+
+def _grouped_by_source(gm, linears):
+    """In a quantized graph each linear reads its own dequantize of a shared quantize: group the
+    linears by that quantize (``npu_regions`` groups by a linear's first argument)."""
+    for node in linears:
+        x = node.args[0]
+        if isinstance(x, torch.fx.Node) and is_qdq(x) and isinstance(x.args[0], torch.fx.Node) and is_qdq(x.args[0]):
+            node.meta["llmnpu_source"] = x.args[0]
+    return gm
+
+
+def _with_qdq(region: list) -> list:
+    """A region of a quantized graph with its quantization boundary: input quantize/dequantize, the
+    weights' dequantize, the output quantize and its dequantizes (float in, float out)."""
+    out = list(region)
+    for node in region:
+        if not is_linear(node):
+            continue
+        for arg in node.args[:3]:
+            if isinstance(arg, torch.fx.Node) and is_qdq(arg):
+                out.append(arg)
+                src = arg.args[0]
+                if isinstance(src, torch.fx.Node) and is_qdq(src) and all(
+                        is_qdq(u) and any(is_linear(v) and v in region for v in u.users) for u in src.users):
+                    out.append(src)
+        for q in node.users:
+            if is_qdq(q):
+                out.append(q)
+                out.extend(d for d in q.users if is_qdq(d))
+    return list(dict.fromkeys(out))
 
 
 class LlmNpuCpuInt8Backend(BackendDetails):

@@ -62,15 +62,40 @@ def weight_name_of(node: Node, param_of_placeholder: dict[str, str] | None = Non
     return None
 
 
+def is_qdq(node: Node) -> bool:
+    """A pt2e quantize/dequantize node (``quantized_decomposed`` ops, any dialect)."""
+    return node.op == "call_function" and "quantized_decomposed" in str(node.target) and "quantize_per" in str(node.target)
+
+
+def _module_of(node: Node) -> str | None:
+    """The innermost nn.Linear a node was traced in (how a quantized graph names its linears: their
+    weights are then dequantize nodes over folded constants)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return str(path) if cls.rsplit(".", 1)[-1] == "Linear" else None
+
+
+def _in_shadow_branch(node: Node) -> bool:
+    """A linear of a dense shadow branch (``lower/shadow.py``): float work, never an NPU linear."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return bool(stack) and str(list(stack.values())[-1][1]).endswith("ShadowPath")
+
+
 def linear_names(gm: fx.GraphModule, quantizable: Iterable[str], prefix: str = "",
                  param_of_placeholder: dict[str, str] | None = None) -> dict[Node, str]:
     """The graph's linear nodes that are quantizable, mapped to their module names (without ``prefix``)."""
     wanted = set(quantizable)
     found: dict[Node, str] = {}
     for node in gm.graph.nodes:
-        if not is_linear(node):
+        if not is_linear(node) or _in_shadow_branch(node):
             continue
         w = weight_name_of(node, param_of_placeholder)
+        weight = node.args[1] if len(node.args) > 1 else None
+        if w is None and isinstance(weight, Node) and is_qdq(weight) and _module_of(node):
+            w = _module_of(node) + ".weight"
         if w is None or not w.endswith(".weight"):
             continue
         name = w[: -len(".weight")]
@@ -98,7 +123,7 @@ def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], norms: str = "cpu"
     groups: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
         if node in linears:
-            groups.setdefault(node.args[0], []).append(node)
+            groups.setdefault(node.meta.get("llmnpu_source", node.args[0]), []).append(node)
     regions = []
     for entry, members in groups.items():
         region = list(members)

@@ -1,0 +1,104 @@
+"""Our quantization encodings as pt2e annotations: what a QNN or XNNPACK program computes is ours.
+
+``LlmNpuQuantizer`` annotates each decoder linear of an exported graph with *fixed* parameters:
+the input activation gets the plan's static per-tensor scale (clip / 127 for shadowed layers, the
+absolute maximum / 127 for the others), the weight our symmetric INT8 scales (per output channel or
+per tensor: max |w| / 127, exactly ``quantize_weight``). Nothing is left to an observer except the
+linear's output encoding, which an integer NPU graph needs and our INT8 engine does not have (it
+dequantizes the int32 accumulator): that one is observed on calibration input.
+
+Two flavours of the same numbers: ``"qnn"`` writes activations as uint8 with zero point 128 (what
+HTP prefers), ``"xnnpack"`` as int8 with zero point 0: both are round(x / s) with the same scale.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torchao.quantization.pt2e import (
+    HistogramObserver,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
+)
+from torchao.quantization.pt2e.quantizer import (
+    DerivedQuantizationSpec,
+    FixedQParamsQuantizationSpec,
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+)
+
+from ..errors import LlmNpuError
+from ..kernels import QMAX
+from ..partitioner.regions import linear_names
+from ..quantize.apply import LinearPlan
+
+ANNOTATION = "quantization_annotation"
+SKIP = "llmnpu_float"          # node meta flag: a linear that must stay float (a shadow product)
+FLAVOURS = ("qnn", "xnnpack")
+
+
+def activation_spec(scale: float, flavour: str) -> FixedQParamsQuantizationSpec:
+    # Full 8-bit range: the integer kernels saturate at -128 whatever quant_min says, so the
+    # reference graph must too. (Our engine stops at -127: one step apart, below -127.5 * scale only.)
+    if flavour == "qnn":
+        return FixedQParamsQuantizationSpec(torch.uint8, scale, 128, 0, 255, torch.per_tensor_affine)
+    return FixedQParamsQuantizationSpec(torch.int8, scale, 0, -128, 127, torch.per_tensor_affine)
+
+
+def weight_spec(granularity: str) -> QuantizationSpec:
+    if granularity == "channel":
+        return QuantizationSpec(torch.int8, PerChannelMinMaxObserver, quant_min=-QMAX, quant_max=QMAX,
+                                qscheme=torch.per_channel_symmetric, ch_axis=0)
+    return QuantizationSpec(torch.int8, MinMaxObserver, quant_min=-QMAX, quant_max=QMAX,
+                            qscheme=torch.per_tensor_symmetric)
+
+
+def output_spec(flavour: str) -> QuantizationSpec:
+    dtype, lo, hi = (torch.uint8, 0, 255) if flavour == "qnn" else (torch.int8, -128, 127)
+    return QuantizationSpec(dtype, HistogramObserver, quant_min=lo, quant_max=hi, qscheme=torch.per_tensor_affine)
+
+
+def _bias_spec(act: fx.Node, weight: fx.Node, linear: fx.Node, granularity: str) -> DerivedQuantizationSpec:
+    def derive(observers):
+        a_scale, _ = observers[0].calculate_qparams()
+        w_scale, _ = observers[1].calculate_qparams()
+        scale = (a_scale * w_scale).to(torch.float32)
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+    per_channel = granularity == "channel"
+    return DerivedQuantizationSpec(
+        derived_from=[(act, linear), (weight, linear)], derive_qparams_fn=derive, dtype=torch.int32,
+        quant_min=torch.iinfo(torch.int32).min, quant_max=torch.iinfo(torch.int32).max,
+        qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
+        ch_axis=0 if per_channel else None)
+
+
+class LlmNpuQuantizer(Quantizer):
+    """Annotates the decoder linears named in ``plans`` with our fixed encodings (see module doc)."""
+
+    def __init__(self, plans: dict[str, LinearPlan], granularity: str = "channel", flavour: str = "qnn",
+                 prefix: str = ""):
+        super().__init__()
+        if flavour not in FLAVOURS:
+            raise LlmNpuError(f"unknown encoding flavour '{flavour}': use one of {FLAVOURS}")
+        self.plans, self.granularity, self.flavour, self.prefix = plans, granularity, flavour, prefix
+
+    def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
+        found = linear_names(model, self.plans, self.prefix)
+        if not found:
+            raise LlmNpuError("no decoder linear of the quantization plan was found in the graph")
+        for node, name in found.items():
+            if node.meta.get(SKIP):
+                continue
+            act, weight = node.args[0], node.args[1]
+            qspecs = {act: activation_spec(self.plans[name].act_scale, self.flavour),
+                      weight: weight_spec(self.granularity)}
+            bias = node.args[2] if len(node.args) > 2 else None
+            if isinstance(bias, fx.Node):
+                qspecs[bias] = _bias_spec(act, weight, node, self.granularity)
+            node.meta[ANNOTATION] = QuantizationAnnotation(input_qspec_map=qspecs,
+                                                           output_qspec=output_spec(self.flavour), _annotated=True)
+        return model
+
+    def validate(self, model: fx.GraphModule) -> None:
+        pass
