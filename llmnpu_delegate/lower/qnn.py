@@ -60,7 +60,7 @@ class RegionSpec:
     scales: list[float]               # one activation scale per group
 
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
-        return tuple(x for _ in self.groups)
+        return (x, *(x.clone() for _ in self.groups[1:]))
 
 
 def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan]) -> RegionSpec:
@@ -86,7 +86,8 @@ def _quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[st
     quantizer = QnnQuantizer()
     quantizer.add_custom_quant_annotations((ours.annotate,))
     prepared = prepare_pt2e(graph, quantizer)
-    prepared(*example)
+    with torch.no_grad():
+        prepared(*example)
     return convert_pt2e(prepared), example
 
 
