@@ -23,7 +23,19 @@ from ..quantize.apply import LinearPlan
 DEFAULT_SOC = "SM8650"     # Snapdragon 8 Gen 3, the paper's device
 
 
+def _quiet_qualcomm_logs() -> None:
+    # The Qualcomm package sets its own loggers to DEBUG (a line per op and pass).
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("executorch.backends.qualcomm"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def chipsets() -> dict:
+    from ..qnn.sdk import activate
+
+    activate()
     from executorch.backends.qualcomm.utils.utils import get_soc_to_chipset_map
 
     return get_soc_to_chipset_map()
@@ -105,6 +117,7 @@ def lower_regions(regions: list[tuple[RegionSpec, list[nn.Linear]]], plans: dict
     )
     from tqdm.auto import tqdm
 
+    _quiet_qualcomm_logs()
     graphs, examples = {}, {}
     for spec, linears in tqdm(regions, desc="quantizing NPU subgraphs", disable=not progress):
         graphs[spec.method], examples[spec.method] = _quantized_region(spec, linears, plans, granularity,

@@ -1,0 +1,108 @@
+"""The QNN delegate on this host: SDK folder and shim, our encodings, HTP simulator parity with cpu-int8."""
+import shutil
+import subprocess
+
+import pytest
+import torch
+from conftest import inject_outliers
+
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.qnn import sdk as qsdk
+from llmnpu_delegate.quantize import CalibConfig, calibrate
+
+pytestmark = pytest.mark.skipif(qsdk.importlib.util.find_spec("onnxruntime_qnn") is None,
+                                reason="needs the qnn extra (pip install -e '.[qnn]')")
+
+
+def test_sdk_folder_and_shim_from_a_clean_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    sdk = qsdk.prepare_sdk(tmp_path / "sdk")
+    lib = sdk.lib
+    assert sdk.provided_by == "onnxruntime-qnn" and sdk.version.startswith("2.")
+    assert (lib / "libQnnHtp_real.so").is_symlink() and (lib / "libQnnSystem.so").is_symlink()
+    shim = lib / "libQnnHtp.so"
+    assert not shim.is_symlink()
+    dyn = subprocess.run(["readelf", "-d", str(shim)], capture_output=True, text=True).stdout
+    assert "SONAME" in dyn and "[libQnnHtp.so]" in dyn and "NODELETE" in dyn
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(shim)], capture_output=True, text=True).stdout
+    assert "QnnInterface_getProviders" in syms
+    again = qsdk.prepare_sdk(tmp_path / "sdk")           # built once, then reused
+    assert again == sdk and shim.stat().st_mtime == (again.lib / "libQnnHtp.so").stat().st_mtime
+
+
+def test_errors_name_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    real = qsdk.importlib.util.find_spec
+    monkeypatch.setattr(qsdk.importlib.util, "find_spec", lambda n: None if n == "onnxruntime_qnn" else real(n))
+    with pytest.raises(LlmNpuError, match=r"pip install 'llmnpu_delegate\[qnn\]'"):
+        qsdk.prepare_sdk(tmp_path / "a")
+    monkeypatch.setattr(qsdk.importlib.util, "find_spec", real)
+    monkeypatch.setattr(qsdk.shutil, "which", lambda name: None)
+    with pytest.raises(LlmNpuError, match="install gcc"):
+        qsdk.prepare_sdk(tmp_path / "b")
+    assert not (tmp_path / "b").exists()                  # nothing half-built left behind
+    monkeypatch.setattr(qsdk.shutil, "which", shutil.which)
+    monkeypatch.setenv("QNN_SDK_ROOT", str(tmp_path / "nowhere"))
+    with pytest.raises(LlmNpuError, match="QNN_SDK_ROOT"):
+        qsdk.prepare_sdk()
+
+
+def test_user_sdk_root_wins(tmp_path, monkeypatch):
+    lib = tmp_path / "sdk" / qsdk.LIB_SUBDIR
+    lib.mkdir(parents=True)
+    (lib / "libQnnHtp.so").write_bytes(b"")
+    monkeypatch.setenv("QNN_SDK_ROOT", str(tmp_path / "sdk"))
+    assert qsdk.prepare_sdk().provided_by == "QNN_SDK_ROOT"
+
+
+def test_unknown_soc_is_refused_with_the_list():
+    from llmnpu_delegate.lower.qnn import check_soc
+
+    check_soc("SM8650")
+    with pytest.raises(LlmNpuError, match="unknown SoC 'SM9999'.*SM8550.*SM8650"):
+        check_soc("SM9999")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from llmnpu_delegate.prefill import Prefiller
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
+    return Prefiller(lm, chunk_len=32, calibration=calib, progress=False)
+
+
+def test_encodings_are_ours(engine):
+    """The lowered graph's input and weight encodings are the plan's scales and our INT8 weights."""
+    from llmnpu_delegate.lower.qnn import _quantized_region, region_spec
+    from llmnpu_delegate.quantize.linear import quantize_weight
+
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
+    spec = region_spec("m", names, engine.plans)
+    linears = [engine.backend._linear(n) for n in names]
+    graph, _ = _quantized_region(spec, linears, engine.plans, "channel", torch.randn(32, 64))
+    nodes = list(graph.graph.nodes)
+    inputs = [n for n in nodes if "quantize_per_tensor" in str(n.target) and n.args[0].op == "placeholder"]
+    assert sorted(float(n.args[1]) for n in inputs) == pytest.approx(sorted(spec.scales), rel=1e-6)
+    assert all(n.args[2] == 128 for n in inputs)
+    weights = [n for n in nodes if "dequantize_per_channel" in str(n.target)]
+    assert len(weights) == 3
+    for lin, node in zip(linears, weights):
+        w_q, w_scale = quantize_weight(lin.weight, "channel")
+        assert torch.equal(getattr(graph, node.args[0].target), w_q)
+        assert torch.allclose(getattr(graph, node.args[1].target).float(), w_scale, rtol=1e-6, atol=0)
+
+
+def test_simulator_matches_cpu_int8(engine):
+    from llmnpu_delegate.lower.validate import validate_qnn
+
+    ids = torch.randint(0, 1000, (32,))
+    # output encodings observed on the very rows compared: rounding alone is left
+    report = validate_qnn(engine, ids, ids, soc="SM8650", progress=False)
+    assert report["methods"] >= 8 and report["pte_bytes"] > 0
+    worst = min(r["within_2_steps"] for r in report["linears"])
+    assert worst >= 0.99, report["linears"]
+    assert min(r["sqnr_db"] for r in report["linears"]) > 25
