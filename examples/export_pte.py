@@ -18,7 +18,9 @@ import torch
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir import to_edge_transform_and_lower
 from executorch.exir.backend.partitioner import DelegationSpec
-from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+from executorch.extension.pybindings.portable_lib import (
+    _load_for_executorch_from_buffer,
+)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from llmnpu_delegate import load_model

@@ -1,6 +1,5 @@
 """The HF wrapper on the embedded model (slow): float is HF token for token; W8A8 + shadow agrees."""
 import pytest
-import torch
 
 from llmnpu_delegate.hf import LlmNpuForCausalLM, greedy_agreement
 

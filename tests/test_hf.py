@@ -133,9 +133,9 @@ def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
 
 
 def test_run_command_and_its_errors(tmp_path, capsys):
-    from llmnpu_delegate.cli import main
-
     import json
+
+    from llmnpu_delegate.cli import main
 
     assert main(["run", "--model", "random:tiny-llama", "--prompt", "hello there", "--quant", "fp32", "--chunk", "8",
                  "--max-new-tokens", "3", "--json", "--no-progress", "--trace", str(tmp_path / "tr")]) == 0

@@ -68,7 +68,9 @@ def validate_qnn(engine, calib_ids: Tensor, eval_ids: Tensor, soc: str = DEFAULT
                  progress: bool = True) -> dict:
     """Lower the engine's NPU subgraphs (of the first ``layers`` blocks) to QNN methods, run them on the
     simulator with the engine's own inputs, and compare (per subgraph: max steps, SQNR)."""
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+    from executorch.extension.pybindings.portable_lib import (
+        _load_for_executorch_from_buffer,
+    )
 
     if engine.plans is None:
         raise LlmNpuError("validation compares INT8 subgraphs: prepare the engine with a quantized mode")
