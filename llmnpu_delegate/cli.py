@@ -9,7 +9,8 @@ import sys
 
 def _quiet_third_party_logs() -> None:
     # torchao (pulled in by transformers) logs missing CUDA kernels and pytree notices on import.
-    for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils"):
+    for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils",
+                 "transformers.distributed.tensor_parallel"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

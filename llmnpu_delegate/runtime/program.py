@@ -82,7 +82,7 @@ def build_steps(partition: Partition, backend, progress: bool = False) -> tuple[
     shadow: dict[str, torch.nn.Module] = {}
     steps: list[Step] = []
     by_name = {n.name: n for n in partition.graph_module.graph.nodes}
-    for sub in tqdm(partition.subgraphs, desc="compiling subgraphs", unit="graph", disable=not progress):
+    for sub in tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress):
         if sub.kind == "npu":
             steps.append(Step(sub, backend.lower_npu(sub)))
             continue
