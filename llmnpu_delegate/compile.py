@@ -67,9 +67,9 @@ def _param_fqn(placeholder_target: str) -> str | None:
     return ".".join(p for p in parts if p)
 
 
-def _linear_shells(gm: fx.GraphModule, example_inputs: Sequence, names: dict[str, str]) -> dict[str, nn.Linear]:
-    """nn.Linear views over the graph's real weight tensors (Dynamo passes parameters as inputs)."""
-    value_of = {n.name: v for n, v in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)}
+def _linear_shells(gm: fx.GraphModule, args: Sequence, names: dict[str, str]) -> dict[str, nn.Linear]:
+    """nn.Linear views over the weights among a call's ``args`` (Dynamo passes parameters as inputs)."""
+    value_of = {n.name: v for n, v in zip(gm.graph.find_nodes(op="placeholder"), args)}
     shells: dict[str, nn.Linear] = {}
     for node in gm.graph.nodes:
         if not is_linear(node):
