@@ -137,3 +137,45 @@ def test_fused_uint8_quantization_matches_the_quantize_op():
     assert torch.equal(got, want)
     assert ops._fused_state in ("ok", "failed")             # compiled where a compiler exists, else eager
     assert int(got.min()) == 1 and int(got.max()) == 255    # symmetric: -128 is never produced
+
+
+@pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-gemma2"])   # gemma2: softcapping path
+def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
+    """A dynamic (attention) subgraph of chunk 1, exported with the chunk's real inputs, loses our custom
+    op through ``decompositions()`` and runs on ExecuTorch's portable kernels with the engine's result."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    from llmnpu_delegate.kernels.attention import decompositions
+    from llmnpu_delegate.models import load_model
+    from llmnpu_delegate.partitioner.regions import subgraph_module
+    from llmnpu_delegate.prefill import Prefiller
+    from llmnpu_delegate.runtime.tasks import past_name
+
+    engine = Prefiller(load_model(spec), chunk_len=16, quant=None, progress=False)
+    program = engine.program
+    feeds = engine.feeds(torch.randint(0, 1000, (40,)))
+    values = dict(feeds[0])
+    with torch.no_grad():
+        for step in program.steps:
+            values.update(zip(step.sub.outputs, step.fn(*[values[n] for n in step.sub.inputs])))
+        chunk1 = dict(feeds[1])
+        for layer, (k, v) in enumerate(zip(program.out_k, program.out_v)):
+            chunk1[past_name("k", layer)], chunk1[past_name("v", layer)] = values[k], values[v]
+        for step in program.steps:
+            inputs = [chunk1[n] for n in step.sub.inputs]
+            outs = step.fn(*inputs)
+            if not step.sub.static:
+                break
+            chunk1.update(zip(step.sub.outputs, outs))
+    ep = torch.export.export(subgraph_module(program.partition, step.sub), tuple(inputs), strict=False)
+    ep = ep.run_decompositions(decompositions())
+    assert not any("llmnpu" in str(n.target) for n in ep.graph.nodes)
+    buffer = to_edge_transform_and_lower(ep).to_executorch().buffer
+    got = _load_for_executorch_from_buffer(buffer).forward(tuple(inputs))
+    assert len(got) == len(outs)
+    for g, want in zip(got, outs):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(g.to(want.dtype), want, rtol=1e-5, atol=1e-5)
+        else:
+            assert g == want        # a size the next subgraph reads

@@ -9,6 +9,8 @@ the ``g`` query heads sharing a K/V head into one matrix instead of copying K/V 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,27 +22,37 @@ def causal_mask(q_len: int, kv_len: int) -> Tensor:
     return (torch.arange(kv_len)[None, :] <= q_pos)[None, None]
 
 
-def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float) -> Tensor:
+def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float,
+              inplace: bool = True) -> Tensor:
+    # In place by default (no [KVH, g*C, L] temporaries); ``inplace=False`` for graph decompositions,
+    # which must be functional.
     _, h, c, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
     g = h // kvh
-    scores = torch.bmm(q.reshape(kvh, g * c, d), k[0].transpose(1, 2)).mul_(scaling)
-    if softcap > 0:
-        scores.div_(softcap).tanh_().mul_(softcap)
+    scores = torch.bmm(q.reshape(kvh, g * c, d), k[0].transpose(1, 2))
+    if inplace:
+        scores.mul_(scaling)
+        if softcap > 0:
+            scores.div_(softcap).tanh_().mul_(softcap)
+    else:
+        scores = scores * scaling
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
     s4 = scores.view(kvh, g, c, length)
     m = mask.reshape(mask.shape[-2], length)
     if m.dtype == torch.bool:
-        s4.masked_fill_(~m, float("-inf"))
+        s4 = s4.masked_fill_(~m, float("-inf")) if inplace else s4.masked_fill(~m, float("-inf"))
     else:
-        s4.add_(m)
-    probs = torch.softmax(scores, dim=-1)
+        s4 = s4.add_(m) if inplace else s4 + m
+    probs = torch.softmax(s4.reshape(kvh, g * c, length), dim=-1)
     return torch.bmm(probs, v[0]).view(1, h, c, d)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float,
+            inplace: bool = True) -> Tensor:
     torch._check(q.shape[0] == 1, lambda: "chunk attention runs one sequence at a time (batch 1)")
     if softcap > 0:
-        out = _explicit(q, k, v, mask, scaling, softcap)
+        out = _explicit(q, k, v, mask, scaling, softcap, inplace)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()   # [1, C, H, d], as transformers' attention returns
@@ -55,3 +67,9 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: floa
 @chunk_attention.register_fake
 def _(q, k, v, mask, scaling, softcap):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+
+
+def decompositions() -> dict:
+    """``llmnpu::chunk_attention`` as plain aten ops, for ``ExportedProgram.run_decompositions``: programs
+    that leave our runtime (ExecuTorch's portable kernels have no such op) compute the same attention."""
+    return {torch.ops.llmnpu.chunk_attention.default: functools.partial(_attend, inplace=False)}
