@@ -144,7 +144,9 @@ def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
     """A dynamic (attention) subgraph of chunk 1, exported with the chunk's real inputs, loses our custom
     op through ``decompositions()`` and runs on ExecuTorch's portable kernels with the engine's result."""
     from executorch.exir import to_edge_transform_and_lower
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+    from executorch.extension.pybindings.portable_lib import (
+        _load_for_executorch_from_buffer,
+    )
 
     from llmnpu_delegate.kernels.attention import decompositions
     from llmnpu_delegate.models import load_model
