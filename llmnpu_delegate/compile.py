@@ -115,7 +115,7 @@ class _PartitionedGraph:
             self._lower(args)
         values = dict(zip(self.partition.graph_inputs, args))
         for step in self.steps:
-            values.update(zip(step.sub.outputs, step.fn(*[values[n] for n in step.sub.inputs])))
+            values.update(step.run(values))
         return fx.node.map_arg(self.out_spec, lambda n: values[n.name])
 
     def __call__(self, *args):

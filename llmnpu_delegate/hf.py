@@ -25,6 +25,12 @@ from .prefill import DEFAULT_CHUNK, Prefiller, resolve_quant
 from .quantize import Calibration, QuantConfig
 
 
+def fill_cache(cache, result) -> None:
+    """Put a prefill's K/V into a transformers cache (its layers crop sliding windows as HF does)."""
+    for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
+        cache.update(k, v, layer)
+
+
 def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = None,
                  clip_percentile: float | None = None) -> QuantConfig | None:
     """A named mode (``w8a8-shadow``, ``w8a8``, ``fp32``) or a QuantConfig, with the shadow knobs applied."""
@@ -123,8 +129,7 @@ class LlmNpuForCausalLM:
                           f"{self.engine.chunk_len} (chunk_len)", stacklevel=2)
         t = time.perf_counter()
         result = self.engine(input_ids)
-        for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
-            cache.update(k, v, layer)
+        fill_cache(cache, result)
         self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
         return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)
@@ -154,8 +159,7 @@ def greedy_agreement(wrapper: LlmNpuForCausalLM, prompts: list[torch.Tensor], ma
         first += int(got[0] == ref[0])
         result = wrapper.engine(ids)
         cache = DynamicCache(config=model.config)
-        for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
-            cache.update(k, v, layer)
+        fill_cache(cache, result)
         pred = [result.logits.argmax().reshape(1)]
         if len(ref) > 1:
             pred.append(model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1))

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..partitioner.regions import linear_names
+from ..partitioner.regions import SHADOW_BRANCH, linear_names
 from ..quantize.apply import LinearPlan
 
-SHADOW_MODULE = "ShadowPath"     # the nn_module_stack class that marks a shadow branch
 _aten = torch.ops.aten
 
 
@@ -27,7 +26,7 @@ def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: s
         x, w = node.args[0], node.args[1]
         stack = dict(node.meta.get("nn_module_stack") or {})
         path = next(reversed(stack.values()))[0] if stack else name
-        stack["llmnpu_shadow"] = (f"{path}.shadow", SHADOW_MODULE)
+        stack["llmnpu_shadow"] = (f"{path}.shadow", SHADOW_BRANCH)
         with graph.inserting_after(node):
             clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
         with graph.inserting_after(clipped):

@@ -26,6 +26,10 @@ class Step:
     def static(self) -> bool:
         return self.sub.static
 
+    def run(self, values: dict) -> dict:
+        """Run on ``values`` (its inputs by name); its outputs by name."""
+        return dict(zip(self.sub.outputs, self.fn(*[values[name] for name in self.sub.inputs])))
+
 
 def _bind_shadow(gm: fx.GraphModule, backend, bound: dict) -> None:
     for node in list(gm.graph.nodes):
@@ -114,5 +118,4 @@ class ChunkProgram:
 
     def call_step(self, i: int, values: dict) -> dict:
         """Run step ``i`` on ``values`` (its inputs by name); its outputs by name."""
-        step = self.steps[i]
-        return dict(zip(step.sub.outputs, step.fn(*[values[name] for name in step.sub.inputs])))
+        return self.steps[i].run(values)
