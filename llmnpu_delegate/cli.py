@@ -1,4 +1,4 @@
-"""The `llmnpu` command line: run, eval, calibrate, partition, bench."""
+"""The `llmnpu` command line: run, eval, calibrate, partition, bench, export, validate."""
 from __future__ import annotations
 
 import argparse
@@ -154,6 +154,67 @@ def cmd_run(args) -> dict:
     return summary
 
 
+def cmd_export(args) -> dict:
+    from .evaluate import read_text, tokenize
+    from .lower.pte import export_engine, export_pte
+    from .prefill import quant_config
+
+    quant = quant_config(args.quant, args.pruning_rate)
+    lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
+    calib_ids = tokenize(lm, read_text(None, "calib"))
+    summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
+                         model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress)
+    args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
+                 f"methods for {args.backend}{' ' + args.soc if args.backend == 'qnn' else ''}, "
+                 f"{summary['cpu_methods']} CPU methods) and {summary['sidecar']} "
+                 f"({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, context "
+                 f"{summary['context']} tokens, {summary['seconds']:.0f} s\n"
+                 f"check it: llmnpu validate --pte {summary['pte']}")
+    return summary
+
+
+def cmd_validate(args) -> dict:
+    from .errors import LlmNpuError
+    from .evaluate import read_text, tokenize
+    from .lower.pte import export_engine
+    from .lower.validate import validate_pte
+    from .quantize import QuantConfig
+    from .runtime.pte_runner import PteRunner
+
+    runner = PteRunner(args.pte)             # checks the .pte and its sidecar first
+    meta = runner.meta
+    model = meta["model"]
+    if "spec" not in model:
+        raise LlmNpuError(f"{args.pte}'s sidecar does not say which model it was exported from")
+    lm, engine = export_engine(model["spec"], meta["chunk_len"], QuantConfig.from_dict(meta["quant"]),
+                               model.get("blocks"), progress=not args.no_progress)
+    ids = tokenize(lm, read_text(None, "eval"))
+    prompt = ids[: args.prompt_tokens] if args.prompt_tokens else None
+    result = validate_pte(args.pte, engine, ids, prompt, runner=runner)
+    args.text = _format_validate(result)
+    args.failed = not result["prefill"]["same_next_token"]
+    return result
+
+
+def _format_validate(r: dict) -> str:
+    where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['target'] == 'qnn' else ''}"
+    lines = [f"NPU subgraphs of the .pte ({where}) against the cpu-int8 engine, one chunk of evaluation text:",
+             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'max steps':>9} {'<= 2 steps':>10} {'SQNR dB':>8}"]
+    for x in r["linears"]:
+        lines.append(f"{x['subgraph']:>8} {x['layer'] if x['layer'] is not None else '-':>5}  "
+                     f"{x['linear'].split('.', 3)[-1]:<28} {x['max_steps']:>9.2f} {100 * x['within_2_steps']:>9.2f}% "
+                     f"{x['sqnr_db']:>8.1f}")
+    worst = min(x["within_2_steps"] for x in r["linears"])
+    lines.append(f"elements within 2 output steps: >= {100 * worst:.2f} % in every linear; "
+                 f"largest difference {max(x['max_steps'] for x in r['linears']):.2f} steps")
+    p = r["prefill"]
+    verdict = "same next token" if p["same_next_token"] else "DIFFERENT next token"
+    lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "
+                 f"schedule): {verdict} (pte {p['next_token_pte']}, engine {p['next_token_engine']}); logits SQNR "
+                 f"{p['logits_sqnr_db']:.1f} dB, K/V SQNR >= {p['kv_sqnr_db_min']:.1f} dB")
+    return "\n".join(lines)
+
+
 def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, median of {r['repeats']}"]
@@ -290,6 +351,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)
+
+    from .lower.npu_subgraphs import TARGETS
+    from .lower.pte import DEFAULT_CONTEXT
+    from .lower.qnn import DEFAULT_SOC
+
+    p = sub.add_parser("export", help="write a deployable .pte (QNN/HTP or cpu-int8 NPU methods) and its sidecar",
+                       description="Lower the partitioned chunk step into one ExecuTorch .pte: a method per static "
+                                   "NPU subgraph (ExecuTorch's Qualcomm QNN delegate with our INT8 encodings, or "
+                                   "XNNPACK INT8 for cpu-int8), a float method per CPU subgraph (portable kernels; "
+                                   "attention with a symbolic past up to --context), and a sidecar JSON with what "
+                                   "a runner needs (names, scales, thresholds, hot channels, pruned layers, profile).")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--backend", choices=list(TARGETS), default="qnn", help="NPU methods for (default qnn)")
+    p.add_argument("--soc", default=DEFAULT_SOC, help=f"Snapdragon SoC for qnn (default {DEFAULT_SOC}, 8 Gen 3)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"longest prompt the .pte serves (default {DEFAULT_CONTEXT} or the model's context)")
+    p.add_argument("--blocks", type=int, default=None, help="keep the first N decoder blocks (a quick check)")
+    p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"], default="w8a8-shadow",
+                   help="quantization (default w8a8-shadow)")
+    p.add_argument("--pruning-rate", type=float, default=None,
+                   help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
+    p.add_argument("--out", required=True, help="the .pte to write (the sidecar goes beside it, .json)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("validate", help="run an exported .pte on this host and compare it with the cpu-int8 engine",
+                       description="Run each NPU method of the .pte (QNN methods on Qualcomm's HTP simulator) on one "
+                                   "chunk of evaluation text and compare with the cpu-int8 engine in output "
+                                   "quantization steps and SQNR; then prefill a short prompt from the .pte alone "
+                                   "(reference runner, out-of-order executor) and compare the next token. Exit "
+                                   "status 1 when the next token differs. Simulator times are not speed.")
+    p.add_argument("--pte", required=True, help="the .pte written by llmnpu export (its .json beside it)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="tokens of the whole-prefill prompt (default 1.5 chunks)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_validate)
     return ap
 
 
@@ -313,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print(args.text)
     else:
         print(json.dumps(result, indent=1))
-    return 0
+    return 1 if getattr(args, "failed", False) else 0
 
 
 if __name__ == "__main__":

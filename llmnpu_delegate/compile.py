@@ -41,8 +41,7 @@ def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | N
 
     ``quant="fp32"`` gives the float reference: the same partition, NPU regions as float linears.
     """
-    from .hf import quant_config
-    from .prefill import default_calibration
+    from .prefill import default_calibration, quant_config
 
     lm = model if isinstance(model, LoadedModel) else None
     module = lm.model if lm else model

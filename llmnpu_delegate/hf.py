@@ -9,7 +9,6 @@ criteria, logits processors). Only its prefill step is replaced, for the duratio
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import warnings
@@ -21,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
-from .prefill import DEFAULT_CHUNK, Prefiller, resolve_quant
+from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
 from .quantize import Calibration, QuantConfig
 
 
@@ -29,18 +28,6 @@ def fill_cache(cache, result) -> None:
     """Put a prefill's K/V into a transformers cache (its layers crop sliding windows as HF does)."""
     for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
         cache.update(k, v, layer)
-
-
-def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = None,
-                 clip_percentile: float | None = None) -> QuantConfig | None:
-    """A named mode (``w8a8-shadow``, ``w8a8``, ``fp32``) or a QuantConfig, with the shadow knobs applied."""
-    config = resolve_quant(quant)
-    knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile)) if v is not None}
-    if not knobs:
-        return config
-    if config is None or config.outliers != "shadow":
-        raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow outlier mode (quant='w8a8-shadow')")
-    return dataclasses.replace(config, **knobs)
 
 
 class LlmNpuForCausalLM:

@@ -76,6 +76,21 @@ def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
     return LoadedModel(spec, model, tok, fingerprint(model))
 
 
+def keep_first_blocks(lm: LoadedModel, blocks: int) -> LoadedModel:
+    """Cut ``lm`` (in place) to its first ``blocks`` decoder blocks: a quick stand-in for slow checks
+    (the QNN simulator) that still runs real weights end to end. The fingerprint stays the model's:
+    plan it (``plan_linears``) on the whole model first, so pruning is ranked over every layer."""
+    layers = decoder_layers(lm.model)
+    if not isinstance(blocks, int) or not 0 < blocks <= len(layers):
+        raise LlmNpuError(f"blocks must be an integer in 1..{len(layers)} (the model's decoder blocks), got {blocks!r}")
+    config = lm.model.config
+    lm.model.model.layers = layers[:blocks]
+    config.num_hidden_layers = blocks
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:blocks]
+    return lm
+
+
 def check_family(config) -> None:
     if config.model_type not in SUPPORTED_FAMILIES:
         raise LlmNpuError(

@@ -9,6 +9,7 @@ every policy gives the same outputs, bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -36,8 +37,7 @@ from .runtime.allocator import tune_malloc
 from .runtime.executor import POLICIES, Executor, RunStats, Workers
 from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
-from .runtime.program import ChunkProgram
-from .runtime.tasks import past_name
+from .runtime.program import ChunkProgram, chunk_feeds
 
 BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
@@ -55,6 +55,18 @@ def resolve_quant(quant) -> QuantConfig | None:
     if quant not in QUANT_MODES:
         raise LlmNpuError(f"unknown quantization '{quant}': use one of {', '.join(QUANT_MODES)} or a QuantConfig")
     return QUANT_MODES[quant]
+
+
+def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = None,
+                 clip_percentile: float | None = None) -> QuantConfig | None:
+    """A named mode (``w8a8-shadow``, ``w8a8``, ``fp32``) or a QuantConfig, with the shadow knobs applied."""
+    config = resolve_quant(quant)
+    knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile)) if v is not None}
+    if not knobs:
+        return config
+    if config is None or config.outliers != "shadow":
+        raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow outlier mode (quant='w8a8-shadow')")
+    return dataclasses.replace(config, **knobs)
 
 
 @dataclass
@@ -75,6 +87,25 @@ class PrefillResult:
     @property
     def tokens(self) -> int:
         return self.past_k[0].shape[2]
+
+
+def check_prompt(input_ids, max_context: int, vocab: int) -> Tensor:
+    """``input_ids`` as a 1-D int64 tensor, or an LlmNpuError that says what is wrong with it."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise LlmNpuError(f"prefill runs one prompt at a time (batch 1), got a batch of {ids.shape[0]}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise LlmNpuError(f"input_ids must be a 1-D (or [1, T]) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+    if ids.numel() == 0:
+        raise LlmNpuError("the prompt is empty: give at least one token")
+    if ids.numel() > max_context:
+        raise LlmNpuError(f"the prompt has {ids.numel()} tokens, more than the context of "
+                          f"{max_context}: shorten it")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise LlmNpuError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+    return ids.to(torch.int64)
 
 
 class Prefiller:
@@ -122,7 +153,7 @@ class Prefiller:
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
         self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
-        self.program = ChunkProgram(self.partition, self.backend, chunk_len, self.kv.layers, progress)
+        self.program = ChunkProgram.build(self.partition, self.backend, chunk_len, self.kv.layers, progress)
         self.timings["compile_s"] = time.perf_counter() - t
         self.executor = Executor(self.program, workers)
         if self.plans is not None:
@@ -149,42 +180,11 @@ class Prefiller:
 
     # ------------------------------------------------------------------ prompts
     def check_prompt(self, input_ids) -> Tensor:
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise LlmNpuError(f"prefill runs one prompt at a time (batch 1), got a batch of {ids.shape[0]}")
-            ids = ids[0]
-        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
-            raise LlmNpuError(f"input_ids must be a 1-D (or [1, T]) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
-        if ids.numel() == 0:
-            raise LlmNpuError("the prompt is empty: give at least one token")
-        if ids.numel() > self.max_context:
-            raise LlmNpuError(f"the prompt has {ids.numel()} tokens, more than the model's context of "
-                              f"{self.max_context}: shorten it")
-        vocab = self.model.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise LlmNpuError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-        return ids.to(torch.int64)
-
-    def chunks(self, ids: Tensor) -> list[tuple[Tensor, int]]:
-        """[(chunk ids [1, C] padded with 0, number of real tokens)] of a checked prompt."""
-        c = self.chunk_len
-        out = []
-        for start in range(0, ids.numel(), c):
-            part = ids[start:start + c]
-            out.append((torch.nn.functional.pad(part, (0, c - part.numel()))[None], part.numel()))
-        return out
+        return check_prompt(input_ids, self.max_context, self.model.config.vocab_size)
 
     def feeds(self, ids: Tensor) -> list[dict[str, Tensor]]:
         """Per chunk: its ids, positions and logits row (the past K/V arrive from the previous chunk)."""
-        c, s = self.chunk_len, self.kv
-        feeds = []
-        for position, (chunk, real) in enumerate(self.chunks(ids)):
-            feeds.append({"input_ids": chunk, "cache_position": torch.arange(position * c, position * c + c),
-                          "logits_index": torch.tensor([real - 1])})
-        empty = torch.zeros(1, s.kv_heads, 0, s.head_dim)
-        feeds[0].update({past_name(kind, i): empty for kind in "kv" for i in range(s.layers)})
-        return feeds
+        return chunk_feeds(ids, self.chunk_len, self.kv)
 
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None) -> PrefillResult:

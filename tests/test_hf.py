@@ -5,8 +5,9 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.hf import LlmNpuForCausalLM, quant_config
+from llmnpu_delegate.hf import LlmNpuForCausalLM
 from llmnpu_delegate.models import load_model
+from llmnpu_delegate.prefill import quant_config
 
 FAMILIES = ["random:tiny-llama", "random:tiny-qwen2", "random:tiny-gemma2", "random:tiny-gemma3", "random:tiny-phi3"]
 

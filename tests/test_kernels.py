@@ -141,43 +141,34 @@ def test_fused_uint8_quantization_matches_the_quantize_op():
 
 @pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-gemma2"])   # gemma2: softcapping path
 def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
-    """A dynamic (attention) subgraph of chunk 1, exported with the chunk's real inputs, loses our custom
-    op through ``decompositions()`` and runs on ExecuTorch's portable kernels with the engine's result."""
+    """A dynamic (attention) subgraph of chunk 2, exported with the chunk's real inputs, loses our custom
+    op through ``decompositions()`` and runs on ExecuTorch's portable kernels with the engine's result,
+    at that position and (the past length stays symbolic) at the first chunk's."""
     from executorch.exir import to_edge_transform_and_lower
     from executorch.extension.pybindings.portable_lib import (
         _load_for_executorch_from_buffer,
     )
 
-    from llmnpu_delegate.kernels.attention import decompositions
+    from llmnpu_delegate.lower.cpu_subgraphs import export_cpu_subgraph
     from llmnpu_delegate.models import load_model
-    from llmnpu_delegate.partitioner.regions import subgraph_module
     from llmnpu_delegate.prefill import Prefiller
-    from llmnpu_delegate.runtime.tasks import past_name
 
     engine = Prefiller(load_model(spec), chunk_len=16, quant=None, progress=False)
     program = engine.program
-    feeds = engine.feeds(torch.randint(0, 1000, (40,)))
-    values = dict(feeds[0])
     with torch.no_grad():
-        for step in program.steps:
-            values.update(zip(step.sub.outputs, step.fn(*[values[n] for n in step.sub.inputs])))
-        chunk1 = dict(feeds[1])
-        for layer, (k, v) in enumerate(zip(program.out_k, program.out_v)):
-            chunk1[past_name("k", layer)], chunk1[past_name("v", layer)] = values[k], values[v]
-        for step in program.steps:
-            inputs = [chunk1[n] for n in step.sub.inputs]
-            outs = step.fn(*inputs)
-            if not step.sub.static:
-                break
-            chunk1.update(zip(step.sub.outputs, outs))
-    ep = torch.export.export(subgraph_module(program.partition, step.sub), tuple(inputs), strict=False)
-    ep = ep.run_decompositions(decompositions())
+        runs = list(program.run_in_order(engine.feeds(torch.randint(0, 1000, (40,)))))
+    i = next(i for i, step in enumerate(program.steps) if not step.static)
+    at = {c: (inputs, outs) for c, j, inputs, outs in runs if j == i}
+    ep = export_cpu_subgraph(engine.partition, program.steps[i].sub, None, "model.", tuple(at[2][0]), max_past=64)
     assert not any("llmnpu" in str(n.target) for n in ep.graph.nodes)
     buffer = to_edge_transform_and_lower(ep).to_executorch().buffer
-    got = _load_for_executorch_from_buffer(buffer).forward(tuple(inputs))
-    assert len(got) == len(outs)
-    for g, want in zip(got, outs):
-        if isinstance(want, torch.Tensor):
-            torch.testing.assert_close(g.to(want.dtype), want, rtol=1e-5, atol=1e-5)
-        else:
-            assert g == want        # a size the next subgraph reads
+    pte = _load_for_executorch_from_buffer(buffer)
+    for chunk in (2, 0):                                # a past of 32 tokens, then none
+        inputs, outs = at[chunk]
+        got = pte.forward(tuple(inputs))
+        assert len(got) == len(outs)
+        for g, want in zip(got, outs.values()):
+            if isinstance(want, torch.Tensor):
+                torch.testing.assert_close(g.to(want.dtype), want, rtol=1e-5, atol=1e-5)
+            else:
+                assert g == want        # a size the next subgraph reads

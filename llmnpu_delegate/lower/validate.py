@@ -1,10 +1,15 @@
-"""Check lowered NPU subgraphs against our cpu-int8 engine on real input.
+"""Check an exported ``.pte`` against our cpu-int8 engine on real input.
 
-One chunk goes through the engine's subgraphs in order; each NPU subgraph's input rows and outputs
-are kept. The same rows then run through the lowered methods (on this host: Qualcomm's HTP
-simulator), and each output is compared with the engine's in units of the method's output
-quantization step, plus its SQNR. The output encodings are observed on a chunk of calibration
-text, the comparison uses a chunk of evaluation text.
+Two checks, both against an engine prepared like the one that was exported:
+
+- **per NPU subgraph**: one chunk of evaluation text goes through the engine's subgraphs in order;
+  each NPU subgraph's input rows go through its ``.pte`` method (on this host: Qualcomm's HTP
+  simulator for ``qnn``), and each output is compared with the engine's in units of the method's
+  output quantization step, plus its SQNR;
+- **whole prefill**: a short prompt runs from the ``.pte`` alone (``PteRunner``, out-of-order
+  executor) and from the engine: same next token, logits and K/V SQNR.
+
+The output encodings were observed on calibration text at export, the comparison uses evaluation text.
 """
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from .qnn import DEFAULT_SOC, lower_regions, region_spec
 
 
 @dataclass
@@ -29,18 +33,16 @@ class RegionIO:
 def capture_npu_io(engine, ids: Tensor) -> list[RegionIO]:
     """Run the first chunk of ``ids`` through ``engine``'s subgraphs in order; keep every NPU subgraph's I/O."""
     program = engine.program
-    values = dict(engine.feeds(engine.check_prompt(ids))[0])
+    ids = engine.check_prompt(ids[: engine.chunk_len])
     captured = []
     with torch.inference_mode():
-        for i, step in enumerate(program.steps):
-            inputs = [values[n] for n in step.sub.inputs]
-            outs = step.fn(*inputs)
-            values.update(zip(step.sub.outputs, outs))
-            if step.sub.kind == "npu":
+        for _, i, inputs, outs in program.run_in_order(engine.feeds(ids)):
+            sub = program.steps[i].sub
+            if sub.kind == "npu":
                 # copies now: a later CPU subgraph may work in place on an NPU output (the gated MLP)
-                captured.append(RegionIO(i, step.sub.layer, list(step.sub.linears), inputs[0].clone(),
-                                         [o.clone() for o in outs]))
-    # ordinary tensors (not inference-mode ones), as rows: pt2e calibration and export need them
+                captured.append(RegionIO(i, sub.layer, list(sub.linears), inputs[0].clone(),
+                                         [o.clone() for o in outs.values()]))
+    # ordinary tensors (not inference-mode ones), as rows
     for r in captured:
         r.rows = r.rows.reshape(-1, r.rows.shape[-1]).clone()
         r.outputs = [o.reshape(-1, o.shape[-1]).clone() for o in r.outputs]
@@ -48,53 +50,51 @@ def capture_npu_io(engine, ids: Tensor) -> list[RegionIO]:
 
 
 def sqnr_db(x: Tensor, ref: Tensor) -> float:
-    noise = (x - ref).double().pow(2).sum()
+    noise = (x.double() - ref.double()).pow(2).sum()
     return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
 
 
-def _output_scales(graph) -> dict[int, float]:
-    """Output index -> scale of the quantize node that encodes it (the region's output encoding)."""
-    out = next(n for n in graph.graph.nodes if n.op == "output")
-    scales = {}
-    for i, node in enumerate(out.args[0]):
-        # dequantize(quantize(linear)) -> the quantize node's scale
-        q = node.args[0] if node.op == "call_function" else None
-        if q is not None and "quantize_per_tensor" in str(q.target):
-            scales[i] = float(q.args[1])
-    return scales
-
-
-def validate_qnn(engine, calib_ids: Tensor, eval_ids: Tensor, soc: str = DEFAULT_SOC, layers: int | None = None,
-                 progress: bool = True) -> dict:
-    """Lower the engine's NPU subgraphs (of the first ``layers`` blocks) to QNN methods, run them on the
-    simulator with the engine's own inputs, and compare (per subgraph: max steps, SQNR)."""
-    from executorch.extension.pybindings.portable_lib import (
-        _load_for_executorch_from_buffer,
-    )
-
+def check_engine_matches(engine, meta: dict) -> None:
+    """The engine must be the exported one: same weights, chunk length and activation scales."""
+    if engine.fingerprint != meta["model"]["fingerprint"] or engine.kv.layers != meta["model"]["layers"]:
+        raise LlmNpuError("the engine's model is not the exported one (weights or number of blocks differ)")
+    if engine.chunk_len != meta["chunk_len"]:
+        raise LlmNpuError(f"the engine's chunk length is {engine.chunk_len}, the .pte's {meta['chunk_len']}")
     if engine.plans is None:
         raise LlmNpuError("validation compares INT8 subgraphs: prepare the engine with a quantized mode")
-    calib = capture_npu_io(engine, calib_ids)
-    check = capture_npu_io(engine, eval_ids)
-    keep = [i for i, r in enumerate(check) if layers is None or (r.layer is not None and r.layer < layers)]
-    if not keep:
-        raise LlmNpuError(f"no NPU subgraph in the first {layers} layers")
-    regions, rows = [], {}
-    for i in keep:
-        spec = region_spec(f"npu_{check[i].step}", check[i].names, engine.plans)
-        regions.append((spec, [engine.backend._linear(n) for n in spec.names]))
-        rows[spec.method] = calib[i].rows
-    program, graphs = lower_regions(regions, engine.plans, engine.backend.weights, rows, soc, progress)
-    buffer = program.to_executorch().buffer
-    runtime = _load_for_executorch_from_buffer(buffer)
+    for name, lin in meta["linears"].items():
+        if name not in engine.plans or abs(engine.plans[name].act_scale - lin["act_scale"]) > 1e-9 * lin["act_scale"]:
+            raise LlmNpuError(f"activation scale of {name} differs from the .pte's: it was exported with another "
+                              "calibration or quantization config; export again")
+
+
+def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None, runner=None) -> dict:
+    """Compare ``pte``'s NPU methods and a whole prefill from it with ``engine`` (see module docstring)."""
+    from ..runtime.pte_runner import PteRunner
+
+    runner = runner or PteRunner(pte)
+    meta = runner.meta
+    check_engine_matches(engine, meta)
+    steps = runner.program.steps
     report = []
-    for (spec, _), i in zip(regions, keep):
-        got = runtime.run_method(spec.method, spec.inputs(check[i].rows))
-        scales = _output_scales(graphs[spec.method])
-        for j, (name, want) in enumerate(zip(spec.names, check[i].outputs)):
-            out = got[j].reshape(want.shape)
-            steps = (out - want).abs() / scales[j]
-            report.append({"subgraph": check[i].step, "linear": name, "max_steps": round(float(steps.max()), 2),
-                           "within_2_steps": round(float((steps <= 2).float().mean()), 5),
+    for io in capture_npu_io(engine, eval_ids):
+        got = steps[io.step].fn(io.rows)
+        for name, out, want in zip(io.names, got, io.outputs):
+            steps_off = (out - want).abs() / meta["linears"][name]["output_scale"]
+            report.append({"subgraph": io.step, "layer": io.layer, "linear": name,
+                           "max_steps": round(float(steps_off.max()), 2),
+                           "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
                            "sqnr_db": round(sqnr_db(out, want), 1)})
-    return {"soc": soc, "pte_bytes": len(buffer), "methods": len(regions), "linears": report}
+    prompt = engine.check_prompt(prompt_ids if prompt_ids is not None
+                                 else eval_ids[engine.chunk_len: engine.chunk_len + engine.chunk_len * 3 // 2])
+    ours, theirs = runner(prompt), engine(prompt)
+    return {
+        "target": meta["target"], "soc": meta["soc"], "npu_subgraphs": len({r["subgraph"] for r in report}),
+        "linears": report,
+        "prefill": {"tokens": prompt.numel(), "chunks": ours.chunks, "policy": runner.last_run.policy,
+                    "next_token_pte": int(ours.logits.argmax()), "next_token_engine": int(theirs.logits.argmax()),
+                    "same_next_token": bool(ours.logits.argmax() == theirs.logits.argmax()),
+                    "logits_sqnr_db": round(sqnr_db(ours.logits, theirs.logits), 1),
+                    "kv_sqnr_db_min": round(min(sqnr_db(a, b) for a, b in zip(ours.past_k + ours.past_v,
+                                                                               theirs.past_k + theirs.past_v)), 1)},
+    }

@@ -123,5 +123,11 @@ def activate(sdk: QnnSdk | None = None) -> QnnSdk:
         for so in sorted(sdk.lib.glob("lib*.so*")):
             if so.name.startswith(("libunwind", "libc++")) or so.name == "libQnnSystem.so":
                 ctypes.CDLL(str(so.resolve()), mode=ctypes.RTLD_GLOBAL)
+    # A program that only runs (nothing lowered in this process) opens the HTP backend by bare name;
+    # the loader read LD_LIBRARY_PATH at process start, before it named our folder. A library
+    # already loaded under that soname (our shim, or the user SDK's own library) is found instead.
+    htp = sdk.lib / "libQnnHtp.so"
+    if htp.is_file() and htp.stat().st_size:
+        ctypes.CDLL(str(htp), mode=ctypes.RTLD_GLOBAL)
     _active = sdk
     return sdk

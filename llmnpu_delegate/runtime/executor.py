@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from .program import ChunkProgram
-from .tasks import Task, build_tasks, past_name
+from .program import ChunkProgram, past_name
+from .tasks import Task, build_tasks
 
 POLICIES = ("inorder", "overlap", "ooo")
 PROCESSORS = ("npu", "cpu")

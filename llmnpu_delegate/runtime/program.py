@@ -8,13 +8,18 @@ their graph is shape-polymorphic in the past length, so one build serves every c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
-from torch import fx
+from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
+
+
+def past_name(kind: str, layer: int) -> str:
+    """Input name of one layer's past K (``kind="k"``) or V in the chunk step."""
+    return f"past_{kind}_{layer}"
 
 
 @dataclass
@@ -98,14 +103,21 @@ def build_steps(partition: Partition, backend, progress: bool = False) -> tuple[
 
 
 class ChunkProgram:
-    def __init__(self, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False):
-        self.partition = partition
-        self.chunk_len = chunk_len
-        self.steps, self.shadow = build_steps(partition, backend, progress)
-        outs = partition.graph_outputs
+    """The steps of one chunk, which of them the logits and the K/V need, and where the outputs are.
+    ``build`` makes one from a partition and a backend; a ``.pte`` runner makes one from its methods."""
+
+    def __init__(self, steps: list[Step], graph_outputs: list[str], chunk_len: int, layers: int,
+                 shadow: dict | None = None):
+        self.steps, self.chunk_len, self.shadow = steps, chunk_len, shadow or {}
+        outs = graph_outputs
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
         self.needed_final = self._needed([self.out_logits, *self.out_k, *self.out_v])
         self.needed_kv = self._needed([*self.out_k, *self.out_v])
+
+    @classmethod
+    def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False) -> "ChunkProgram":
+        steps, shadow = build_steps(partition, backend, progress)
+        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow)
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []
@@ -119,3 +131,34 @@ class ChunkProgram:
     def call_step(self, i: int, values: dict) -> dict:
         """Run step ``i`` on ``values`` (its inputs by name); its outputs by name."""
         return self.steps[i].run(values)
+
+    def run_in_order(self, feeds: list[dict[str, Tensor]]) -> Iterator[tuple[int, int, list, dict]]:
+        """Every step of every chunk, in program order, without the executor: yields (chunk, step,
+        its inputs, its outputs). For tools that look at each subgraph's data (export, validation).
+        The inputs are copies: a CPU subgraph may work in place on its private inputs."""
+        handoff = {name: past_name(kind, i) for kind, outs in (("k", self.out_k), ("v", self.out_v))
+                   for i, name in enumerate(outs)}
+        values: dict = {}
+        for c, feed in enumerate(feeds):
+            values = {**feed, **{handoff[n]: v for n, v in values.items() if n in handoff}}
+            for i, step in enumerate(self.steps):
+                inputs = [v.clone() if isinstance(v, Tensor) else v for v in (values[n] for n in step.sub.inputs)]
+                outs = step.run(values)
+                values.update(outs)
+                yield c, i, inputs, outs
+
+
+def chunk_feeds(ids: Tensor, chunk_len: int, kv) -> list[dict[str, Tensor]]:
+    """Per chunk of a checked 1-D prompt: its ids (the last chunk padded with 0 at its end),
+    positions and the row whose logits are wanted; the first chunk also gets the empty past K/V
+    (later chunks get theirs from the chunk before)."""
+    c = chunk_len
+    feeds = []
+    for position, start in enumerate(range(0, ids.numel(), c)):
+        part = ids[start:start + c]
+        chunk = torch.nn.functional.pad(part, (0, c - part.numel()))[None]
+        feeds.append({"input_ids": chunk, "cache_position": torch.arange(start, start + c),
+                      "logits_index": torch.tensor([part.numel() - 1])})
+    empty = torch.zeros(1, kv.kv_heads, 0, kv.head_dim)
+    feeds[0].update({past_name(kind, i): empty for kind in "kv" for i in range(kv.layers)})
+    return feeds

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .program import ChunkProgram
+from .program import ChunkProgram, past_name
 
 
 @dataclass
@@ -26,10 +26,6 @@ class Task:
     @property
     def key(self) -> tuple[int, int]:
         return (self.chunk, self.step)
-
-
-def past_name(kind: str, layer: int) -> str:
-    return f"past_{kind}_{layer}"
 
 
 def build_tasks(program: ChunkProgram, chunks: int) -> list[Task]:

@@ -1,0 +1,172 @@
+"""``llmnpu export``: a prepared engine's chunk program as one ``.pte`` and a sidecar JSON.
+
+The ``.pte`` holds one method per subgraph of the partitioned chunk step:
+
+- ``npu_<i>``: a static NPU subgraph (``npu_subgraphs.py``), lowered once and shared by every chunk:
+  an HTP context binary (``qnn``) or XNNPACK INT8 kernels (``cpu-int8``), with our encodings;
+- ``cpu_<i>``: a float CPU subgraph (``cpu_subgraphs.py``) on ExecuTorch's portable kernels: norms,
+  RoPE, attention with its K/V (past length symbolic up to the artefact's context), the dense
+  shadow outlier branches, lm_head.
+
+The sidecar (``<name>.json``) holds what a runner needs besides the methods: the chunk length and
+context, the subgraph table in program order (method, inputs, outputs by name, processor, layer),
+the graph's input and output names, every NPU linear's activation scale, output scale, outlier
+threshold and hot channels, the pruned layers, and the subgraph profile for out-of-order
+scheduling. Both files are written to temporary names and renamed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import LlmNpuError
+from ..paths import atomic_path
+from .npu_subgraphs import TARGETS, lower_region, region_spec
+
+FORMAT = "llmnpu-pte-sidecar"
+VERSION = 1
+DEFAULT_CONTEXT = 1024
+
+
+def sidecar_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".json")
+
+
+def method_name(sub) -> str:
+    return f"{'npu' if sub.kind == 'npu' else 'cpu'}_{sub.index}"
+
+
+def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True):
+    """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
+    ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
+    (planned on the whole model first, so pruning ranks every layer as in the full model)."""
+    from ..models import keep_first_blocks, load_model
+    from ..prefill import Prefiller, default_calibration
+    from ..quantize import plan_linears
+
+    if quant is None:
+        raise LlmNpuError("export writes INT8 NPU subgraphs: use quant w8a8-shadow or w8a8, not fp32")
+    lm = load_model(spec)
+    calib = default_calibration(lm, progress)
+    if blocks is not None:
+        plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
+        keep_first_blocks(lm, blocks)
+    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress)
+
+
+def _check_args(engine, target: str, soc: str, context: int) -> None:
+    if target not in TARGETS:
+        raise LlmNpuError(f"unknown export backend '{target}': use one of {', '.join(TARGETS)}")
+    if engine.plans is None:
+        raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
+                          "(w8a8-shadow or w8a8), not fp32")
+    if not isinstance(context, int) or not engine.chunk_len <= context <= engine.max_context:
+        raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.max_context} "
+                          f"(chunk length .. the model's context), got {context!r}")
+    if target == "qnn":
+        from .qnn import check_soc
+
+        check_soc(soc)
+
+
+def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
+    """NPU subgraphs' input rows of every chunk (for their output encodings) and every CPU subgraph's
+    inputs at the third chunk (a past of two chunks: export must not specialise it)."""
+    rows: dict[int, list[Tensor]] = {}
+    inputs = {}
+    with torch.inference_mode():
+        for chunk, i, args, _ in engine.program.run_in_order(engine.feeds(ids)):
+            sub = engine.program.steps[i].sub
+            if sub.kind == "npu":
+                rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
+            elif sub.kind != "npu" and chunk == 2:
+                inputs[i] = args
+    # ordinary tensors, not inference-mode ones: pt2e calibration and export need them
+    return ({i: torch.cat(r).clone() for i, r in rows.items()},
+            {i: [a.clone() if isinstance(a, Tensor) else a for a in args] for i, args in inputs.items()})
+
+
+def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
+               context: int | None = None, model: dict | None = None, progress: bool = True) -> dict:
+    """Write ``engine``'s chunk program as ``out`` (.pte) and its sidecar; returns a summary.
+
+    ``calib_ids``: calibration tokens (three chunks are used: they set the NPU outputs' encodings). ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``.
+    """
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir.program import EdgeProgramManager
+    from tqdm.auto import tqdm
+
+    from .cpu_subgraphs import export_cpu_subgraph
+
+    context = context or min(DEFAULT_CONTEXT, engine.max_context)
+    _check_args(engine, target, soc, context)
+    c = engine.chunk_len
+    if calib_ids.numel() < 3 * c:
+        raise LlmNpuError(f"export needs at least {3 * c} calibration tokens (three chunks), got {calib_ids.numel()}")
+    t0 = time.perf_counter()
+    rows, examples = _examples(engine, calib_ids[: 3 * c])
+    max_past = max(math.ceil(context / c) * c - c, 2 * c)
+    programs, npu_scales, table = {}, {}, []
+    steps = engine.program.steps
+    for i, step in enumerate(tqdm(steps, desc=f"lowering subgraphs ({target})", unit="graph", disable=not progress)):
+        sub, name = step.sub, method_name(step.sub)
+        entry = {"index": sub.index, "method": name, "kind": sub.kind, "processor": sub.processor,
+                 "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
+                 "linears": sub.linears}
+        if sub.kind == "npu":
+            spec = region_spec(name, sub.linears, engine.plans)
+            edge, scales = lower_region(spec, [engine.backend._linear(n) for n in sub.linears], engine.plans,
+                                        engine.backend.weights, rows[i], c, target, soc)
+            npu_scales.update(zip(sub.linears, scales))
+            entry["input_groups"] = spec.groups
+        else:
+            ep = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]), max_past)
+            edge = to_edge_transform_and_lower(ep)
+        programs[name] = edge.exported_program(name if sub.kind == "npu" and target == "qnn" else "forward")
+        table.append(entry)
+    merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    buffer = merged.to_executorch().buffer
+
+    out = Path(out)
+    with atomic_path(out) as tmp:
+        tmp.write_bytes(buffer)
+    meta = _sidecar(engine, target, soc, context, table, npu_scales, model, out, buffer)
+    with atomic_path(sidecar_path(out)) as tmp:
+        tmp.write_text(json.dumps(meta, indent=1))
+    return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
+            "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if target == "qnn" else None,
+            "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
+            "chunk_len": c, "context": context, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _sidecar(engine, target, soc, context, table, npu_scales, model, out: Path, buffer: bytes) -> dict:
+    plans, quant = engine.plans, engine.quant
+    linears = {}
+    for name, scale in npu_scales.items():
+        p = plans[name]
+        linears[name] = {"act_scale": p.act_scale, "output_scale": scale, "shadow": p.shadow, "clip": p.clip,
+                         "hot_channels": p.hot.tolist() if p.hot is not None else []}
+    pruned = sorted(n for n in npu_scales if quant.outliers == "shadow" and not plans[n].shadow)
+    partition, kv = engine.partition, engine.kv
+    profile = engine.profile
+    return {
+        "format": FORMAT, "version": VERSION,
+        "pte": out.name, "pte_sha256": hashlib.sha256(buffer).hexdigest(),
+        "target": target, "soc": soc if target == "qnn" else None,
+        "model": {**(model or {}), "fingerprint": engine.fingerprint, "layers": kv.layers, "kv_heads": kv.kv_heads,
+                  "head_dim": kv.head_dim, "vocab_size": engine.model.config.vocab_size},
+        "chunk_len": engine.chunk_len, "context": context,
+        "quant": quant.to_dict(),
+        "graph": {"inputs": partition.graph_inputs, "outputs": partition.graph_outputs},
+        "subgraphs": table,
+        "linears": linears,
+        "pruned_layers": pruned,
+        # seconds per subgraph measured on the host's cpu-int8 engine: relative costs for the scheduler
+        "profile": {"static": profile.static, "dynamic": profile.dynamic} if profile else None,
+    }

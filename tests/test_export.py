@@ -1,0 +1,129 @@
+"""`llmnpu export --backend cpu-int8`: one .pte of NPU (XNNPACK INT8) and CPU (portable) methods plus a
+sidecar, checked against the cpu-int8 engine, and the reference runner that prefills from the .pte alone."""
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import inject_outliers
+
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.lower.pte import export_pte, sidecar_path
+from llmnpu_delegate.lower.validate import sqnr_db, validate_pte
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.quantize import CalibConfig, calibrate
+from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+CHUNK = 32
+
+
+def tiny_engine(quant="w8a8-shadow"):
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
+                      lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
+    return Prefiller(lm, chunk_len=CHUNK, quant=quant, calibration=calib, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def exported(engine, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
+    calib_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
+    summary = export_pte(engine, out, calib_ids, target="cpu-int8", context=4 * CHUNK,
+                         model={"spec": "random:tiny-llama"}, progress=False)
+    return out, summary
+
+
+def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, exported):
+    out, summary = exported
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.pte"]     # no temporaries left
+    meta = json.loads(sidecar_path(out).read_text())
+    runner = PteRunner(out)
+    steps = engine.program.steps
+    assert set(runner.module.method_names()) == {e["method"] for e in meta["subgraphs"]}
+    assert [e["inputs"] for e in meta["subgraphs"]] == [s.sub.inputs for s in steps]
+    assert [e["outputs"] for e in meta["subgraphs"]] == [s.sub.outputs for s in steps]
+    assert summary["npu_methods"] == sum(s.sub.kind == "npu" for s in steps) > 0
+    assert meta["chunk_len"] == CHUNK and meta["context"] == 4 * CHUNK
+    plans = engine.plans
+    assert set(meta["linears"]) == set(plans)
+    for name, lin in meta["linears"].items():
+        assert lin["act_scale"] == pytest.approx(plans[name].act_scale, rel=1e-12)
+        assert lin["shadow"] == plans[name].shadow
+        if plans[name].shadow:
+            assert lin["clip"] == pytest.approx(plans[name].clip) and lin["hot_channels"] == plans[name].hot.tolist()
+        assert lin["output_scale"] > 0
+    assert meta["pruned_layers"] == sorted(n for n, p in plans.items() if not p.shadow)
+    assert 0 < len(meta["pruned_layers"]) < len(plans)          # both kinds present in this plan
+    assert meta["profile"]["static"] and meta["profile"]["dynamic"]
+
+
+def test_npu_methods_match_the_engine_within_two_steps(engine, exported):
+    eval_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(3))
+    report = validate_pte(exported[0], engine, eval_ids)
+    assert len(report["linears"]) == len(engine.plans)
+    assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99, report["linears"]
+    assert min(r["sqnr_db"] for r in report["linears"]) > 25
+    assert report["prefill"]["chunks"] == 2 and report["prefill"]["logits_sqnr_db"] > 18
+
+
+@pytest.mark.parametrize("tokens", [20, 70, 128])        # 1, 3 and 4 chunks (the whole context)
+def test_reference_runner_prefills_like_the_engine(engine, exported, tokens):
+    ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    runner = PteRunner(exported[0])
+    ours, want = runner(ids), engine(ids)
+    assert ours.chunks == want.chunks and ours.tokens == want.tokens == tokens
+    # the .pte's integer regions requantize their outputs to 8 bits (the engine keeps int32 sums):
+    # close, not equal
+    assert sqnr_db(ours.logits, want.logits) > 18
+    assert min(sqnr_db(a, b) for a, b in zip(ours.past_k + ours.past_v, want.past_k + want.past_v)) > 18
+    # and far closer to the engine than to a random model's logits
+    assert sqnr_db(ours.logits, want.logits) > sqnr_db(torch.randn_like(want.logits) * want.logits.std(), want.logits) + 15
+    inorder = runner(ids, policy="inorder")
+    assert torch.equal(inorder.logits, ours.logits) and runner.last_run.policy == "inorder"
+
+
+def test_bad_artefacts_and_prompts_are_refused(exported, tmp_path):
+    out = exported[0]
+    runner = PteRunner(out)
+    with pytest.raises(LlmNpuError, match="more than the context of 128"):
+        runner(torch.zeros(129, dtype=torch.long))
+    with pytest.raises(LlmNpuError, match="no such .pte"):
+        PteRunner(tmp_path / "missing.pte")
+    lonely = tmp_path / "lonely.pte"
+    shutil.copy(out, lonely)
+    with pytest.raises(LlmNpuError, match="no sidecar lonely.json"):
+        PteRunner(lonely)
+    other = tmp_path / "other.pte"
+    other.write_bytes(out.read_bytes() + b"\0")
+    shutil.copy(sidecar_path(out), sidecar_path(other))
+    with pytest.raises(LlmNpuError, match="do not match"):
+        PteRunner(other)
+    sidecar_path(other).write_text("{not json")
+    with pytest.raises(LlmNpuError, match="not valid JSON"):
+        PteRunner(other)
+
+
+def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
+    ids = torch.randint(0, 1000, (3 * CHUNK,))
+    with pytest.raises(LlmNpuError, match="unknown export backend 'gpu'"):
+        export_pte(engine, tmp_path / "a.pte", ids, target="gpu")
+    with pytest.raises(LlmNpuError, match="context must be an integer"):
+        export_pte(engine, tmp_path / "a.pte", ids, target="cpu-int8", context=CHUNK - 1)
+    with pytest.raises(LlmNpuError, match="at least 96 calibration tokens"):
+        export_pte(engine, tmp_path / "a.pte", ids[:50], target="cpu-int8")
+    with pytest.raises(LlmNpuError, match="not fp32"):
+        export_pte(tiny_engine(quant=None), tmp_path / "a.pte", ids, target="cpu-int8")
+    assert not any(tmp_path.iterdir())
+
+
+def test_validate_refuses_an_engine_that_was_not_exported(exported):
+    other = tiny_engine(quant="w8a8")          # same model, other activation scales
+    with pytest.raises(LlmNpuError, match="activation scale of .* differs"):
+        validate_pte(exported[0], other, torch.randint(0, 1000, (CHUNK,)))
