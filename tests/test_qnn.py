@@ -4,12 +4,9 @@ import subprocess
 
 import pytest
 import torch
-from conftest import inject_outliers
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.models import load_model
 from llmnpu_delegate.qnn import sdk as qsdk
-from llmnpu_delegate.quantize import CalibConfig, calibrate
 
 pytestmark = pytest.mark.skipif(qsdk.importlib.util.find_spec("onnxruntime_qnn") is None,
                                 reason="needs the qnn extra (pip install -e '.[qnn]')")
@@ -66,24 +63,20 @@ def test_unknown_soc_is_refused_with_the_list():
 
 @pytest.fixture(scope="module")
 def engine():
-    from llmnpu_delegate.prefill import Prefiller
+    from test_export import tiny_engine
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
-    calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint,
-                      CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
-    return Prefiller(lm, chunk_len=32, calibration=calib, progress=False)
+    return tiny_engine()
 
 
 def test_encodings_are_ours(engine):
     """The lowered graph's input and weight encodings are the plan's scales and our INT8 weights."""
-    from llmnpu_delegate.lower.qnn import _quantized_region, region_spec
+    from llmnpu_delegate.lower.npu_subgraphs import quantized_region, region_spec
     from llmnpu_delegate.quantize.linear import quantize_weight
 
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     spec = region_spec("m", names, engine.plans)
     linears = [engine.backend._linear(n) for n in names]
-    graph, _ = _quantized_region(spec, linears, engine.plans, "channel", torch.randn(32, 64))
+    graph, _ = quantized_region(spec, linears, engine.plans, "channel", torch.randn(64, 64), "qnn", rows_per_call=32)
     nodes = list(graph.graph.nodes)
     inputs = [n for n in nodes if "quantize_per_tensor" in str(n.target) and n.args[0].op == "placeholder"]
     assert sorted(float(n.args[1]) for n in inputs) == pytest.approx(sorted(spec.scales), rel=1e-6)
@@ -96,13 +89,40 @@ def test_encodings_are_ours(engine):
         assert torch.allclose(getattr(graph, node.args[1].target).float(), w_scale, rtol=1e-6, atol=0)
 
 
-def test_simulator_matches_cpu_int8(engine):
-    from llmnpu_delegate.lower.validate import validate_qnn
+def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
+    """`export --backend qnn` of the tiny model: every NPU method (an HTP context binary with our
+    encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""
+    from test_export import CHUNK
 
-    ids = torch.randint(0, 1000, (32,))
+    from llmnpu_delegate.lower.pte import export_pte
+    from llmnpu_delegate.lower.validate import validate_pte
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
     # output encodings observed on the very rows compared: rounding alone is left
-    report = validate_qnn(engine, ids, ids, soc="SM8650", progress=False)
-    assert report["methods"] >= 8 and report["pte_bytes"] > 0
+    summary = export_pte(engine, tmp_path / "tiny.pte", ids, target="qnn", soc="SM8650", context=4 * CHUNK,
+                         progress=False)
+    assert summary["npu_methods"] >= 8 and summary["pte_bytes"] > 0 and summary["soc"] == "SM8650"
+    runner = PteRunner(tmp_path / "tiny.pte")
+    report = validate_pte(tmp_path / "tiny.pte", engine, ids, runner=runner)
     worst = min(r["within_2_steps"] for r in report["linears"])
     assert worst >= 0.99, report["linears"]
     assert min(r["sqnr_db"] for r in report["linears"]) > 25
+    assert report["prefill"]["chunks"] == 2 and report["prefill"]["logits_sqnr_db"] > 18
+    assert report["prefill"]["kv_sqnr_db_min"] > 18
+
+
+@pytest.mark.slow
+def test_export_and_validate_commands_on_the_embedded_model(tmp_path, capsys):
+    """The issue's commands on two blocks of the embedded model: QNN methods for SM8650, then
+    `llmnpu validate`, whose exit status says the .pte predicts the engine's next token."""
+    from llmnpu_delegate.cli import main
+
+    out = tmp_path / "smollm2-2.pte"
+    assert main(["export", "--backend", "qnn", "--soc", "SM8650", "--chunk", "64", "--blocks", "2",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "8 NPU methods for qnn SM8650" in capsys.readouterr().out
+    assert out.is_file() and out.with_suffix(".json").is_file()
+    assert main(["validate", "--pte", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "same next token" in text and "HTP simulator" in text
