@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 
 
 def _quiet_third_party_logs() -> None:
@@ -12,6 +13,8 @@ def _quiet_third_party_logs() -> None:
     for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils",
                  "transformers.distributed.tensor_parallel"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # torch's own deprecation notice, once per graph copied during export
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +28,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="percentiles of |x| to record (default 99 99.5 99.9 99.99); clipping uses one of them")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _add_output_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help=json_help)
 
 
 def _setup(args):
@@ -160,6 +168,10 @@ def cmd_export(args) -> dict:
     from .prefill import quant_config
 
     quant = quant_config(args.quant, args.pruning_rate)
+    if args.backend == "qnn":
+        from .lower.qnn import check_soc
+
+        check_soc(args.soc)              # before the model is loaded and planned
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
     calib_ids = tokenize(lm, read_text(None, "calib"))
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
@@ -348,8 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablation", action="store_true",
                    help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_output_args(p)
     p.set_defaults(func=cmd_bench)
 
     from .lower.npu_subgraphs import TARGETS
@@ -375,8 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pruning-rate", type=float, default=None,
                    help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
     p.add_argument("--out", required=True, help="the .pte to write (the sidecar goes beside it, .json)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_output_args(p, "print the summary as JSON")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("validate", help="run an exported .pte on this host and compare it with the cpu-int8 engine",
@@ -388,8 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pte", required=True, help="the .pte written by llmnpu export (its .json beside it)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="tokens of the whole-prefill prompt (default 1.5 chunks)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_output_args(p)
     p.set_defaults(func=cmd_validate)
     return ap
 

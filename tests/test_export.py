@@ -127,3 +127,22 @@ def test_validate_refuses_an_engine_that_was_not_exported(exported):
     other = tiny_engine(quant="w8a8")          # same model, other activation scales
     with pytest.raises(LlmNpuError, match="activation scale of .* differs"):
         validate_pte(exported[0], other, torch.randint(0, 1000, (CHUNK,)))
+
+
+def test_export_and_validate_commands_cpu_int8(tmp_path, capsys):
+    """The commands end to end on a tiny model (default calibration text, context 96)."""
+    from llmnpu_delegate.cli import main
+
+    out = tmp_path / "tiny.pte"
+    assert main(["export", "--model", "random:tiny-llama", "--backend", "cpu-int8", "--chunk", "32",
+                 "--context", "96", "--out", str(out), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["target"] == "cpu-int8" and summary["context"] == 96 and summary["soc"] is None
+    assert out.stat().st_size == summary["pte_bytes"] and sidecar_path(out).is_file()
+    code = main(["validate", "--pte", str(out), "--no-progress", "--json"])
+    captured = capsys.readouterr()
+    assert code in (0, 1), captured.err
+    report = json.loads(captured.out)
+    assert code == (0 if report["prefill"]["same_next_token"] else 1)
+    assert report["target"] == "cpu-int8" and report["prefill"]["chunks"] == 2
+    assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99

@@ -61,6 +61,15 @@ def test_unknown_soc_is_refused_with_the_list():
         check_soc("SM9999")
 
 
+def test_export_command_refuses_an_unknown_soc_before_loading_the_model(tmp_path, capsys):
+    from llmnpu_delegate.cli import main
+
+    assert main(["export", "--model", "no-such-model", "--soc", "SM9999", "--out", str(tmp_path / "m.pte")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown SoC 'SM9999'" in err and "SM8650" in err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.fixture(scope="module")
 def engine():
     from test_export import tiny_engine

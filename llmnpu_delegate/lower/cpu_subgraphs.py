@@ -20,12 +20,12 @@ from ..errors import LlmNpuError
 from ..kernels.attention import decompositions
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
-
-_aten = torch.ops.aten
+from .shadow import shadow_product
 
 
 def dense_shadow(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str) -> fx.GraphModule:
-    """Replace each ``shadow_delta(x, name)`` marker by the dense float product; the weights come from ``root``."""
+    """Replace each ``shadow_delta(x, name)`` marker by the dense float product (``lower/shadow.py``);
+    the weights come from ``root``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not shadow_delta:
@@ -35,9 +35,7 @@ def dense_shadow(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, Line
         with graph.inserting_before(node), warnings.catch_warnings():
             warnings.simplefilter("ignore")     # the weight is not on ``gm`` yet: the rebuild below copies it
             w = graph.get_attr(f"{prefix}{name}.weight")
-            clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
-            residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
-            delta = graph.call_function(_aten.linear.default, (residue, w))
+            delta = shadow_product(graph, x, w, clip)[-1]
         node.replace_all_uses_with(delta)
         graph.erase_node(node)
     out = fx.GraphModule(root, graph)   # copies the weights the graph now reads

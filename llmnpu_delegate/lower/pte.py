@@ -87,6 +87,14 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
                 rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
             elif sub.kind != "npu" and chunk == 2:
                 inputs[i] = args
+    # The engine's sparse shadow product is a scalar zero when no element crossed the threshold;
+    # the .pte's dense one always has the linear's shape: trace with that shape.
+    nodes = {n.name: n for n in engine.partition.graph_module.graph.nodes}
+    for i, args in inputs.items():
+        for j, (name, a) in enumerate(zip(engine.program.steps[i].sub.inputs, args)):
+            val = nodes[name].meta.get("val")
+            if isinstance(a, Tensor) and isinstance(val, Tensor) and a.dim() != val.dim():
+                args[j] = a.expand(*map(int, val.shape))
     # ordinary tensors, not inference-mode ones: pt2e calibration and export need them
     return ({i: torch.cat(r).clone() for i, r in rows.items()},
             {i: [a.clone() if isinstance(a, Tensor) else a for a in args] for i, args in inputs.items()})

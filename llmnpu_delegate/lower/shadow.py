@@ -17,6 +17,13 @@ from ..quantize.apply import LinearPlan
 _aten = torch.ops.aten
 
 
+def shadow_product(graph: fx.Graph, x: fx.Node, w: fx.Node, clip: float) -> list[fx.Node]:
+    """Insert ``linear(x - clamp(x, -clip, clip), w)`` at the graph's insertion point; its nodes, the product last."""
+    clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
+    residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
+    return [clipped, residue, graph.call_function(_aten.linear.default, (residue, w))]
+
+
 def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str = "") -> list[str]:
     """Add the dense shadow branch after every shadowed linear of ``gm`` (in place); returns their names."""
     graph = gm.graph
@@ -28,15 +35,10 @@ def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: s
         path = next(reversed(stack.values()))[0] if stack else name
         stack["llmnpu_shadow"] = (f"{path}.shadow", SHADOW_BRANCH)
         with graph.inserting_after(node):
-            clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
-        with graph.inserting_after(clipped):
-            residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
-        with graph.inserting_after(residue):
-            delta = graph.call_function(_aten.linear.default, (residue, w))
-        with graph.inserting_after(delta):
-            total = graph.call_function(_aten.add.Tensor, (node, delta))
+            branch = shadow_product(graph, x, w, clip)
+            total = graph.call_function(_aten.add.Tensor, (node, branch[-1]))
         node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
-        for n in (clipped, residue, delta, total):
+        for n in (*branch, total):
             n.meta["nn_module_stack"] = stack
         added.append(name)
     gm.recompile()
