@@ -146,3 +146,37 @@ def test_export_and_validate_commands_cpu_int8(tmp_path, capsys):
     assert code == (0 if report["prefill"]["same_next_token"] else 1)
     assert report["target"] == "cpu-int8" and report["prefill"]["chunks"] == 2
     assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99
+
+
+def test_outsized_output_channels_get_their_own_encoding():
+    """Two output channels with 100-300x the others' range: split out, each gets its own output
+    encoding, and the ordinary channels keep their resolution (the embedded model's down_proj case)."""
+    from executorch.extension.pybindings.portable_lib import (
+        _load_for_executorch_from_buffer,
+    )
+
+    from llmnpu_delegate.lower.npu_subgraphs import lower_region, outlier_outputs, region_spec
+    from llmnpu_delegate.quantize.apply import LinearPlan
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight[5] *= 300
+        lin.weight[30] *= 100
+    rows = torch.randn(64, 64)
+    assert outlier_outputs(lin, rows) == [5, 30]
+    plans = {"l": LinearPlan(float(rows.abs().max()) / 127)}
+    want = torch.nn.functional.linear(rows[:32], lin.weight, lin.bias).detach()
+    ordinary = [c for c in range(48) if c not in (5, 30)]
+    quality = {}
+    for splits in ({}, {0: [5, 30]}):
+        spec = region_spec("forward", ["l"], plans, splits)
+        edge, scales = lower_region(spec, [lin], plans, "channel", rows, 32, "cpu-int8")
+        assert len(scales) == 1 + len(splits.get(0, []))
+        buffer = edge.to_executorch().buffer
+        pte = _load_for_executorch_from_buffer(buffer)
+        (got,) = spec.merge(tuple(o.clone() for o in pte.run_method("forward", spec.inputs(rows[:32]))))
+        assert got.shape == want.shape
+        quality[bool(splits)] = (sqnr_db(got[:, ordinary], want[:, ordinary]), sqnr_db(got, want))
+    assert quality[True][0] > 25 and quality[True][0] > quality[False][0] + 15, quality
+    assert quality[True][1] > 25, quality

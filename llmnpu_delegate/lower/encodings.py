@@ -92,7 +92,8 @@ class LlmNpuQuantizer(Quantizer):
             qspecs = {act: activation_spec(self.plans[name].act_scale, self.flavour),
                       weight: weight_spec(self.granularity)}
             bias = node.args[2] if len(node.args) > 2 else None
-            if isinstance(bias, fx.Node):
+            # QNN takes an int32 bias on the accumulator's scale; XNNPACK takes it float and does that itself
+            if isinstance(bias, fx.Node) and self.flavour == "qnn":
                 qspecs[bias] = _bias_spec(act, weight, node, self.granularity)
             node.meta[ANNOTATION] = QuantizationAnnotation(input_qspec_map=qspecs,
                                                            output_qspec=output_spec(self.flavour), _annotated=True)

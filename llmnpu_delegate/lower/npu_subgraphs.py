@@ -13,9 +13,11 @@ without Qualcomm libraries).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import LlmNpuError
@@ -24,20 +26,63 @@ from ..quantize.apply import LinearPlan
 TARGETS = ("qnn", "cpu-int8")
 
 
-class RegionModule(nn.Module):
-    """One NPU subgraph as a module: ``inputs[g]`` feeds the linears of activation-scale group ``g``."""
+# An output channel whose calibrated range is this many times the median channel's gets its own
+# output (and output encoding); at most MAX_SPLIT channels of a linear.
+SPLIT_RATIO = 16.0
+MAX_SPLIT = 8
 
-    def __init__(self, linears: list[nn.Linear], groups: list[list[int]]):
+
+def outlier_outputs(linear: nn.Linear, rows: Tensor) -> list[int]:
+    """Output channels of ``linear`` on ``rows`` whose range dwarfs the others'.
+
+    An integer NPU graph requantizes each output to 8 bits with one scale per tensor. The embedded
+    model's residual stream carries a few channels of ~25,000 against a median of ~50: one scale
+    sized for those rounds every ordinary value of the layer to zero (SQNR ~0 dB). Those channels
+    get outputs of their own, each with its own encoding; the runner puts them back in place.
+    """
+    with torch.no_grad():
+        span = F.linear(rows, linear.weight, linear.bias).abs().amax(0)
+    ratio = span / span.median().clamp_min(1e-12)
+    big = torch.nonzero(ratio > SPLIT_RATIO).flatten()
+    big = big[span[big].argsort(descending=True)][:MAX_SPLIT]
+    return sorted(big.tolist())
+
+
+class RegionModule(nn.Module):
+    """One NPU subgraph as a module: ``inputs[g]`` feeds the linears of activation-scale group ``g``.
+    Outputs: each linear (without its split channels), then each split channel alone ([.., 1])."""
+
+    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], splits: dict[int, list[int]]):
         super().__init__()
-        self.lins = nn.ModuleList(linears)
+        mains, singles, self.single_of = [], [], []
+        for i, lin in enumerate(linears):
+            chans = splits.get(i, [])
+            keep = [c for c in range(lin.out_features) if c not in set(chans)]
+            mains.append(_rows(lin, keep) if chans else lin)
+            for c in chans:
+                singles.append(_rows(lin, [c]))
+                self.single_of.append(i)
+        self.lins, self.outs = nn.ModuleList(mains), nn.ModuleList(singles)
         self.groups = groups
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        outs: list[Tensor | None] = [None] * len(self.lins)
+        source = {}
         for x, idx in zip(inputs, self.groups):
             for i in idx:
-                outs[i] = self.lins[i](x)
-        return tuple(outs)
+                source[i] = x
+        return (tuple(self.lins[i](source[i]) for i in range(len(self.lins)))
+                + tuple(out(source[i]) for out, i in zip(self.outs, self.single_of)))
+
+
+def _rows(lin: nn.Linear, channels: list[int]) -> nn.Linear:
+    """A linear computing only ``channels`` of ``lin``'s outputs (same per-row weights, so the same
+    per-channel INT8 weights and scales)."""
+    sub = nn.Linear(lin.in_features, len(channels), bias=lin.bias is not None)
+    with torch.no_grad():
+        sub.weight.copy_(lin.weight[channels])
+        if lin.bias is not None:
+            sub.bias.copy_(lin.bias[channels])
+    return sub
 
 
 @dataclass
@@ -46,17 +91,41 @@ class RegionSpec:
     names: list[str]                  # linear names, in output order
     groups: list[list[int]]           # activation-scale groups: indices into names
     scales: list[float]               # one activation scale per group
+    splits: dict[int, list[int]] = field(default_factory=dict)   # linear index -> its split output channels
 
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         # distinct buffers: the runtime aliases one tensor object passed to two inputs
         return (x, *(x.clone() for _ in self.groups[1:]))
 
+    def plan_names(self, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
+        """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
+        local = {f"lins.{i}": plans[n] for i, n in enumerate(self.names)}
+        singles = [i for i in sorted(self.splits) for _ in self.splits[i]]
+        local.update({f"outs.{j}": plans[self.names[i]] for j, i in enumerate(singles)})
+        return local
 
-def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan]) -> RegionSpec:
+    def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
+        """The method's outputs back to one tensor per linear, channels in their places."""
+        n = len(self.names)
+        merged, k = list(outs[:n]), n
+        for i in sorted(self.splits):
+            chans = self.splits[i]
+            parts = [merged[i], *outs[k:k + len(chans)]]
+            k += len(chans)
+            width = sum(p.shape[-1] for p in parts)
+            keep = [c for c in range(width) if c not in set(chans)]
+            order = torch.tensor(keep + chans).argsort()
+            merged[i] = torch.cat(parts, -1).index_select(-1, order)
+        return merged
+
+
+def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan],
+                splits: dict[int, list[int]] | None = None) -> RegionSpec:
     by_scale: dict[float, list[int]] = {}
     for i, n in enumerate(names):
         by_scale.setdefault(float(plans[n].act_scale), []).append(i)
-    return RegionSpec(method, list(names), list(by_scale.values()), list(by_scale))
+    return RegionSpec(method, list(names), list(by_scale.values()), list(by_scale),
+                      {i: c for i, c in (splits or {}).items() if c})
 
 
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
@@ -71,12 +140,10 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     n = rows_per_call or calib_rows.shape[0]
     if calib_rows.shape[0] % n:
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {n}-row calls")
-    module = RegionModule(linears, spec.groups).eval()
+    module = RegionModule(linears, spec.groups, spec.splits).eval()
     example = spec.inputs(calib_rows[:n])
     graph = torch.export.export(module, example, strict=True).module()
-    # linears are named lins.<i> inside the module: map them to the plan's entries
-    local = {f"lins.{i}": plans[name] for i, name in enumerate(spec.names)}
-    ours = LlmNpuQuantizer(local, granularity, flavour="qnn" if target == "qnn" else "xnnpack")
+    ours = LlmNpuQuantizer(spec.plan_names(plans), granularity, flavour="qnn" if target == "qnn" else "xnnpack")
     if target == "qnn":
         from ..qnn.sdk import activate
 
@@ -95,7 +162,7 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
 
 
 def output_scales(graph) -> list[float]:
-    """Per output of a converted region: the scale of the quantize node that encodes it."""
+    """Per output of a converted region (RegionModule's order): the scale of the quantize node that encodes it."""
     out = next(n for n in graph.graph.nodes if n.op == "output")
     scales = []
     for node in out.args[0]:
@@ -117,11 +184,25 @@ def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, Li
     if target == "qnn":
         from .qnn import DEFAULT_SOC, to_qnn_edge
 
-        return to_qnn_edge(spec.method, graph, example, soc or DEFAULT_SOC), scales
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-        XnnpackPartitioner,
-    )
-    from executorch.exir import to_edge_transform_and_lower
+        edge = to_qnn_edge(spec.method, graph, example, soc or DEFAULT_SOC)
+    else:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner,
+        )
+        from executorch.exir import to_edge_transform_and_lower
 
-    ep = torch.export.export(graph, example, strict=True)
-    return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]), scales
+        ep = torch.export.export(graph, example, strict=True)
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    _check_delegated(edge, spec, target)
+    return edge, scales
+
+
+def _check_delegated(edge, spec: RegionSpec, target: str) -> None:
+    """An NPU method must be one delegate call: anything left outside would run on the CPU, in float."""
+    (name,) = edge.methods
+    left = [str(n.target) for n in edge.exported_program(name).graph.nodes
+            if n.op == "call_function" and "executorch_call_delegate" not in str(n.target)
+            and n.target is not operator.getitem]
+    if left:
+        raise LlmNpuError(f"{target} did not take all of NPU subgraph {spec.method} ({', '.join(spec.names)}): "
+                          f"{', '.join(sorted(set(left)))} would stay outside the delegate")

@@ -10,8 +10,8 @@ The ``.pte`` holds one method per subgraph of the partitioned chunk step:
 
 The sidecar (``<name>.json``) holds what a runner needs besides the methods: the chunk length and
 context, the subgraph table in program order (method, inputs, outputs by name, processor, layer),
-the graph's input and output names, every NPU linear's activation scale, output scale, outlier
-threshold and hot channels, the pruned layers, and the subgraph profile for out-of-order
+the graph's input and output names, every NPU linear's activation scale, output scale(s) and split
+output channels, outlier threshold and hot channels, the pruned layers, and the subgraph profile for out-of-order
 scheduling. Both files are written to temporary names and renamed.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..paths import atomic_path
-from .npu_subgraphs import TARGETS, lower_region, region_spec
+from .npu_subgraphs import TARGETS, lower_region, outlier_outputs, region_spec
 
 FORMAT = "llmnpu-pte-sidecar"
 VERSION = 1
@@ -100,6 +100,19 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
             {i: [a.clone() if isinstance(a, Tensor) else a for a in args] for i, args in inputs.items()})
 
 
+def _scales_by_linear(spec, scales: list[float]) -> dict[str, dict]:
+    """Per linear: its output encoding's scale, and each split channel's own."""
+    n = len(spec.names)
+    out = {name: {"output_scale": scales[i], "split_channels": [], "split_scales": []}
+           for i, name in enumerate(spec.names)}
+    k = n
+    for i in sorted(spec.splits):
+        chans = spec.splits[i]
+        out[spec.names[i]].update(split_channels=chans, split_scales=scales[k:k + len(chans)])
+        k += len(chans)
+    return out
+
+
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
                context: int | None = None, model: dict | None = None, progress: bool = True) -> dict:
     """Write ``engine``'s chunk program as ``out`` (.pte) and its sidecar; returns a summary.
@@ -128,10 +141,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
                  "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
                  "linears": sub.linears}
         if sub.kind == "npu":
-            spec = region_spec(name, sub.linears, engine.plans)
-            edge, scales = lower_region(spec, [engine.backend._linear(n) for n in sub.linears], engine.plans,
-                                        engine.backend.weights, rows[i], c, target, soc)
-            npu_scales.update(zip(sub.linears, scales))
+            linears = [engine.backend._linear(n) for n in sub.linears]
+            # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
+            splits = ({j: outlier_outputs(lin, rows[i]) for j, lin in enumerate(linears)}
+                      if engine.backend.weights == "channel" else {})
+            spec = region_spec(name, sub.linears, engine.plans, splits)
+            edge, scales = lower_region(spec, linears, engine.plans, engine.backend.weights, rows[i], c, target, soc)
+            npu_scales.update(_scales_by_linear(spec, scales))
             entry["input_groups"] = spec.groups
         else:
             ep = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]), max_past)
@@ -156,9 +172,9 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
 def _sidecar(engine, target, soc, context, table, npu_scales, model, out: Path, buffer: bytes) -> dict:
     plans, quant = engine.plans, engine.quant
     linears = {}
-    for name, scale in npu_scales.items():
+    for name, out_scales in npu_scales.items():
         p = plans[name]
-        linears[name] = {"act_scale": p.act_scale, "output_scale": scale, "shadow": p.shadow, "clip": p.clip,
+        linears[name] = {"act_scale": p.act_scale, **out_scales, "shadow": p.shadow, "clip": p.clip,
                          "hot_channels": p.hot.tolist() if p.hot is not None else []}
     pruned = sorted(n for n in npu_scales if quant.outliers == "shadow" and not plans[n].shadow)
     partition, kv = engine.partition, engine.kv

@@ -44,12 +44,17 @@ def load_sidecar(pte: str | Path) -> dict:
     return meta
 
 
-def _npu_call(module, method: str, groups: int):
+def _npu_call(module, entry: dict, linears: dict):
+    from ..lower.npu_subgraphs import RegionSpec
+
+    names = entry["linears"]
+    splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
+    spec = RegionSpec(entry["method"], names, entry["input_groups"], [], splits)
+
     def run(x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, x.shape[-1])
-        # one input per activation-scale group; distinct buffers (the runtime aliases a repeated tensor)
-        outs = module.run_method(method, (rows, *(rows.clone() for _ in range(groups - 1))))
-        return tuple(o.clone().view(*x.shape[:-1], o.shape[-1]) for o in outs)
+        outs = module.run_method(spec.method, spec.inputs(rows))
+        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in spec.merge(tuple(o.clone() for o in outs)))
     return run
 
 
@@ -80,7 +85,7 @@ class PteRunner:
         steps = []
         for e in meta["subgraphs"]:
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
-            fn = (_npu_call(self.module, e["method"], len(e["input_groups"])) if e["kind"] == "npu"
+            fn = (_npu_call(self.module, e, meta["linears"]) if e["kind"] == "npu"
                   else _cpu_call(self.module, e["method"]))
             steps.append(Step(sub, fn))
         m = meta["model"]
