@@ -155,7 +155,11 @@ def test_outsized_output_channels_get_their_own_encoding():
         _load_for_executorch_from_buffer,
     )
 
-    from llmnpu_delegate.lower.npu_subgraphs import lower_region, outlier_outputs, region_spec
+    from llmnpu_delegate.lower.npu_subgraphs import (
+        lower_region,
+        outlier_outputs,
+        region_spec,
+    )
     from llmnpu_delegate.quantize.apply import LinearPlan
 
     torch.manual_seed(0)
