@@ -157,7 +157,7 @@ def test_outsized_output_channels_get_their_own_encoding():
 
     from llmnpu_delegate.lower.npu_subgraphs import (
         lower_region,
-        outlier_outputs,
+        output_groups,
         region_spec,
     )
     from llmnpu_delegate.quantize.apply import LinearPlan
@@ -168,15 +168,15 @@ def test_outsized_output_channels_get_their_own_encoding():
         lin.weight[5] *= 300
         lin.weight[30] *= 100
     rows = torch.randn(64, 64)
-    assert outlier_outputs(lin, rows) == [5, 30]
+    assert output_groups(lin, rows) == [[5], [30]]          # 3x apart: one encoding each
     plans = {"l": LinearPlan(float(rows.abs().max()) / 127)}
     want = torch.nn.functional.linear(rows[:32], lin.weight, lin.bias).detach()
     ordinary = [c for c in range(48) if c not in (5, 30)]
     quality = {}
-    for splits in ({}, {0: [5, 30]}):
+    for splits in ({}, {0: [[5], [30]]}):
         spec = region_spec("forward", ["l"], plans, splits)
         edge, scales = lower_region(spec, [lin], plans, "channel", rows, 32, "cpu-int8")
-        assert len(scales) == 1 + len(splits.get(0, []))
+        assert len(scales) == 1 + len(splits.get(0, []))   # an encoding per output   # an encoding per output
         buffer = edge.to_executorch().buffer
         pte = _load_for_executorch_from_buffer(buffer)
         (got,) = spec.merge(tuple(o.clone() for o in pte.run_method("forward", spec.inputs(rows[:32]))))

@@ -5,7 +5,8 @@ A static NPU subgraph (the linears that share one input) becomes a method: float
 weight encodings are ours (``encodings.py``): the plan's static activation scale, our symmetric
 INT8 weights. Linears of one subgraph whose activation scales differ (a pruned layer beside a
 shadowed one) get one method input each: QNN keeps one encoding per tensor. Only the outputs'
-encodings are observed, on calibration rows.
+encodings are observed, on calibration rows. Output channels of outsized range come out on their
+own, in groups with their own encodings (``output_groups``); ``RegionSpec.merge`` puts them back.
 
 Two targets: ``qnn`` (ExecuTorch's Qualcomm delegate, an HTP context binary per method; on this
 host it runs on Qualcomm's simulator) and ``cpu-int8`` (XNNPACK's INT8 kernels: the same artefact
@@ -26,43 +27,48 @@ from ..quantize.apply import LinearPlan
 TARGETS = ("qnn", "cpu-int8")
 
 
-# An output channel whose calibrated range is this many times the median channel's gets its own
-# output (and output encoding); at most MAX_SPLIT channels of a linear.
-SPLIT_RATIO = 16.0
-MAX_SPLIT = 8
+# Output channels are peeled off a linear's output, largest range first, while the largest left
+# exceeds BULK x the median channel's; each peel takes the channels within WIDTH of its largest and
+# becomes an output of its own, with its own encoding. At most MAX_GROUPS peels per linear.
+BULK = 8.0
+WIDTH = 4.0
+MAX_GROUPS = 8
 
 
-def outlier_outputs(linear: nn.Linear, rows: Tensor) -> list[int]:
-    """Output channels of ``linear`` on ``rows`` whose range dwarfs the others'.
+def output_groups(linear: nn.Linear, rows: Tensor) -> list[list[int]]:
+    """Groups of output channels of ``linear`` (on ``rows``) whose range dwarfs the bulk's.
 
     An integer NPU graph requantizes each output to 8 bits with one scale per tensor. The embedded
-    model's residual stream carries a few channels of ~25,000 against a median of ~50: one scale
-    sized for those rounds every ordinary value of the layer to zero (SQNR ~0 dB). Those channels
-    get outputs of their own, each with its own encoding; the runner puts them back in place.
+    model's residual stream carries a few channels of ~25,000 against a median channel of ~50: one
+    scale sized for those rounds every ordinary value of the layer to zero. Channels of similar range
+    share an output (and its encoding) of their own; the runner puts them back in place.
     """
     with torch.no_grad():
         span = F.linear(rows, linear.weight, linear.bias).abs().amax(0)
-    ratio = span / span.median().clamp_min(1e-12)
-    big = torch.nonzero(ratio > SPLIT_RATIO).flatten()
-    big = big[span[big].argsort(descending=True)][:MAX_SPLIT]
-    return sorted(big.tolist())
+    bulk = BULK * float(span.median())
+    rest = span.argsort(descending=True)
+    groups: list[list[int]] = []
+    while len(groups) < MAX_GROUPS and float(span[rest[0]]) > bulk:
+        take = int((span[rest] > span[rest[0]] / WIDTH).sum())
+        groups.append(sorted(rest[:take].tolist()))
+        rest = rest[take:]
+    return groups
 
 
 class RegionModule(nn.Module):
     """One NPU subgraph as a module: ``inputs[g]`` feeds the linears of activation-scale group ``g``.
-    Outputs: each linear (without its split channels), then each split channel alone ([.., 1])."""
+    Outputs: each linear without its split channels, then each split channel group (``spec.splits``)."""
 
-    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], splits: dict[int, list[int]]):
+    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], splits: dict[int, list[list[int]]]):
         super().__init__()
-        mains, singles, self.single_of = [], [], []
+        mains, parts, self.part_of = [], [], []
         for i, lin in enumerate(linears):
-            chans = splits.get(i, [])
-            keep = [c for c in range(lin.out_features) if c not in set(chans)]
-            mains.append(_rows(lin, keep) if chans else lin)
-            for c in chans:
-                singles.append(_rows(lin, [c]))
-                self.single_of.append(i)
-        self.lins, self.outs = nn.ModuleList(mains), nn.ModuleList(singles)
+            split = {c for chans in splits.get(i, []) for c in chans}
+            mains.append(_rows(lin, [c for c in range(lin.out_features) if c not in split]) if split else lin)
+            for chans in splits.get(i, []):
+                parts.append(_rows(lin, chans))
+                self.part_of.append(i)
+        self.lins, self.outs = nn.ModuleList(mains), nn.ModuleList(parts)
         self.groups = groups
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -71,7 +77,7 @@ class RegionModule(nn.Module):
             for i in idx:
                 source[i] = x
         return (tuple(self.lins[i](source[i]) for i in range(len(self.lins)))
-                + tuple(out(source[i]) for out, i in zip(self.outs, self.single_of)))
+                + tuple(out(source[i]) for out, i in zip(self.outs, self.part_of)))
 
 
 def _rows(lin: nn.Linear, channels: list[int]) -> nn.Linear:
@@ -91,7 +97,8 @@ class RegionSpec:
     names: list[str]                  # linear names, in output order
     groups: list[list[int]]           # activation-scale groups: indices into names
     scales: list[float]               # one activation scale per group
-    splits: dict[int, list[int]] = field(default_factory=dict)   # linear index -> its split output channels
+    # linear index -> its split output channel groups (each an extra method output, in index order)
+    splits: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         # distinct buffers: the runtime aliases one tensor object passed to two inputs
@@ -100,8 +107,8 @@ class RegionSpec:
     def plan_names(self, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
         """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
         local = {f"lins.{i}": plans[n] for i, n in enumerate(self.names)}
-        singles = [i for i in sorted(self.splits) for _ in self.splits[i]]
-        local.update({f"outs.{j}": plans[self.names[i]] for j, i in enumerate(singles)})
+        parts = [i for i in sorted(self.splits) for _ in self.splits[i]]
+        local.update({f"outs.{j}": plans[self.names[i]] for j, i in enumerate(parts)})
         return local
 
     def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
@@ -109,18 +116,18 @@ class RegionSpec:
         n = len(self.names)
         merged, k = list(outs[:n]), n
         for i in sorted(self.splits):
-            chans = self.splits[i]
-            parts = [merged[i], *outs[k:k + len(chans)]]
-            k += len(chans)
+            groups = self.splits[i]
+            parts = [merged[i], *outs[k:k + len(groups)]]
+            k += len(groups)
+            split = [c for chans in groups for c in chans]
             width = sum(p.shape[-1] for p in parts)
-            keep = [c for c in range(width) if c not in set(chans)]
-            order = torch.tensor(keep + chans).argsort()
-            merged[i] = torch.cat(parts, -1).index_select(-1, order)
+            keep = [c for c in range(width) if c not in set(split)]
+            merged[i] = torch.cat(parts, -1).index_select(-1, torch.tensor(keep + split).argsort())
         return merged
 
 
 def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan],
-                splits: dict[int, list[int]] | None = None) -> RegionSpec:
+                splits: dict[int, list[list[int]]] | None = None) -> RegionSpec:
     by_scale: dict[float, list[int]] = {}
     for i, n in enumerate(names):
         by_scale.setdefault(float(plans[n].act_scale), []).append(i)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..paths import atomic_path
-from .npu_subgraphs import TARGETS, lower_region, outlier_outputs, region_spec
+from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
 
 FORMAT = "llmnpu-pte-sidecar"
 VERSION = 1
@@ -101,15 +101,15 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
 
 
 def _scales_by_linear(spec, scales: list[float]) -> dict[str, dict]:
-    """Per linear: its output encoding's scale, and each split channel's own."""
+    """Per linear: its output encoding's scale, and each split channel group's own."""
     n = len(spec.names)
     out = {name: {"output_scale": scales[i], "split_channels": [], "split_scales": []}
            for i, name in enumerate(spec.names)}
     k = n
     for i in sorted(spec.splits):
-        chans = spec.splits[i]
-        out[spec.names[i]].update(split_channels=chans, split_scales=scales[k:k + len(chans)])
-        k += len(chans)
+        groups = spec.splits[i]
+        out[spec.names[i]].update(split_channels=groups, split_scales=scales[k:k + len(groups)])
+        k += len(groups)
     return out
 
 
@@ -143,7 +143,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         if sub.kind == "npu":
             linears = [engine.backend._linear(n) for n in sub.linears]
             # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
-            splits = ({j: outlier_outputs(lin, rows[i]) for j, lin in enumerate(linears)}
+            splits = ({j: output_groups(lin, rows[i]) for j, lin in enumerate(linears)}
                       if engine.backend.weights == "channel" else {})
             spec = region_spec(name, sub.linears, engine.plans, splits)
             edge, scales = lower_region(spec, linears, engine.plans, engine.backend.weights, rows[i], c, target, soc)

@@ -57,8 +57,8 @@ def sqnr_db(x: Tensor, ref: Tensor) -> float:
 def output_steps(linear: dict, width: int) -> Tensor:
     """Per output channel of a linear: the step of the encoding it comes out in (split channels have their own)."""
     steps = torch.full((width,), float(linear["output_scale"]))
-    if linear["split_channels"]:
-        steps[linear["split_channels"]] = torch.tensor(linear["split_scales"])
+    for chans, scale in zip(linear["split_channels"], linear["split_scales"]):
+        steps[chans] = float(scale)
     return steps
 
 
