@@ -9,6 +9,9 @@ LlmNpuPartitioner to XNNPACK's INT8 kernels with *our* calibrated scales; the sh
 the rest of the model run on ExecuTorch's portable float kernels. On a phone, the QNN delegate takes
 the place of XNNPACK for the NPU regions. The last step compares the .pte's logits with our
 cpu-int8 engine. ``--layers N`` keeps the first N decoder blocks (a quick run; default: all 30).
+
+This is the whole-graph view of the partitioner. The deployable artefact, one method per shared
+subgraph (QNN or XNNPACK INT8) with a sidecar and a reference runner, is ``llmnpu export``.
 """
 import argparse
 import os
