@@ -211,14 +211,18 @@ def cmd_validate(args) -> dict:
 def _format_validate(r: dict) -> str:
     where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['target'] == 'qnn' else ''}"
     lines = [f"NPU subgraphs of the .pte ({where}) against the cpu-int8 engine, one chunk of evaluation text:",
-             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'max steps':>9} {'<= 2 steps':>10} {'SQNR dB':>8}"]
+             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'max steps':>9} {'<= 2 steps':>10} {'saturated':>9} "
+             f"{'SQNR dB':>8}"]
     for x in r["linears"]:
+        steps = f"{x['max_steps']:.2f}" if x["max_steps"] is not None else "-"
         lines.append(f"{x['subgraph']:>8} {x['layer'] if x['layer'] is not None else '-':>5}  "
-                     f"{x['linear'].split('.', 3)[-1]:<28} {x['max_steps']:>9.2f} {100 * x['within_2_steps']:>9.2f}% "
-                     f"{x['sqnr_db']:>8.1f}")
-    worst = min(x["within_2_steps"] for x in r["linears"])
-    lines.append(f"elements within 2 output steps: >= {100 * worst:.2f} % in every linear; "
-                 f"largest difference {max(x['max_steps'] for x in r['linears']):.2f} steps")
+                     f"{x['linear'].split('.', 3)[-1]:<28} {steps:>9} {100 * x['within_2_steps']:>9.2f}% "
+                     f"{100 * x['saturated']:>8.3f}% {x['sqnr_db']:>8.1f}")
+    inside = [x["max_steps"] for x in r["linears"] if x["max_steps"] is not None]
+    lines.append(f"{len(r['linears'])} linears: elements within 2 output steps >= "
+                 f"{100 * min(x['within_2_steps'] for x in r['linears']):.2f} % in every linear; largest difference "
+                 f"{max(inside):.2f} steps where the engine's value is inside the output range; "
+                 f"{100 * max(x['saturated'] for x in r['linears']):.3f} % saturated at most")
     p = r["prefill"]
     verdict = "same next token" if p["same_next_token"] else "DIFFERENT next token"
     lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "

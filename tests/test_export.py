@@ -58,7 +58,9 @@ def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, 
         assert lin["shadow"] == plans[name].shadow
         if plans[name].shadow:
             assert lin["clip"] == pytest.approx(plans[name].clip) and lin["hot_channels"] == plans[name].hot.tolist()
-        assert lin["output_scale"] > 0
+        low, high = lin["output"]["range"]
+        assert lin["output"]["scale"] > 0 and low < 0 < high
+        assert high - low == pytest.approx(255 * lin["output"]["scale"])      # 8-bit outputs
     assert meta["pruned_layers"] == sorted(n for n, p in plans.items() if not p.shadow)
     assert 0 < len(meta["pruned_layers"]) < len(plans)          # both kinds present in this plan
     assert meta["profile"]["static"] and meta["profile"]["dynamic"]
@@ -69,6 +71,7 @@ def test_npu_methods_match_the_engine_within_two_steps(engine, exported):
     report = validate_pte(exported[0], engine, eval_ids)
     assert len(report["linears"]) == len(engine.plans)
     assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99, report["linears"]
+    assert max(r["max_steps"] for r in report["linears"]) <= 2       # where nothing saturates: rounding only
     assert min(r["sqnr_db"] for r in report["linears"]) > 25
     assert report["prefill"]["chunks"] == 2 and report["prefill"]["logits_sqnr_db"] > 18
 

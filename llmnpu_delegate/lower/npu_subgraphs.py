@@ -168,26 +168,34 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     return convert_pt2e(prepared), example
 
 
-def output_scales(graph) -> list[float]:
-    """Per output of a converted region (RegionModule's order): the scale of the quantize node that encodes it."""
+@dataclass(frozen=True)
+class OutputEncoding:
+    scale: float
+    low: float         # the smallest and largest values the 8-bit output can represent
+    high: float
+
+
+def output_encodings(graph) -> list[OutputEncoding]:
+    """Per output of a converted region (RegionModule's order): the encoding of its quantize node."""
     out = next(n for n in graph.graph.nodes if n.op == "output")
-    scales = []
+    encodings = []
     for node in out.args[0]:
         q = node.args[0] if node.op == "call_function" else None    # dequantize(quantize(linear))
         if q is None or "quantize_per_tensor" not in str(q.target):
             raise LlmNpuError(f"region output {node.name} is not quantized")
-        scales.append(float(q.args[1]))
-    return scales
+        scale, zero, qmin, qmax = float(q.args[1]), int(q.args[2]), int(q.args[3]), int(q.args[4])
+        encodings.append(OutputEncoding(scale, (qmin - zero) * scale, (qmax - zero) * scale))
+    return encodings
 
 
 def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
                  calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None):
     """One NPU subgraph lowered for ``target`` (``rows_per_call`` rows a call; output encodings from
-    ``calib_rows``); returns (edge program manager, its output scales)."""
+    ``calib_rows``); returns (edge program manager, its output encodings)."""
     if target not in TARGETS:
         raise LlmNpuError(f"unknown target '{target}': use one of {', '.join(TARGETS)}")
     graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call)
-    scales = output_scales(graph)
+    encodings = output_encodings(graph)
     if target == "qnn":
         from .qnn import DEFAULT_SOC, to_qnn_edge
 
@@ -201,7 +209,7 @@ def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, Li
         ep = torch.export.export(graph, example, strict=True)
         edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
     _check_delegated(edge, spec, target)
-    return edge, scales
+    return edge, encodings
 
 
 def _check_delegated(edge, spec: RegionSpec, target: str) -> None:

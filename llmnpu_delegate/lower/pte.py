@@ -100,15 +100,17 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
             {i: [a.clone() if isinstance(a, Tensor) else a for a in args] for i, args in inputs.items()})
 
 
-def _scales_by_linear(spec, scales: list[float]) -> dict[str, dict]:
-    """Per linear: its output encoding's scale, and each split channel group's own."""
-    n = len(spec.names)
-    out = {name: {"output_scale": scales[i], "split_channels": [], "split_scales": []}
+def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
+    """Per linear: its output encoding (scale, representable range), and each split channel group's own."""
+    def fields(e):
+        return {"scale": e.scale, "range": [e.low, e.high]}
+
+    out = {name: {"output": fields(encodings[i]), "split_channels": [], "split_outputs": []}
            for i, name in enumerate(spec.names)}
-    k = n
+    k = len(spec.names)
     for i in sorted(spec.splits):
         groups = spec.splits[i]
-        out[spec.names[i]].update(split_channels=groups, split_scales=scales[k:k + len(groups)])
+        out[spec.names[i]].update(split_channels=groups, split_outputs=[fields(e) for e in encodings[k:k + len(groups)]])
         k += len(groups)
     return out
 
@@ -133,7 +135,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     t0 = time.perf_counter()
     rows, examples = _examples(engine, calib_ids[: 3 * c])
     max_past = max(math.ceil(context / c) * c - c, 2 * c)
-    programs, npu_scales, table = {}, {}, []
+    programs, npu_outputs, table = {}, {}, []
     steps = engine.program.steps
     for i, step in enumerate(tqdm(steps, desc=f"lowering subgraphs ({target})", unit="graph", disable=not progress)):
         sub, name = step.sub, method_name(step.sub)
@@ -146,8 +148,9 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             splits = ({j: output_groups(lin, rows[i]) for j, lin in enumerate(linears)}
                       if engine.backend.weights == "channel" else {})
             spec = region_spec(name, sub.linears, engine.plans, splits)
-            edge, scales = lower_region(spec, linears, engine.plans, engine.backend.weights, rows[i], c, target, soc)
-            npu_scales.update(_scales_by_linear(spec, scales))
+            edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows[i], c, target,
+                                           soc)
+            npu_outputs.update(_encodings_by_linear(spec, encodings))
             entry["input_groups"] = spec.groups
         else:
             ep = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]), max_past)
@@ -160,7 +163,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     out = Path(out)
     with atomic_path(out) as tmp:
         tmp.write_bytes(buffer)
-    meta = _sidecar(engine, target, soc, context, table, npu_scales, model, out, buffer)
+    meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
@@ -169,14 +172,14 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "chunk_len": c, "context": context, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _sidecar(engine, target, soc, context, table, npu_scales, model, out: Path, buffer: bytes) -> dict:
+def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, buffer: bytes) -> dict:
     plans, quant = engine.plans, engine.quant
     linears = {}
-    for name, out_scales in npu_scales.items():
+    for name, outputs in npu_outputs.items():
         p = plans[name]
-        linears[name] = {"act_scale": p.act_scale, **out_scales, "shadow": p.shadow, "clip": p.clip,
+        linears[name] = {"act_scale": p.act_scale, **outputs, "shadow": p.shadow, "clip": p.clip,
                          "hot_channels": p.hot.tolist() if p.hot is not None else []}
-    pruned = sorted(n for n in npu_scales if quant.outliers == "shadow" and not plans[n].shadow)
+    pruned = sorted(n for n in npu_outputs if quant.outliers == "shadow" and not plans[n].shadow)
     partition, kv = engine.partition, engine.kv
     profile = engine.profile
     return {
