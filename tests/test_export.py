@@ -187,3 +187,31 @@ def test_outsized_output_channels_get_their_own_encoding():
         quality[bool(splits)] = (sqnr_db(got[:, ordinary], want[:, ordinary]), sqnr_db(got, want))
     assert quality[True][0] > 25 and quality[True][0] > quality[False][0] + 15, quality
     assert quality[True][1] > 25, quality
+
+
+def test_dense_shadow_paths_add_back_what_clipping_removed():
+    """add_shadow_paths on an exported graph: y + linear(x - clamp(x), W), computed independently."""
+    from llmnpu_delegate.lower.shadow import add_shadow_paths
+    from llmnpu_delegate.quantize.apply import LinearPlan
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(16, 32, bias=False)
+            self.down = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x))) + x
+
+    block = Block().eval()
+    x = torch.randn(4, 16)
+    x[:, 3] *= 40.0                                       # an outlier channel beyond the clip
+    gm = torch.export.export(block, (x,), strict=True).module()
+    added = add_shadow_paths(gm, {"up": LinearPlan(act_scale=0.1, clip=2.0), "down": LinearPlan(act_scale=0.1)})
+    assert added == ["up"]
+    with torch.no_grad():
+        h = block.up(x) + block.up(x - x.clamp(-2.0, 2.0))
+        want = block.down(torch.relu(h)) + x
+        got = gm(x)
+    assert (x.abs() > 2.0).any() and not torch.allclose(block(x), want)   # the branch changes the result
+    torch.testing.assert_close(got, want)

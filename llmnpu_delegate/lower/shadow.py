@@ -34,12 +34,15 @@ def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: s
         stack = dict(node.meta.get("nn_module_stack") or {})
         path = next(reversed(stack.values()))[0] if stack else name
         stack["llmnpu_shadow"] = (f"{path}.shadow", SHADOW_BRANCH)
-        with graph.inserting_after(node):
+        # inserting_before(next) keeps the new nodes in creation order; inserting_after(node)
+        # would put each one right after ``node``, i.e. reversed (a use before its definition)
+        with graph.inserting_before(node.next):
             branch = shadow_product(graph, x, w, clip)
             total = graph.call_function(_aten.add.Tensor, (node, branch[-1]))
         node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
         for n in (*branch, total):
             n.meta["nn_module_stack"] = stack
         added.append(name)
+    graph.lint()
     gm.recompile()
     return added
