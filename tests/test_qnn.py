@@ -116,7 +116,8 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     report = validate_pte(tmp_path / "tiny.pte", engine, ids, runner=runner)
     worst = min(r["within_2_steps"] for r in report["linears"])
     assert worst >= 0.99, report["linears"]
-    assert max(r["max_steps"] for r in report["linears"]) <= 2       # where nothing saturates: rounding only
+    # where nothing saturates: the output rounding only (inputs handed over on the activation grid)
+    assert max(r["max_steps"] for r in report["linears"]) <= 1
     assert min(r["sqnr_db"] for r in report["linears"]) > 25
     assert report["prefill"]["chunks"] == 2 and report["prefill"]["logits_sqnr_db"] > 18
     assert report["prefill"]["kv_sqnr_db_min"] > 18

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import LlmNpuError
+from ..kernels import QMAX
 from ..quantize.apply import LinearPlan
 
 TARGETS = ("qnn", "cpu-int8")
@@ -103,6 +104,15 @@ class RegionSpec:
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         # distinct buffers: the runtime aliases one tensor object passed to two inputs
         return (x, *(x.clone() for _ in self.groups[1:]))
+
+    def grid_inputs(self, x: Tensor) -> tuple[Tensor, ...]:
+        """What the CPU side hands the method: each group's rows already on its activation grid,
+        ``clamp(round(x / scale), +-127) * scale``, the codes of our ``quantize``. HTP's own float ->
+        int8 conversion of raw rows disagrees with that rounding by a code now and then (up to 3
+        output steps on the embedded model's v_proj); values on the grid convert exactly."""
+        if len(self.scales) != len(self.groups):
+            raise LlmNpuError(f"{self.method}: one activation scale per input group is needed")
+        return tuple(torch.div(x, s).round_().clamp_(-QMAX, QMAX).mul_(s) for s in self.scales)
 
     def plan_names(self, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
         """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""

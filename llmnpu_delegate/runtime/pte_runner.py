@@ -49,11 +49,12 @@ def _npu_call(module, entry: dict, linears: dict):
 
     names = entry["linears"]
     splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
-    spec = RegionSpec(entry["method"], names, entry["input_groups"], [], splits)
+    scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
+    spec = RegionSpec(entry["method"], names, entry["input_groups"], scales, splits)
 
     def run(x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, x.shape[-1])
-        outs = module.run_method(spec.method, spec.inputs(rows))
+        outs = module.run_method(spec.method, spec.grid_inputs(rows))
         return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in spec.merge(tuple(o.clone() for o in outs)))
     return run
 
