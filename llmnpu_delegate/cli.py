@@ -228,6 +228,9 @@ def _format_validate(r: dict) -> str:
     lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "
                  f"schedule): {verdict} (pte {p['next_token_pte']}, engine {p['next_token_engine']}); logits SQNR "
                  f"{p['logits_sqnr_db']:.1f} dB, K/V SQNR >= {p['kv_sqnr_db_min']:.1f} dB")
+    vs = p["logits_sqnr_db_vs_fp32"]
+    lines.append(f"against the float model: logits SQNR pte {vs['pte']:.1f} dB, engine {vs['engine']:.1f} dB; "
+                 f"fp32 next token {p['next_token_fp32']}")
     return "\n".join(lines)
 
 

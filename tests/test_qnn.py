@@ -121,6 +121,8 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     assert min(r["sqnr_db"] for r in report["linears"]) > 25
     assert report["prefill"]["chunks"] == 2 and report["prefill"]["logits_sqnr_db"] > 18
     assert report["prefill"]["kv_sqnr_db_min"] > 18
+    vs = report["prefill"]["logits_sqnr_db_vs_fp32"]       # the .pte strays no further from float than we do
+    assert vs["pte"] > vs["engine"] - 3, vs
 
 
 @pytest.mark.slow

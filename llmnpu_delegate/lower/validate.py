@@ -9,7 +9,8 @@ Two checks, both against an engine prepared like the one that was exported:
   represents (larger than anything in the calibration text) saturate: they are counted apart and
   left out of the largest difference;
 - **whole prefill**: a short prompt runs from the ``.pte`` alone (``PteRunner``, out-of-order
-  executor) and from the engine: same next token, logits and K/V SQNR.
+  executor) and from the engine: same next token, logits and K/V SQNR; and both logits against
+  the float model's, which tells whether the .pte strays further from it than the engine does.
 
 The output encodings were observed on calibration text at export, the comparison uses evaluation text.
 """
@@ -103,6 +104,8 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
     prompt = engine.check_prompt(prompt_ids if prompt_ids is not None
                                  else eval_ids[engine.chunk_len: engine.chunk_len + engine.chunk_len * 3 // 2])
     ours, theirs = runner(prompt), engine(prompt)
+    with torch.no_grad():     # the float model itself: how far each quantized path is from it
+        fp32 = engine.model(input_ids=prompt[None], use_cache=False).logits[0, -1].float()
     return {
         "target": meta["target"], "soc": meta["soc"], "npu_subgraphs": len({r["subgraph"] for r in report}),
         "linears": report,
@@ -110,6 +113,9 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
                     "next_token_pte": int(ours.logits.argmax()), "next_token_engine": int(theirs.logits.argmax()),
                     "same_next_token": bool(ours.logits.argmax() == theirs.logits.argmax()),
                     "logits_sqnr_db": round(sqnr_db(ours.logits, theirs.logits), 1),
+                    "next_token_fp32": int(fp32.argmax()),
+                    "logits_sqnr_db_vs_fp32": {"pte": round(sqnr_db(ours.logits, fp32), 1),
+                                               "engine": round(sqnr_db(theirs.logits, fp32), 1)},
                     "kv_sqnr_db_min": round(min(sqnr_db(a, b) for a, b in zip(ours.past_k + ours.past_v,
                                                                                theirs.past_k + theirs.past_v)), 1)},
     }
