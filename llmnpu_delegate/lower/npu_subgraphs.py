@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import LlmNpuError
-from ..kernels import QMAX
+from ..kernels import quantize
 from ..quantize.apply import LinearPlan
 
 TARGETS = ("qnn", "cpu-int8")
@@ -112,7 +112,7 @@ class RegionSpec:
         output steps on the embedded model's v_proj); values on the grid convert exactly."""
         if len(self.scales) != len(self.groups):
             raise LlmNpuError(f"{self.method}: one activation scale per input group is needed")
-        return tuple(torch.div(x, s).round_().clamp_(-QMAX, QMAX).mul_(s) for s in self.scales)
+        return tuple(quantize(x, s).to(x.dtype).mul_(s) for s in self.scales)
 
     def plan_names(self, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
         """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
