@@ -84,14 +84,15 @@ class ChunkStep(nn.Module):
 
 
 class attention_implementation:
-    """Context manager: run ``model`` with our attention function, then restore its own."""
+    """Context manager: run ``model`` with one of our attention functions (default: the chunk step's),
+    then restore its own."""
 
-    def __init__(self, model: nn.Module):
-        self.config = model.config
+    def __init__(self, model: nn.Module, name: str = ATTN_IMPLEMENTATION):
+        self.config, self.name = model.config, name
 
     def __enter__(self):
         self.saved = self.config._attn_implementation
-        self.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.config._attn_implementation = self.name
 
     def __exit__(self, *exc):
         self.config._attn_implementation = self.saved

@@ -159,7 +159,7 @@ def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
         runs = list(program.run_in_order(engine.feeds(torch.randint(0, 1000, (40,)))))
     i = next(i for i, step in enumerate(program.steps) if not step.static)
     at = {c: (inputs, outs) for c, j, inputs, outs in runs if j == i}
-    ep = export_cpu_subgraph(engine.partition, program.steps[i].sub, None, "model.", tuple(at[2][0]), max_past=64)
+    ep, _ = export_cpu_subgraph(engine.partition, program.steps[i].sub, None, "model.", tuple(at[2][0]), max_past=64)
     assert not any("llmnpu" in str(n.target) for n in ep.graph.nodes)
     buffer = to_edge_transform_and_lower(ep).to_executorch().buffer
     pte = _load_for_executorch_from_buffer(buffer)

@@ -1,8 +1,8 @@
 """The partition's CPU subgraphs as standalone exported programs, for a ``.pte``.
 
 Each CPU (or shadow) subgraph of the chunk step becomes one method. Two things change on the way
-out of our runtime: the shadow markers become dense float branches ``linear(x - clamp(x), W)``
-(``lower/shadow.py``'s arithmetic; our engine computes the same product sparsely), and
+out of our runtime: the shadow markers become float branches (``lower/shadow.py``: by default the
+sparse hot-channel product, as our engine computes it, with the cold channels left to the runner), and
 ``llmnpu::chunk_attention`` is decomposed into aten ops. A dynamic subgraph (attention over the
 past) keeps the past length symbolic, bounded by the artefact's context, so one method serves
 every chunk position; a static one has fixed shapes.
@@ -20,27 +20,71 @@ from ..errors import LlmNpuError
 from ..kernels.attention import decompositions
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
-from .shadow import shadow_product
+from .shadow import shadow_product, sparse_shadow_product
 
 
-def dense_shadow(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str) -> fx.GraphModule:
-    """Replace each ``shadow_delta(x, name)`` marker by the dense float product (``lower/shadow.py``);
-    the weights come from ``root``."""
+SHADOW_FORMS = ("sparse", "dense")
+
+
+def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str,
+                    form: str = "sparse") -> tuple[fx.GraphModule, list[dict]]:
+    """Replace each ``shadow_delta(x, name)`` marker of a shadow subgraph by a float branch
+    (``lower/shadow.py``); weights come from ``root``.
+
+    ``sparse``: the hot channels' static product, and the branch's ``hits`` [K] appended to the
+    outputs. Returns the module and, per shadowed linear, where its input, delta and hits are:
+    ``{"linear", "input": input index, "output": output index, "hits": output index or None}``.
+    """
+    if form not in SHADOW_FORMS:
+        raise LlmNpuError(f"unknown shadow branch form '{form}': use one of {', '.join(SHADOW_FORMS)}")
     graph = gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    branches, extra = [], []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not shadow_delta:
             continue
         x, name = node.args
-        clip = plans[name].clip
+        plan = plans[name]
+        weight = root.get_submodule(f"{prefix}{name}").weight.detach().float()
         with graph.inserting_before(node), warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # the weight is not on ``gm`` yet: the rebuild below copies it
-            w = graph.get_attr(f"{prefix}{name}.weight")
-            delta = shadow_product(graph, x, w, clip)[-1]
+            warnings.simplefilter("ignore")     # dense: the weight is not on ``gm`` yet: the rebuild copies it
+            if form == "dense":
+                delta, hits = shadow_product(graph, x, graph.get_attr(f"{prefix}{name}.weight"), plan.clip)[-1], None
+            else:
+                hot = program_hot_channels(plan)
+                attr = "shadow_" + name.replace(".", "_")
+                gm.register_buffer(f"{attr}_w", weight[:, hot].contiguous())
+                gm.register_buffer(f"{attr}_hot", hot)
+                delta, hits = sparse_shadow_product(graph, x, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"),
+                                                    plan.clip, x.meta["val"].dim())
         node.replace_all_uses_with(delta)
         graph.erase_node(node)
-    out = fx.GraphModule(root, graph)   # copies the weights the graph now reads
+        entry = {"linear": name, "input": inputs.index(x), "output": outs.index(node) if node in outs else None,
+                 "hits": None}
+        outs = [delta if o is node else o for o in outs]
+        if hits is not None:
+            entry["hits"] = len(output.args[0]) + len(extra)
+            extra.append(hits)
+        branches.append(entry)
+    output.args = (tuple(outs) + tuple(extra),)
+    out = fx.GraphModule(root if form == "dense" else gm, graph)   # copies the weights the graph reads
     out.graph.lint()
-    return out
+    return out, branches
+
+
+def program_hot_channels(plan: LinearPlan) -> Tensor:
+    """The plan's hot channels; a static product needs at least one column, so channel 0 stands in for
+    none (its residue is exact like any other's, and its hits flag still reports it)."""
+    hot = plan.hot if plan.hot is not None and plan.hot.numel() else torch.zeros(1, dtype=torch.int64)
+    return hot.to(torch.int64).clone()
+
+
+def cold_channels(plan: LinearPlan, in_features: int) -> list[int]:
+    """Input channels of a shadowed linear whose rows are not in the program (read from disk when hit)."""
+    hot = set(program_hot_channels(plan).tolist())
+    return [c for c in range(in_features) if c not in hot]
 
 
 def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
@@ -66,17 +110,20 @@ def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
 
 
 def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, LinearPlan] | None, prefix: str,
-                        example: tuple[Tensor, ...], max_past: int) -> ExportedProgram:
+                        example: tuple[Tensor, ...], max_past: int,
+                        shadow: str = "sparse") -> tuple[ExportedProgram, list[dict]]:
     """``sub`` as an ExportedProgram in core aten ops (no llmnpu ops), traced on ``example`` (its
-    inputs at a past length > 1, so the past dimension is not specialised)."""
+    inputs at a past length > 1, so the past dimension is not specialised), and its shadow branches
+    (``shadow_branches``; empty for other subgraphs)."""
     gm = subgraph_module(partition, sub)
+    branches: list[dict] = []
     if any(n.target is shadow_delta for n in gm.graph.nodes):
         if plans is None:
             raise LlmNpuError("shadow subgraph without a quantization plan")
-        gm = dense_shadow(gm, partition.graph_module, plans, prefix)
+        gm, branches = shadow_branches(gm, partition.graph_module, plans, prefix, shadow)
     dynamic = _dims(gm, max_past) if not sub.static else None
     with warnings.catch_warnings():
         # the copied nodes name the model's modules, which a subgraph module does not hold
         warnings.filterwarnings("ignore", message="Failed to fetch module")
         ep = torch.export.export(gm, tuple(example), dynamic_shapes=dynamic, strict=False)
-    return ep.run_decompositions(decompositions())
+    return ep.run_decompositions(decompositions()), branches

@@ -5,20 +5,30 @@ The ``.pte`` holds one method per subgraph of the partitioned chunk step:
 - ``npu_<i>``: a static NPU subgraph (``npu_subgraphs.py``), lowered once and shared by every chunk:
   an HTP context binary (``qnn``) or XNNPACK INT8 kernels (``cpu-int8``), with our encodings;
 - ``cpu_<i>``: a float CPU subgraph (``cpu_subgraphs.py``) on ExecuTorch's portable kernels: norms,
-  RoPE, attention with its K/V (past length symbolic up to the artefact's context), the dense
-  shadow outlier branches, lm_head.
+  RoPE, attention with its K/V (past length symbolic up to the artefact's context), the shadow
+  outlier branches (sparse: the hot channels' rows only), lm_head;
+- ``decode``: one token at any position (``decode.py``), on XNNPACK, INT8 or fp32.
 
-The sidecar (``<name>.json``) holds what a runner needs besides the methods: the chunk length and
-context, the subgraph table in program order (method, inputs, outputs by name, processor, layer),
-the graph's input and output names, every NPU linear's activation scale, output scale(s) and split
-output channels, outlier threshold and hot channels, the pruned layers, and the subgraph profile for out-of-order
-scheduling. Both files are written to temporary names and renamed.
+Beside the ``.pte`` (``model.pte`` -> ``model.json``, ``model.rows.bin``, ``model.tokenizer/``):
+
+- the sidecar holds what a runner needs besides the methods: the chunk length and context, the
+  subgraph table in program order (method, inputs, outputs by name, processor, layer, shadow
+  branches), the graph's input and output names, every NPU linear's activation scale, output
+  scale(s) and split output channels, outlier threshold, hot and cold channels, the pruned layers,
+  the subgraph profile for out-of-order scheduling, the decode method and its K/V layout, the
+  tokenizer and its special ids;
+- the cold rows file: the float rows of W^T of the shadowed linears' cold channels, read on demand
+  when a cold channel crosses its threshold (the paper keeps them on disk likewise);
+- the tokenizer files, so that a runner needs nothing else.
+
+Everything is written to temporary names and renamed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -30,12 +40,21 @@ from ..paths import atomic_path
 from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
 
 FORMAT = "llmnpu-pte-sidecar"
-VERSION = 1
+VERSION = 2          # 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer
 DEFAULT_CONTEXT = 1024
+ROW_DTYPE = "float32"    # cold rows file: little-endian float32 rows of W^T, one block per shadowed linear
 
 
 def sidecar_path(pte: Path) -> Path:
     return Path(pte).with_suffix(".json")
+
+
+def rows_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".rows.bin")
+
+
+def tokenizer_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".tokenizer")
 
 
 def method_name(sub) -> str:
@@ -116,19 +135,34 @@ def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
 
 
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
-               context: int | None = None, model: dict | None = None, progress: bool = True) -> dict:
-    """Write ``engine``'s chunk program as ``out`` (.pte) and its sidecar; returns a summary.
+               context: int | None = None, model: dict | None = None, progress: bool = True,
+               shadow: str = "sparse", decode: str = "int8", tokenizer=None) -> dict:
+    """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
+    returns a summary.
 
-    ``calib_ids``: calibration tokens (three chunks are used: they set the NPU outputs' encodings). ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``.
+    ``calib_ids``: calibration tokens (three chunks are used: they set the NPU outputs' encodings).
+    ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``. ``shadow``: the
+    branch form (``sparse`` hot-channel products with cold rows on disk, or the ``dense`` reference).
+    ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
     """
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir import (
+        EdgeCompileConfig,
+        ExecutorchBackendConfig,
+        to_edge_transform_and_lower,
+    )
+    from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.program import EdgeProgramManager
     from tqdm.auto import tqdm
 
-    from .cpu_subgraphs import export_cpu_subgraph
+    from . import decode as decode_step
+    from .cpu_subgraphs import SHADOW_FORMS, export_cpu_subgraph
 
     context = context or min(DEFAULT_CONTEXT, engine.max_context)
     _check_args(engine, target, soc, context)
+    if shadow not in SHADOW_FORMS:
+        raise LlmNpuError(f"unknown shadow branch form '{shadow}': use one of {', '.join(SHADOW_FORMS)}")
+    if decode not in decode_step.MODES:
+        raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(decode_step.MODES)}")
     c = engine.chunk_len
     if calib_ids.numel() < 3 * c:
         raise LlmNpuError(f"export needs at least {3 * c} calibration tokens (three chunks), got {calib_ids.numel()}")
@@ -153,23 +187,102 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             npu_outputs.update(_encodings_by_linear(spec, encodings))
             entry["input_groups"] = spec.groups
         else:
-            ep = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]), max_past)
+            ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
+                                               max_past, shadow)
+            if branches:
+                entry["shadow"] = branches
             edge = to_edge_transform_and_lower(ep)
         programs[name] = edge.exported_program(name if sub.kind == "npu" and target == "qnn" else "forward")
         table.append(entry)
+    if progress:
+        print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
+    programs[decode_step.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode,
+                                                            calib_ids).exported_program("forward")
     merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    buffer = merged.to_executorch().buffer
+    # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
+    planning = {decode_step.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
+    buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
 
     out = Path(out)
+    weights = {n: engine.backend._linear(n).weight for n in _shadowed(engine)}
+    shadow_meta = write_cold_rows(weights, engine.plans, rows_path(out)) if shadow == "sparse" else {"form": "dense"}
+    tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
     with atomic_path(out) as tmp:
         tmp.write_bytes(buffer)
     meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
+    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=_decode_meta(decode, engine.kv, context))
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if target == "qnn" else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
-            "chunk_len": c, "context": context, "seconds": round(time.perf_counter() - t0, 1)}
+            "decode": decode, "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
+            "rows_bytes": shadow_meta.get("bytes", 0), "tokenizer": tok_meta["folder"] if tok_meta else None,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _shadowed(engine) -> list[str]:
+    return [n for n, p in engine.plans.items() if p.shadow]
+
+
+def write_cold_rows(weights: dict[str, Tensor], plans: dict, path: Path) -> dict:
+    """The cold channels' float rows of W^T of each shadowed linear (``weights``: name -> W [N, K]), one
+    block after another, into ``path``; returns the sidecar's ``shadow`` entry."""
+    from .cpu_subgraphs import cold_channels
+
+    linears, offset = {}, 0
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for name, w in weights.items():
+            w = w.detach().float()
+            cold = cold_channels(plans[name], w.shape[1])
+            block = w.t()[cold].contiguous().numpy().astype("<f4")           # [cold, N]
+            f.write(block.tobytes())
+            linears[name] = {"cold_channels": cold, "rows_offset": offset, "in_features": w.shape[1],
+                             "out_features": w.shape[0], "clip": plans[name].clip}
+            offset += block.nbytes
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"form": "sparse", "rows_file": path.name, "rows_dtype": ROW_DTYPE, "bytes": offset, "rows_sha256": digest,
+            "linears": linears}
+
+
+def _write_tokenizer(tokenizer, folder: Path) -> dict:
+    with atomic_path(folder) as tmp:
+        tokenizer.save_pretrained(tmp)
+    eos = tokenizer.eos_token_id
+    return {"folder": folder.name, "files": sorted(p.name for p in folder.iterdir()),
+            "bos_id": tokenizer.bos_token_id, "eos_ids": [eos] if isinstance(eos, int) else list(eos or []),
+            "chat_template": getattr(tokenizer, "chat_template", None)}
+
+
+def _decode_meta(mode: str, kv, context: int) -> dict:
+    L = kv.layers
+    return {"method": "decode", "mode": mode, "backend": "xnnpack",
+            "inputs": ["input_ids [1, 1] int64", "cache_position [1] int64",
+                       f"k_cache x {L}: [1, {kv.kv_heads}, {kv.head_dim}, {context}] float32 (K transposed)",
+                       f"v_cache x {L}: [1, {kv.kv_heads}, {context}, {kv.head_dim}] float32"],
+            "outputs": ["logits [1, vocab] float32", f"k_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]",
+                        f"v_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]"],
+            "kv_layout": "static cache of `context` slots per layer, read in place (not memory-planned); "
+                         "slots >= cache_position are not read; the runner writes k_new/v_new at slot cache_position"}
+
+
+def shadow_cost(engine, form: str) -> dict:
+    """Float work and float weight bytes of the shadow branches per chunk: ``dense`` (the whole linear
+    on the residue) and the program's own ``form``. Cold products (data-dependent, from the rows file)
+    are not counted here: the runner counts them (``PteRunner.cold_rows``)."""
+    from .cpu_subgraphs import program_hot_channels
+
+    m, dense_flops, sparse_flops, dense_bytes, sparse_bytes = engine.chunk_len, 0, 0, 0, 0
+    for name in _shadowed(engine):
+        n, k = engine.backend._linear(name).weight.shape
+        h = program_hot_channels(engine.plans[name]).numel()
+        dense_flops += 2 * m * k * n
+        sparse_flops += 2 * m * h * n
+        dense_bytes += 4 * n * k
+        sparse_bytes += 4 * n * h
+    return {"form": form, "linears": len(_shadowed(engine)),
+            "flops_per_chunk": {"dense": dense_flops, "sparse": sparse_flops},
+            "program_weight_bytes": {"dense": dense_bytes, "sparse": sparse_bytes}}
 
 
 def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, buffer: bytes) -> dict:

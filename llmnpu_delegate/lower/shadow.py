@@ -1,10 +1,17 @@
 """Shadow outlier paths as plain graph ops, for programs that leave our runtime (``.pte`` files).
 
-For each shadowed linear ``y = linear(x, W)`` the pass adds the float branch
-``y + linear(x - clamp(x, -clip, clip), W)``: the NPU side then sees only ``clamp(x)`` (its static
-scale saturates at ``clip``) and the branch adds back exactly what saturation removed. Our engine
-computes the same product sparsely (only the channels that crossed the threshold); as a dense graph
-op it runs anywhere. The branch is marked so the quantizer and the partitioner leave it float.
+For each shadowed linear ``y = linear(x, W)`` the branch adds back what saturation at the NPU's
+static scale removed: ``x - clamp(x, -clip, clip)`` (the residue) times ``W``. Two forms:
+
+- dense, ``linear(residue, W)``: a float GEMM as large as the linear itself. ``add_shadow_paths``
+  puts it into a whole exported model (``examples/export_pte.py``), and ``llmnpu export
+  --shadow-branch dense`` keeps it as the reference form;
+- sparse (the paper's, and the ``.pte`` default), ``linear(residue[..., hot], W[:, hot])``: only
+  the calibrated hot channels, a small GEMM with static shapes, plus a per-channel flag of which
+  channels crossed the threshold at all (``hits``), so that the runner adds the rare outliers of
+  cold channels from rows it reads off disk, as our engine does.
+
+The branch is marked so the quantizer and the partitioner leave it float.
 """
 from __future__ import annotations
 
@@ -22,6 +29,23 @@ def shadow_product(graph: fx.Graph, x: fx.Node, w: fx.Node, clip: float) -> list
     clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
     residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
     return [clipped, residue, graph.call_function(_aten.linear.default, (residue, w))]
+
+
+def sparse_shadow_product(graph: fx.Graph, x: fx.Node, w_hot: fx.Node, hot: fx.Node, clip: float,
+                          rank: int) -> tuple[fx.Node, fx.Node]:
+    """Insert the static sparse branch at the graph's insertion point; returns ``(delta, hits)``.
+
+    ``x`` [.., K] has ``rank`` dims, ``w_hot`` = W[:, hot] [N, h], ``hot`` [h] int64. ``delta`` [.., N]
+    is the hot channels' product; ``hits`` [K] is max |residue| per input channel (> 0 exactly where
+    some element of that channel crossed ``clip``).
+    """
+    clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
+    residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
+    gathered = graph.call_function(_aten.index_select.default, (residue, rank - 1, hot))
+    delta = graph.call_function(_aten.linear.default, (gathered, w_hot))
+    magnitude = graph.call_function(_aten.abs.default, (residue,))
+    hits = graph.call_function(_aten.amax.default, (magnitude, list(range(rank - 1))))
+    return delta, hits
 
 
 def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str = "") -> list[str]:

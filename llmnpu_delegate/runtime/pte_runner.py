@@ -1,25 +1,40 @@
-"""The reference runner: a whole chunked prefill from a ``.pte`` and its sidecar, nothing else.
+"""The reference runner: a whole generation from a ``.pte`` and the files beside it, nothing else.
 
-The sidecar's subgraph table becomes a ``ChunkProgram`` whose steps call the ``.pte``'s methods
-through ExecuTorch's runtime (QNN methods run on Qualcomm's HTP simulator on an x86 host, which
-is for numerics only: never read its times as speed). The out-of-order executor schedules them
-with the sidecar's profile, exactly as it schedules our engine's subgraphs. No model, weights or
-tokenizer are loaded.
+Prefill: the sidecar's subgraph table becomes a ``ChunkProgram`` whose steps call the ``.pte``'s
+methods through ExecuTorch's runtime (QNN methods run on Qualcomm's HTP simulator on an x86 host,
+which is for numerics only: never read its times as speed). The out-of-order executor schedules
+them with the sidecar's profile, exactly as it schedules our engine's subgraphs. A shadow method
+computes its hot channels' product; when a cold channel crossed its threshold (the method's
+``hits``), the runner adds that channel's product with rows read from the cold rows file.
+
+Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode.py``
+says why), filled once from the prefill; each step writes the new token's K/V in place.
+
+No model, weights or calibration are loaded from anywhere else.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from ..kernels import outlier_product
 from ..partitioner.regions import Subgraph
 from .executor import POLICIES, Executor, Workers
 from .profile import Profile
 from .program import ChunkProgram, Step, chunk_feeds
+from .sampling import check_sampling, next_token
+
+_KEYS = ("pte", "target", "model", "chunk_len", "context", "quant", "graph", "subgraphs", "linears", "shadow",
+         "decode", "tokenizer")
 
 
 def load_sidecar(pte: str | Path) -> dict:
@@ -36,12 +51,55 @@ def load_sidecar(pte: str | Path) -> dict:
         raise LlmNpuError(f"{pte} has no sidecar {path.name} beside it: export writes both; copy them together") from None
     except ValueError as e:
         raise LlmNpuError(f"sidecar {path} is not valid JSON ({e}): export again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise LlmNpuError(f"{path} is not a version-{VERSION} llmnpu sidecar: export again with this version")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LlmNpuError(f"{path} is not an llmnpu sidecar: export the program again (llmnpu export)")
+    if meta.get("version") != VERSION:
+        raise LlmNpuError(f"{path} was written by another version of llmnpu export (format {meta.get('version')}, "
+                          f"this runner reads {VERSION}): export the program again with this version")
+    missing = [k for k in _KEYS if k not in meta]
+    if missing:
+        raise LlmNpuError(f"sidecar {path} lacks {', '.join(missing)}: export the program again")
     digest = hashlib.sha256(pte.read_bytes()).hexdigest()
     if meta.get("pte_sha256") != digest:
         raise LlmNpuError(f"{path.name} was written for another {meta.get('pte')}: the .pte and sidecar do not match")
     return meta
+
+
+class ColdRows:
+    """The cold channels' float rows of W^T (the rows file beside the ``.pte``), memory-mapped and
+    read when a channel is hit; counts the rows read. ``shadow``: the sidecar's ``shadow`` entry."""
+
+    def __init__(self, path: Path | None, shadow: dict):
+        self.linears: dict[str, tuple] = {}
+        self.fetched = 0
+        self._file = None
+        if shadow.get("form") != "sparse":
+            return
+        if path is None or not Path(path).is_file():
+            raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
+        if Path(path).stat().st_size != shadow["bytes"] or hashlib.sha256(Path(path).read_bytes()).hexdigest() != shadow["rows_sha256"]:
+            raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
+        if shadow["bytes"]:
+            self._file = np.memmap(path, dtype="<f4", mode="r")
+        for name, lin in shadow["linears"].items():
+            cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
+            slot = torch.full((lin["in_features"],), -1, dtype=torch.int64)
+            slot[cold] = torch.arange(cold.numel())
+            self.linears[name] = (cold, slot, lin["rows_offset"] // 4, lin["out_features"], lin["clip"])
+
+    def product(self, name: str, x: Tensor, hits: Tensor) -> Tensor | None:
+        """``(x - clip(x))[:, hit] @ W^T[hit]`` over the cold channels that ``hits`` flags, or None."""
+        cold, slot, start, n, clip = self.linears[name]
+        hit = cold[hits[cold] > 0]
+        if hit.numel() == 0:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        cols = x2.index_select(1, hit)
+        residue = cols - cols.clamp(-clip, clip)
+        block = self._file[start:start + cold.numel() * n].reshape(cold.numel(), n)
+        rows = torch.from_numpy(np.ascontiguousarray(block[slot[hit].numpy()]))
+        self.fetched += hit.numel()
+        return outlier_product(residue, rows).view(*x.shape[:-1], n)
 
 
 def _npu_call(module, entry: dict, linears: dict):
@@ -59,11 +117,47 @@ def _npu_call(module, entry: dict, linears: dict):
     return run
 
 
-def _cpu_call(module, method: str):
+def _cpu_call(module, entry: dict, cold: ColdRows):
+    method, branches, n_out = entry["method"], entry.get("shadow", []), len(entry["outputs"])
+
     def run(*inputs) -> tuple:
         # outputs live in the method's planned memory, which its next call overwrites: copy them
-        return tuple(o.clone() if isinstance(o, Tensor) else o for o in module.run_method(method, inputs))
+        outs = [o.clone() if isinstance(o, Tensor) else o for o in module.run_method(method, inputs)]
+        result = outs[:n_out]
+        for b in branches:
+            if b["hits"] is not None:
+                extra = cold.product(b["linear"], inputs[b["input"]], outs[b["hits"]])
+                if extra is not None:
+                    result[b["output"]] = result[b["output"]] + extra
+        return tuple(result)
     return run
+
+
+@dataclass
+class KVCache:
+    """The decode method's static cache: per layer K [1, KVH, d, T] (transposed) and V [1, KVH, T, d];
+    ``length`` slots are filled."""
+    k: list[Tensor]
+    v: list[Tensor]
+    length: int = 0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    prompt_tokens: int
+    chunks: int
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    cold_rows: int
+    policy: str
+    stopped: str = "length"                        # "length" | "eos"
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else None
 
 
 class PteRunner:
@@ -81,13 +175,16 @@ class PteRunner:
             from ..qnn.sdk import activate
 
             activate()            # the QNN libraries (and the shim) before the program loads
+        shadow = meta["shadow"]
+        self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
         self._buffer = Path(pte).read_bytes()     # the runtime reads the program in place: keep it alive
         self.module = _load_for_executorch_from_buffer(self._buffer)
+        self.pte = Path(pte)
         steps = []
         for e in meta["subgraphs"]:
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
             fn = (_npu_call(self.module, e, meta["linears"]) if e["kind"] == "npu"
-                  else _cpu_call(self.module, e["method"]))
+                  else _cpu_call(self.module, e, self.cold))
             steps.append(Step(sub, fn))
         m = meta["model"]
         self.chunk_len, self.context, self.vocab = meta["chunk_len"], meta["context"], m["vocab_size"]
@@ -118,3 +215,69 @@ class PteRunner:
                              [out[k][:, :, :total] for k in self.program.out_k],
                              [out[v][:, :, :total] for v in self.program.out_v],
                              len(feeds), {"prefill_s": stats.wall_s})
+
+    # ------------------------------------------------------------------ decode
+    def start_decode(self, prefill) -> KVCache:
+        """The decode cache, filled with a prefill's K/V (``PrefillResult``)."""
+        kv, t = self.kv, prefill.tokens
+        cache = KVCache([torch.zeros(1, kv.kv_heads, kv.head_dim, self.context) for _ in range(kv.layers)],
+                        [torch.zeros(1, kv.kv_heads, self.context, kv.head_dim) for _ in range(kv.layers)], t)
+        for k_all, v_all, k, v in zip(cache.k, cache.v, prefill.past_k, prefill.past_v):
+            k_all[..., :t] = k.transpose(2, 3)
+            v_all[:, :, :t] = v
+        return cache
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, token: int) -> Tensor:
+        """Logits [vocab] of the token after ``token``, which goes into slot ``cache.length``."""
+        pos = cache.length
+        if pos >= self.context:
+            raise LlmNpuError(f"decode past the program's context of {self.context} tokens: export with a larger "
+                              f"--context or generate fewer tokens")
+        outs = self.module.run_method(self.meta["decode"]["method"],
+                                      (torch.tensor([[token]]), torch.tensor([pos]), *cache.k, *cache.v))
+        layers = self.kv.layers
+        for k_all, v_all, k, v in zip(cache.k, cache.v, outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]):
+            k_all[0, :, :, pos] = k[0, :, 0]
+            v_all[0, :, pos] = v[0, :, 0]
+        cache.length = pos + 1
+        return outs[0].reshape(-1).clone()
+
+    def generate(self, input_ids, max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0,
+                 seed: int | None = None, eos_ids=(), on_token: Callable[[int], None] | None = None,
+                 policy: str | None = None) -> Generation:
+        """Prefill ``input_ids``, then decode up to ``max_new_tokens`` (stopping after an ``eos_ids`` token)."""
+        from ..prefill import check_prompt
+
+        check_sampling(temperature, top_p)
+        if max_new_tokens < 1:
+            raise LlmNpuError(f"max new tokens must be at least 1, got {max_new_tokens}")
+        ids = check_prompt(input_ids, self.context, self.vocab)
+        if ids.numel() + max_new_tokens - 1 > self.context:
+            raise LlmNpuError(f"prompt of {ids.numel()} tokens + {max_new_tokens} new ones needs "
+                              f"{ids.numel() + max_new_tokens - 1} K/V slots, past the program's context of "
+                              f"{self.context}: generate fewer tokens or export with a larger --context")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        fetched = self.cold.fetched
+        start = time.perf_counter()
+        pre = self(ids, policy)
+        prefill_s = time.perf_counter() - start
+        token = next_token(pre.logits, temperature, top_p, gen)
+        first = time.perf_counter()
+        tokens, times, stopped = [token], [first], "length"
+        if on_token:
+            on_token(token)
+        cache = self.start_decode(pre)
+        while len(tokens) < max_new_tokens:
+            if token in eos_ids:
+                stopped = "eos"
+                break
+            token = next_token(self.decode(cache, token), temperature, top_p, gen)
+            tokens.append(token)
+            times.append(time.perf_counter())
+            if on_token:
+                on_token(token)
+        else:
+            stopped = "eos" if token in eos_ids else "length"
+        return Generation(tokens, ids.numel(), pre.chunks, prefill_s, first - start, times[-1] - first,
+                          self.cold.fetched - fetched, self.last_run.policy, stopped, times)

@@ -1,0 +1,135 @@
+"""The program's decode step: one token at any position up to the context, on the CPU.
+
+Following the paper, decode runs on the CPU side: one ``decode`` method of the ``.pte``, lowered to
+ExecuTorch's XNNPACK delegate, with INT8 weights (per output channel) and activations quantized
+per token at run time (``int8``, the usual on-device CPU decode), or in float (``fp32``, the
+reference). The families' own ``transformers`` modules run unchanged; the attention is ours.
+
+How the K/V are carried: a **static max-context cache that the method only reads**, with the new
+token's K/V returned and written in place by the runner (ExecuTorch's static llama does the same).
+Per layer the runner holds K as ``[1, KVH, d, context]`` (transposed, so ``q @ K`` needs no copy)
+and V as ``[1, KVH, context, d]``; they are method inputs outside ExecuTorch's memory plan, so the
+runtime reads the runner's memory in place. The prefill's K/V are written into them once.
+
+What a step copies (SmolLM2-135M, context 1,024, fp32 K/V; ``benchmarks/bench_decode_kv.py``
+measures the alternatives): this layout moves the new rows only, 30 x 2 x 3 x 64 x 4 B = 46 KB per
+step. Carrying the K/V as inputs and outputs of a symbolic length P (the prefill's own layout) makes
+the method concatenate the past with the new row and hand the whole cache back: 2 copies of
+up to 47 MB per step, and a third if the runtime copies the inputs into its planned memory (the
+default for method inputs). The price of the static cache is attention over all ``context`` slots,
+the unwritten ones masked: a step at position p reads the whole cache rather than its first p rows.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ..errors import LlmNpuError
+
+METHOD = "decode"
+MODES = ("int8", "fp32")
+ATTN_IMPLEMENTATION = "llmnpu_decode"
+
+_cache: dict = {}     # the step's cache inputs, read by the attention function while tracing
+
+
+def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                      sliding_window=None, **_):
+    """One query token against the cached positions < pos and itself. query [1, H, 1, d]; key/value:
+    the new token's [1, KVH, 1, d]. Returns [1, 1, H, d], as transformers' attention does."""
+    k_cache, v_cache = _cache["k"][module.layer_idx], _cache["v"][module.layer_idx]   # [1,KVH,d,T], [1,KVH,T,d]
+    pos = _cache["pos"]
+    _, heads, _, d = query.shape
+    kvh, context = k_cache.shape[1], k_cache.shape[3]
+    g = heads // kvh
+    scaling = d ** -0.5 if scaling is None else scaling
+    q = query.reshape(kvh, g, d)
+    past = torch.bmm(q, k_cache.reshape(kvh, d, context)) * scaling         # [KVH, g, T]
+    new = (q * key.reshape(kvh, 1, d)).sum(-1, keepdim=True) * scaling     # [KVH, g, 1]
+    if softcap:
+        past, new = torch.tanh(past / softcap) * softcap, torch.tanh(new / softcap) * softcap
+    slots = torch.arange(context)
+    visible = slots < pos
+    if sliding_window:
+        visible = visible & (slots > pos - sliding_window)
+    past = past.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(torch.cat([past, new], dim=-1), dim=-1)
+    out = torch.bmm(probs[..., :context], v_cache.reshape(kvh, context, d)) + probs[..., context:] * value.reshape(kvh, 1, d)
+    return out.reshape(1, 1, heads, d), None
+
+
+def _no_mask(*args, **kwargs):
+    return None      # the attention above masks by position itself
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _decode_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+class DecodeStep(nn.Module):
+    """forward(input_ids [1, 1], cache_position [1], k_cache, v_cache) -> (logits [1, V], k_new, v_new):
+    k_cache/v_cache one [1, KVH, d, T] / [1, KVH, T, d] per layer (slots >= position unread);
+    k_new/v_new one [1, KVH, 1, d] per layer, to be written at slot ``position``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, cache_position: Tensor, k_cache: list[Tensor], v_cache: list[Tensor]):
+        _cache.update(k=k_cache, v=v_cache, pos=cache_position)
+        try:
+            cache = DynamicCache()
+            out = self.model(input_ids=input_ids, cache_position=cache_position, position_ids=cache_position[None],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            _cache.clear()
+        return out.logits.reshape(1, -1), [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def example_inputs(kv, context: int, position: int = 3) -> tuple:
+    return (torch.zeros(1, 1, dtype=torch.long), torch.tensor([position]),
+            [torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)],
+            [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)])
+
+
+@torch.no_grad()
+def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None):
+    """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
+    INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
+    (dynamic activation scales need no statistics; the weights' scales come from the weights)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    from ..capture import attention_implementation
+
+    if mode not in MODES:
+        raise LlmNpuError(f"unknown decode mode '{mode}': use one of {', '.join(MODES)}")
+    step = DecodeStep(model).eval()
+    example = example_inputs(kv, context)
+    with attention_implementation(model, ATTN_IMPLEMENTATION), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(step, example, strict=False)
+        if mode == "int8":
+            ep = _quantize_dynamic(ep, example, calib_ids)
+    return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+
+
+def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
+    prepared = prepare_pt2e(ep.module(), quantizer)
+    ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
+    for i, token in enumerate(ids.tolist()):
+        prepared(torch.tensor([[token]]), torch.tensor([i]), *example[2:])
+    converted = convert_pt2e(prepared)
+    return torch.export.export(converted, example, strict=False)
