@@ -148,7 +148,12 @@ def cmd_run(args) -> dict:
         hf_logging.disable_progress_bar()
     if args.temperature is not None and args.temperature <= 0:
         raise LlmNpuError(f"--temperature must be positive (omit it for greedy decoding), got {args.temperature}")
-    wrapper = LlmNpuForCausalLM(load_model(args.model), chunk_len=args.chunk, backend=args.backend, quant=args.quant,
+    if args.pte is not None:
+        return _run_pte(args, prompt)
+    from .prefill import BACKENDS, DEFAULT_CHUNK
+
+    wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
+                                backend=args.backend or BACKENDS[0], quant=args.quant or "w8a8-shadow",
                                 pruning_rate=args.pruning_rate, policy=args.policy, progress=not args.no_progress)
     sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
                 if args.temperature is not None else {"do_sample": False})
@@ -158,6 +163,34 @@ def cmd_run(args) -> dict:
         torch.manual_seed(args.seed)
     summary = run(wrapper, prompt, args.max_new_tokens, args.chat, stream=not args.json, trace_dir=args.trace,
                   **sampling)
+    args.text = format_summary(summary)
+    return summary
+
+
+_MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
+
+
+def _run_pte(args, prompt: str) -> dict:
+    from .errors import LlmNpuError
+    from .run import format_summary, run_pte
+    from .runtime.pte_runner import PteRunner
+
+    given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) is not None]
+    if given:
+        raise LlmNpuError(f"--pte runs the exported program alone, which fixes the model and its settings: "
+                          f"drop {', '.join(given)}")
+    runner = PteRunner(args.pte, policy=args.policy)
+    summary = run_pte(runner, prompt, args.max_new_tokens, args.chat, stream=not args.json,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if args.trace is not None:
+        from pathlib import Path
+
+        from .runtime.trace import write_timeline, write_trace
+
+        stats = runner.last_run
+        summary["trace"] = str(write_trace(stats, Path(args.trace) / "prefill.trace.json"))
+        summary["timeline"] = str(write_timeline(stats, Path(args.trace) / "prefill.png",
+                                                 f"prefill of {summary['prompt_tokens']} tokens (.pte)"))
     args.text = format_summary(summary)
     return summary
 
@@ -175,13 +208,20 @@ def cmd_export(args) -> dict:
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
     calib_ids = tokenize(lm, read_text(None, "calib"))
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
-                         model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress)
+                         model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
+                         shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer)
+    sh = summary["shadow"]
+    flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if args.backend == 'qnn' else ''}, "
-                 f"{summary['cpu_methods']} CPU methods) and {summary['sidecar']} "
-                 f"({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, context "
-                 f"{summary['context']} tokens, {summary['seconds']:.0f} s\n"
-                 f"check it: llmnpu validate --pte {summary['pte']}")
+                 f"{summary['cpu_methods']} CPU methods, decode {summary['decode']} on XNNPACK) and "
+                 f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
+                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s\n"
+                 f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
+                 f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
+                 f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}); cold rows on disk "
+                 f"{summary['rows_bytes'] / 2**20:.1f} MiB\n"
+                 f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary
 
 
@@ -292,8 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "first token, prefill and decode speed, chunks and outlier share. The first use "
                                    "of a model calibrates, compiles and profiles its subgraphs for the out-of-order "
                                    "schedule (a few minutes, all cached); later starts take seconds.")
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", default=None,
                    help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--pte", default=None,
+                   help="generate with an exported program alone (llmnpu export): its .pte, sidecar, cold rows "
+                        "and tokenizer; no model, weights or calibration are loaded")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this text file")
@@ -302,12 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling share when sampling (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--backend", choices=list(BACKENDS), default=BACKENDS[0], help=f"prefill backend (default {BACKENDS[0]})")
-    p.add_argument("--quant", choices=list(QUANT_MODES), default="w8a8-shadow",
+    p.add_argument("--backend", choices=list(BACKENDS), default=None, help=f"prefill backend (default {BACKENDS[0]})")
+    p.add_argument("--quant", choices=list(QUANT_MODES), default=None,
                    help="quantization of the prefill (default w8a8-shadow)")
     p.add_argument("--pruning-rate", type=float, default=None,
                    help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--chunk", type=int, default=None, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", choices=list(POLICIES), default="ooo", help="prefill schedule (default ooo)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write the prefill's Chrome/Perfetto trace and timeline PNG into DIR")
@@ -392,7 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantization (default w8a8-shadow)")
     p.add_argument("--pruning-rate", type=float, default=None,
                    help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
-    p.add_argument("--out", required=True, help="the .pte to write (the sidecar goes beside it, .json)")
+    p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
+                   help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
+                        "in a file read when hit) or dense (the whole linear on the residue: a reference)")
+    p.add_argument("--decode", choices=["int8", "fp32"], default="int8",
+                   help="decode method on XNNPACK: int8 (default: INT8 weights, per-token dynamic activations) "
+                        "or fp32 (the float reference)")
+    p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .rows.bin cold "
+                                                "shadow rows, .tokenizer/ folder)")
     _add_output_args(p, "print the summary as JSON")
     p.set_defaults(func=cmd_export)
 

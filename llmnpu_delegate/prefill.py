@@ -146,6 +146,9 @@ class Prefiller:
         CpuInt8Backend.check_policy(norms)       # before the slow steps
         tune_malloc()
 
+        if self.quant is not None and calibration is None:
+            calibration = default_calibration(lm, progress)
+        self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
 

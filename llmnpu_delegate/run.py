@@ -1,4 +1,5 @@
-"""``llmnpu run``: one prompt through the wrapper, tokens streamed, then a summary of where time went."""
+"""``llmnpu run``: one prompt through the wrapper (or an exported ``.pte`` alone), tokens streamed,
+then a summary of where time went."""
 from __future__ import annotations
 
 import sys
@@ -31,15 +32,14 @@ class _Clock(BaseStreamer):
             self.inner.end()
 
 
-def prompt_ids(wrapper: LlmNpuForCausalLM, prompt: str, chat: bool) -> torch.Tensor:
-    tok = wrapper.tokenizer
+def prompt_ids(tok, name: str, prompt: str, chat: bool) -> torch.Tensor:
     if tok is None:
-        raise LlmNpuError(f"model '{wrapper.loaded.spec}' has no tokenizer: give a model folder with tokenizer files")
+        raise LlmNpuError(f"model '{name}' has no tokenizer: give a model folder with tokenizer files")
     if not prompt.strip():
         raise LlmNpuError("the prompt is empty: give --prompt TEXT or a --prompt-file with text in it")
     if chat:
         if not getattr(tok, "chat_template", None):
-            raise LlmNpuError(f"the tokenizer of '{wrapper.loaded.spec}' has no chat template: drop --chat")
+            raise LlmNpuError(f"the tokenizer of '{name}' has no chat template: drop --chat")
         return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"]
     return tok(prompt, return_tensors="pt").input_ids
@@ -50,7 +50,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
     """Generate from ``prompt``; returns the text and the summary (TTFT, prefill and decode speed, ...)."""
     if max_new_tokens < 1:
         raise LlmNpuError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    ids = prompt_ids(wrapper, prompt, chat)
+    ids = prompt_ids(wrapper.tokenizer, wrapper.loaded.spec, prompt, chat)
     printer = TextStreamer(wrapper.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     clock = _Clock(printer)
     start = time.perf_counter()
@@ -76,6 +76,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "prefill_tok_s": round(pre["tokens"] / pre["prefill_s"], 1),
         "decode_tok_s": round((len(times) - 1) / decode_s, 1) if decode_s > 0 else None,
         "outlier_share": round(pre["outlier_share"], 6),
+        "decode_mode": "float, CPU",
         "policy": wrapper.engine.last_run.policy if wrapper.engine.last_run else None,
         "text": wrapper.tokenizer.decode(new, skip_special_tokens=True),
     }
@@ -88,6 +89,48 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
     return summary
 
 
+def load_program_tokenizer(runner):
+    """The tokenizer written beside an exported program (``llmnpu export``)."""
+    from transformers import AutoTokenizer
+
+    meta = runner.meta.get("tokenizer")
+    if not meta:
+        raise LlmNpuError(f"{runner.pte.name} was exported without a tokenizer (its model has none): "
+                          "export a model that has one")
+    folder = runner.pte.parent / meta["folder"]
+    if not folder.is_dir():
+        raise LlmNpuError(f"{runner.pte.name}'s tokenizer folder {meta['folder']} is missing: copy it with the .pte")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def run_pte(runner, prompt: str, max_new_tokens: int = 64, chat: bool = False, stream: bool = True,
+            temperature: float | None = None, top_p: float = 1.0, seed: int | None = None) -> dict:
+    """Generate from ``prompt`` with an exported program alone (``PteRunner``); the same summary as ``run``."""
+    tok = load_program_tokenizer(runner)
+    meta = runner.meta
+    ids = prompt_ids(tok, runner.pte.name, prompt, chat)[0]
+    printer = TextStreamer(tok, skip_special_tokens=True) if stream else None
+    on_token = (lambda t: printer.put(torch.tensor([t]))) if printer else None
+    out = runner.generate(ids, max_new_tokens, temperature, top_p, seed, meta["tokenizer"]["eos_ids"], on_token)
+    if printer:
+        printer.end()
+        sys.stdout.flush()
+    target = meta["target"] + (f" {meta['soc']}" if meta.get("soc") else "")
+    quant = meta["quant"]
+    return {
+        "model": meta["model"].get("spec") or runner.pte.name, "pte": str(runner.pte),
+        "backend": f".pte ({target} NPU methods)",
+        "quant": "w8a8-shadow" if quant.get("outliers") == "shadow" else "w8a8",
+        "chunk": runner.chunk_len, "prompt_tokens": out.prompt_tokens, "new_tokens": len(out.tokens),
+        "chunks": out.chunks, "ttft_s": round(out.ttft_s, 4), "prefill_s": round(out.prefill_s, 4),
+        "prefill_tok_s": round(out.prompt_tokens / out.prefill_s, 1),
+        "decode_tok_s": round(out.decode_tok_s, 1) if out.decode_tok_s else None,
+        "decode_mode": f"{meta['decode']['mode']}, XNNPACK, CPU",
+        "cold_rows": out.cold_rows, "policy": out.policy, "stopped": out.stopped, "tokens": out.tokens,
+        "text": tok.decode(out.tokens, skip_special_tokens=True),
+    }
+
+
 def format_summary(s: dict) -> str:
     decode = f"{s['decode_tok_s']:.1f} tok/s" if s["decode_tok_s"] else "n/a (one token)"
     lines = [
@@ -96,9 +139,12 @@ def format_summary(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tokens in {s['chunks']} chunk(s); {s['new_tokens']} new tokens",
         f"time to first token {1e3 * s['ttft_s']:.0f} ms",
         f"prefill {s['prefill_tok_s']:.1f} tok/s ({1e3 * s['prefill_s']:.0f} ms)",
-        f"decode  {decode} (float, CPU)",
-        f"activations on the shadow outlier path: {100 * s['outlier_share']:.3f} %",
+        f"decode  {decode} ({s['decode_mode']})",
     ]
+    if "outlier_share" in s:
+        lines.append(f"activations on the shadow outlier path: {100 * s['outlier_share']:.3f} %")
+    if "cold_rows" in s:
+        lines.append(f"cold shadow rows read from disk: {s['cold_rows']}")
     if "trace" in s:
         lines.append(f"trace: {s['trace']}  timeline: {s['timeline']}")
     return "\n".join(lines)

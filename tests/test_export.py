@@ -36,17 +36,19 @@ def exported(engine, tmp_path_factory):
     out = tmp_path_factory.mktemp("pte") / "tiny.pte"
     calib_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
     summary = export_pte(engine, out, calib_ids, target="cpu-int8", context=4 * CHUNK,
-                         model={"spec": "random:tiny-llama"}, progress=False)
+                         model={"spec": "random:tiny-llama"}, progress=False, decode="fp32",
+                         tokenizer=load_model("random:tiny-llama").tokenizer)
     return out, summary
 
 
 def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, exported):
     out, summary = exported
-    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.pte"]     # no temporaries left
+    # no temporaries left
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.pte", "tiny.rows.bin", "tiny.tokenizer"]
     meta = json.loads(sidecar_path(out).read_text())
     runner = PteRunner(out)
     steps = engine.program.steps
-    assert set(runner.module.method_names()) == {e["method"] for e in meta["subgraphs"]}
+    assert set(runner.module.method_names()) == {e["method"] for e in meta["subgraphs"]} | {"decode"}
     assert [e["inputs"] for e in meta["subgraphs"]] == [s.sub.inputs for s in steps]
     assert [e["outputs"] for e in meta["subgraphs"]] == [s.sub.outputs for s in steps]
     assert summary["npu_methods"] == sum(s.sub.kind == "npu" for s in steps) > 0
@@ -215,3 +217,67 @@ def test_dense_shadow_paths_add_back_what_clipping_removed():
         got = gm(x)
     assert (x.abs() > 2.0).any() and not torch.allclose(block(x), want)   # the branch changes the result
     torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- generation from the .pte alone
+def _cli(capsys, *argv):
+    from llmnpu_delegate.cli import main
+
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _copy_program(src, dst_dir):
+    """The .pte and the files beside it, copied as a user would."""
+    for p in src.parent.iterdir():
+        if p.name.startswith(src.stem + "."):
+            (shutil.copytree if p.is_dir() else shutil.copy)(p, dst_dir / p.name)
+    return dst_dir / src.name
+
+
+def test_run_pte_generates_from_the_program_alone(exported, tmp_path, capsys, monkeypatch):
+    """With the cache folder emptied: no model, weights, calibration or tokenizer from anywhere else."""
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path / "empty-cache"))
+    pte = _copy_program(exported[0], tmp_path)
+    code, out, err = _cli(capsys, "run", "--pte", pte, "--prompt", "The harbour at dawn", "--max-new-tokens", 6,
+                          "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["new_tokens"] == len(s["tokens"]) == 6 and s["prompt_tokens"] > 2 and s["chunks"] == 1
+    assert s["decode_mode"].startswith("fp32") and s["ttft_s"] > 0 and s["decode_tok_s"] > 0
+    assert not any((tmp_path / "empty-cache").rglob("*.*"))          # nothing was cached or fetched
+    # the same tokens as prefill + decode steps driven by hand (greedy), and as a seeded sampler twice
+    runner = PteRunner(pte)
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(tmp_path / "tiny.tokenizer")
+    ids = tok("The harbour at dawn", return_tensors="pt").input_ids[0]
+    pre = runner(ids)
+    cache, tokens = runner.start_decode(pre), [int(pre.logits.argmax())]
+    for _ in range(5):
+        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+    assert tokens == s["tokens"]
+    sampled = [runner.generate(ids, 6, temperature=0.8, top_p=0.9, seed=3).tokens for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_run_pte_refuses_bad_programs_and_prompts(exported, tmp_path, capsys):
+    pte = _copy_program(exported[0], tmp_path)
+
+    def refused(*argv, match):
+        code, out, err = _cli(capsys, "run", "--pte", pte, *argv)
+        assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+    refused("--prompt", "x " * 200, match="more than the context of 128")
+    refused("--prompt", "a b c", "--max-new-tokens", 127, match="past the program's context of 128")
+    refused("--prompt", "a b c", "--model", "smollm2-135m", match="drop --model")
+    shutil.rmtree(tmp_path / "tiny.tokenizer")
+    refused("--prompt", "a b c", match="tokenizer folder tiny.tokenizer is missing")
+    (tmp_path / "tiny.rows.bin").unlink()
+    refused("--prompt", "a b c", match="cold rows file tiny.rows.bin is missing")
+    meta = json.loads(sidecar_path(pte).read_text())
+    sidecar_path(pte).write_text(json.dumps({**meta, "version": 1}))
+    refused("--prompt", "a b c", match="another version of llmnpu export")
+    runner = PteRunner(exported[0])
+    cache = runner.start_decode(runner(torch.zeros(128, dtype=torch.long)))
+    with pytest.raises(LlmNpuError, match="decode past the program's context of 128"):
+        runner.decode(cache, 1)

@@ -33,6 +33,11 @@ from ..errors import LlmNpuError
 
 METHOD = "decode"
 MODES = ("int8", "fp32")
+# A per-token INT8 scale is set by the row's largest value: where calibration saw inputs whose
+# maximum exceeds this many times their clip percentile, ordinary values would get fewer than 8 of
+# the 127 codes, so those linears decode in float (SmolLM2-135M: 12 of 210, mostly down_proj; one
+# decode step's logits went from 19.9 to 30+ dB against the float model, measured on news prose).
+OUTLIER_RATIO = 16.0
 ATTN_IMPLEMENTATION = "llmnpu_decode"
 
 _cache: dict = {}     # the step's cache inputs, read by the attention function while tracing
@@ -97,11 +102,18 @@ def example_inputs(kv, context: int, position: int = 3) -> tuple:
             [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)])
 
 
+def float_linears(calibration, percentile: float) -> list[str]:
+    """Decoder linears whose calibrated input maximum exceeds ``OUTLIER_RATIO`` x its ``percentile``."""
+    return sorted(n for n, s in calibration.layers.items() if s.absmax > OUTLIER_RATIO * s.percentiles[percentile])
+
+
 @torch.no_grad()
-def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None):
+def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None,
+                  keep_float: list[str] = ()):
     """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
-    (dynamic activation scales need no statistics; the weights' scales come from the weights)."""
+    (dynamic activation scales need no statistics; the weights' scales come from the weights).
+    ``keep_float``: linears (model names) that stay float in ``int8`` mode (``float_linears``)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
@@ -115,18 +127,28 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
         warnings.simplefilter("ignore")
         ep = torch.export.export(step, example, strict=False)
         if mode == "int8":
-            ep = _quantize_dynamic(ep, example, calib_ids)
+            ep = _quantize_dynamic(ep, example, calib_ids, keep_float)
     return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
 
 
-def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None):
+def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None, keep_float):
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
     )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
+    from ..partitioner.regions import linear_names
+
+    class Quantizer(XNNPACKQuantizer):
+        # XNNPACKQuantizer cannot leave a named module unquantized (set_module_name refuses None)
+        def annotate(self, gm):
+            gm = super().annotate(gm)
+            for node in linear_names(gm, list(keep_float), "model."):
+                node.meta.pop("quantization_annotation", None)
+            return gm
+
+    quantizer = Quantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
     prepared = prepare_pt2e(ep.module(), quantizer)
     ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
     for i, token in enumerate(ids.tolist()):

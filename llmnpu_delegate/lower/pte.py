@@ -196,8 +196,9 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         table.append(entry)
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
-    programs[decode_step.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode,
-                                                            calib_ids).exported_program("forward")
+    keep_float = decode_step.float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
+    programs[decode_step.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
+                                                            keep_float).exported_program("forward")
     merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
     # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
     planning = {decode_step.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
@@ -210,13 +211,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     with atomic_path(out) as tmp:
         tmp.write_bytes(buffer)
     meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
-    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=_decode_meta(decode, engine.kv, context))
+    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=_decode_meta(decode, engine.kv, context, keep_float))
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if target == "qnn" else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
-            "decode": decode, "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
+            "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
             "rows_bytes": shadow_meta.get("bytes", 0), "tokenizer": tok_meta["folder"] if tok_meta else None,
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -254,9 +255,9 @@ def _write_tokenizer(tokenizer, folder: Path) -> dict:
             "chat_template": getattr(tokenizer, "chat_template", None)}
 
 
-def _decode_meta(mode: str, kv, context: int) -> dict:
+def _decode_meta(mode: str, kv, context: int, keep_float: list[str]) -> dict:
     L = kv.layers
-    return {"method": "decode", "mode": mode, "backend": "xnnpack",
+    return {"method": "decode", "mode": mode, "backend": "xnnpack", "float_linears": keep_float,
             "inputs": ["input_ids [1, 1] int64", "cache_position [1] int64",
                        f"k_cache x {L}: [1, {kv.kv_heads}, {kv.head_dim}, {context}] float32 (K transposed)",
                        f"v_cache x {L}: [1, {kv.kv_heads}, {context}, {kv.head_dim}] float32"],

@@ -1,0 +1,167 @@
+"""The complete program: sparse shadow branches (hot rows inside, cold rows read when hit), the decode
+method, and generation from the .pte alone, each against an independent reference."""
+import json
+import shutil
+
+import pytest
+import torch
+from executorch.exir import to_edge_transform_and_lower
+from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+from torch import fx, nn
+
+from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
+from llmnpu_delegate.capture import kv_shape
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.lower.cpu_subgraphs import shadow_branches
+from llmnpu_delegate.lower.decode import export_decode
+from llmnpu_delegate.lower.pte import rows_path, sidecar_path, tokenizer_path, write_cold_rows
+from llmnpu_delegate.lower.validate import sqnr_db
+from llmnpu_delegate.partitioner.regions import shadow_delta
+from llmnpu_delegate.quantize.apply import LinearPlan
+from llmnpu_delegate.quantize.shadow import ShadowWeights, weight_rows_file
+from llmnpu_delegate.runtime.pte_runner import ColdRows, PteRunner
+
+CLIP = 3.0
+
+
+def _shadow_program(lin: nn.Linear, plan: LinearPlan, x: torch.Tensor, form: str):
+    """A shadow subgraph holding one marker, turned into a program branch and run by ExecuTorch."""
+    root = nn.Module()
+    root.lin = lin
+    graph = fx.Graph()
+    ph = graph.placeholder("x")
+    ph.meta["val"] = x
+    graph.output((graph.call_function(shadow_delta, (ph, "lin")),))
+    gm, branches = shadow_branches(fx.GraphModule(root, graph), root, {"lin": plan}, "", form)
+    ep = torch.export.export(gm, (x,), strict=False)
+    return [o.clone() for o in _load(to_edge_transform_and_lower(ep)).forward((x,))], branches
+
+
+_buffers = []     # the runtime reads a loaded program in place: its buffer must outlive it
+
+
+def _load(edge):
+    _buffers.append(edge.to_executorch().buffer)
+    return _load_for_executorch_from_buffer(_buffers[-1])
+
+
+def _inputs():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 24).eval()
+    x = torch.randn(2, 8, 32)
+    x[..., 3] *= 40                 # a hot channel, beyond the clip everywhere
+    x[0, 2, 17] = 25.0              # a cold channel, beyond the clip once
+    x[1, 5, 20] = -30.0             # another, negative
+    return lin, x
+
+
+def test_sparse_shadow_branch_equals_the_engine_product_with_hot_and_cold_outliers(tmp_path):
+    lin, x = _inputs()
+    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9]))
+    (delta, hits), branches = _shadow_program(lin, plan, x, "sparse")
+    assert branches == [{"linear": "lin", "input": 0, "output": 0, "hits": 1}]
+    assert sorted(torch.nonzero(hits).flatten().tolist()) == [3, 17, 20]      # channels that crossed the clip
+    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": lin.weight}, {"lin": plan}, tmp_path / "r.bin"))
+    cold = rows.product("lin", x, hits)
+    assert rows.fetched == 2                    # channels 17 and 20, read from the file
+    got = delta + cold
+
+    engine = ShadowDelta("lin", CLIP, ShadowWeights(weight_rows_file("test-sparse", "lin", lin.weight), plan.hot), 24)
+    with torch.no_grad():
+        want = engine(x)
+    assert engine.outlier_elements == int((x.abs() > CLIP).sum()) > 10     # the engine saw the same outliers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # without the cold rows the branch would miss a real part of the product
+    assert (want - delta).abs().max() > 1.0
+
+
+def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_hot(tmp_path):
+    lin, x = _inputs()
+    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]))
+    (delta, hits), _ = _shadow_program(lin, plan, x, "sparse")
+    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": lin.weight}, {"lin": plan}, tmp_path / "r.bin"))
+    assert rows.product("lin", x, hits) is None and rows.fetched == 0
+    with torch.no_grad():
+        dense = nn.functional.linear(x - x.clamp(-CLIP, CLIP), lin.weight)
+    torch.testing.assert_close(delta, dense, rtol=1e-5, atol=1e-4)
+    (dense_branch,), branches = _shadow_program(lin, plan, x, "dense")
+    assert branches[0]["hits"] is None
+    torch.testing.assert_close(dense_branch, dense, rtol=1e-5, atol=1e-4)
+
+
+def _hf_decode_step(model, prefill, token: int) -> torch.Tensor:
+    from transformers import DynamicCache
+
+    from llmnpu_delegate.hf import fill_cache
+
+    cache = DynamicCache(config=model.config)
+    fill_cache(cache, prefill)
+    with torch.no_grad():
+        return model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+
+
+@pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-gemma2"])    # gemma2: softcaps, sliding window
+def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
+    """The decode method from the same K/V as Hugging Face's own decode step, at a position inside the
+    sliding window of gemma2 and one past it."""
+    from llmnpu_delegate.models import load_model
+
+    lm = load_model(spec)
+    model, kv, context = lm.model.eval(), kv_shape(lm.model.config), 96
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, 1000, (1, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():   # every layer's whole K/V (a config-less cache crops no sliding window)
+        cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
+    from llmnpu_delegate.prefill import PrefillResult
+
+    programs = {mode: _load(export_decode(model, kv, context, mode, ids)) for mode in ("fp32", "int8")}
+    for t in (40, 80):                      # gemma2's window is 64: the second step must drop early keys
+        pre = PrefillResult(torch.zeros(1), [layer.keys[:, :, :t] for layer in cache.layers],
+                            [layer.values[:, :, :t] for layer in cache.layers], 1)
+        want = _hf_decode_step(model, pre, 7)
+        k_cache = [torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)]
+        v_cache = [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)]
+        for k_all, v_all, k, v in zip(k_cache, v_cache, pre.past_k, pre.past_v):
+            k_all[..., :t] = k.transpose(2, 3)
+            v_all[:, :, :t] = v
+            k_all[..., t:] = 1e3            # slots past the position must not be read
+            v_all[:, :, t:] = 1e3
+        got = {mode: p.forward((torch.tensor([[7]]), torch.tensor([t]), *k_cache, *v_cache)) for mode, p in programs.items()}
+        torch.testing.assert_close(got["fp32"][0][0], want, rtol=0, atol=1e-4)
+        # the new token's K/V: what HF appends to its cache
+        with torch.no_grad():
+            full = model(torch.cat([ids[:, :t], torch.tensor([[7]])], 1), past_key_values=DynamicCache(),
+                         use_cache=True).past_key_values
+        torch.testing.assert_close(got["fp32"][1][0, :, 0], full.layers[0].keys[0, :, t], rtol=0, atol=1e-4)
+        assert sqnr_db(got["int8"][0][0], want) >= 25
+
+
+def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
+    """Real activation outliers (down_proj inputs up to ~4,000x their p99.5): the dynamically quantized
+    decode step, with the outlier-heavy linears the calibration names kept float (19.9 dB without),
+    against the float model's own decode step."""
+    from llmnpu_delegate.lower.decode import float_linears
+    from llmnpu_delegate.prefill import default_calibration
+
+    keep = float_linears(default_calibration(smollm2, False), 99.5)
+    assert "model.layers.11.mlp.down_proj" in keep and len(keep) < 30      # the worst one, and few of them
+    model, kv, context = smollm2.model.eval(), kv_shape(smollm2.model.config), 160
+    ids = smollm2.tokenizer("The lighthouse keeper climbed the stairs every evening to light the lamp, and the ships "
+                            "passing the rocks at night", return_tensors="pt").input_ids
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    from llmnpu_delegate.prefill import PrefillResult
+
+    t = ids.shape[1]
+    pre = PrefillResult(torch.zeros(1), [la.keys for la in cache.layers], [la.values for la in cache.layers], 1)
+    token = int(ids[0, -1])
+    want = _hf_decode_step(model, pre, token)
+    pte = _load(export_decode(model, kv, context, "int8", ids, keep))
+    k_cache = [torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)]
+    v_cache = [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)]
+    for k_all, v_all, k, v in zip(k_cache, v_cache, pre.past_k, pre.past_v):
+        k_all[..., :t] = k.transpose(2, 3)
+        v_all[:, :, :t] = v
+    got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
+    assert sqnr_db(got, want) >= 25, sqnr_db(got, want)
