@@ -165,3 +165,61 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
         v_all[:, :, :t] = v
     got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
     assert sqnr_db(got, want) >= 25, sqnr_db(got, want)
+
+
+PROMPT = ("The harbour town of Westmere lived on its cannery for ninety years. When the cannery closed, the "
+          "fishermen sold their catch to the market in the next valley, and the old sheds became workshops for "
+          "boat builders and a small museum. What did the people of Westmere do after the cannery closed?")
+
+
+def _teacher_forced_pte(runner, ids, ref) -> float:
+    pre = runner(ids)
+    cache, pred = runner.start_decode(pre), [int(pre.logits.argmax())]
+    for token in ref[:-1].tolist():
+        pred.append(int(runner.decode(cache, token).argmax()))
+    return sum(int(p == r) for p, r in zip(pred, ref.tolist())) / len(ref)
+
+
+def _teacher_forced_wrapper(wrapper, ids, ref) -> float:
+    from transformers import DynamicCache
+
+    from llmnpu_delegate.hf import fill_cache
+
+    result = wrapper.engine(ids)
+    cache = DynamicCache(config=wrapper.model.config)
+    fill_cache(cache, result)
+    with torch.no_grad():
+        rest = wrapper.model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
+    pred = torch.cat([result.logits.argmax().reshape(1), rest])
+    return float((pred == ref).float().mean())
+
+
+@pytest.mark.slow
+def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_path):
+    """A cpu-int8 program of the embedded model's first 4 blocks, fp32 decode, 2 chunks of prompt: its
+    greedy tokens against the wrapper's (same model, calibration and settings; HF float decode)."""
+    from llmnpu_delegate.hf import LlmNpuForCausalLM
+    from llmnpu_delegate.lower.pte import export_engine, export_pte
+    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.evaluate import read_text, tokenize
+
+    lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=4, progress=False)
+    out = tmp_path / "smol.pte"
+    export_pte(engine, out, tokenize(lm, read_text(None, "calib")), target="cpu-int8", context=256,
+               model={"spec": "smollm2-135m", "blocks": 4}, progress=False, decode="fp32", tokenizer=lm.tokenizer)
+    runner = PteRunner(out)
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"][0]
+    assert 64 < ids.numel() <= 128
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=64, calibration=engine.calibration, progress=False)
+    n = 16
+    want = wrapper.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                            max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel():].tolist()
+    got = runner.generate(ids, n, eos_ids=lm.tokenizer.eos_token_id and [lm.tokenizer.eos_token_id]).tokens
+    if got == want:
+        return
+    # an 8-bit output encoding flipped a choice: per-token agreement with the float model's continuation
+    with torch.no_grad():
+        ref = lm.model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel():]
+    tf_pte, tf_wrapper = _teacher_forced_pte(runner, ids, ref), _teacher_forced_wrapper(wrapper, ids, ref)
+    assert abs(tf_pte - tf_wrapper) <= 0.07, (got, want, tf_pte, tf_wrapper)
