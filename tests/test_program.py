@@ -1,7 +1,5 @@
 """The complete program: sparse shadow branches (hot rows inside, cold rows read when hit), the decode
 method, and generation from the .pte alone, each against an independent reference."""
-import json
-import shutil
 
 import pytest
 import torch
@@ -11,10 +9,9 @@ from torch import fx, nn
 
 from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
 from llmnpu_delegate.capture import kv_shape
-from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.lower.cpu_subgraphs import shadow_branches
 from llmnpu_delegate.lower.decode import export_decode
-from llmnpu_delegate.lower.pte import rows_path, sidecar_path, tokenizer_path, write_cold_rows
+from llmnpu_delegate.lower.pte import write_cold_rows
 from llmnpu_delegate.lower.validate import sqnr_db
 from llmnpu_delegate.partitioner.regions import shadow_delta
 from llmnpu_delegate.quantize.apply import LinearPlan
@@ -198,10 +195,10 @@ def _teacher_forced_wrapper(wrapper, ids, ref) -> float:
 def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_path):
     """A cpu-int8 program of the embedded model's first 4 blocks, fp32 decode, 2 chunks of prompt: its
     greedy tokens against the wrapper's (same model, calibration and settings; HF float decode)."""
+    from llmnpu_delegate.evaluate import read_text, tokenize
     from llmnpu_delegate.hf import LlmNpuForCausalLM
     from llmnpu_delegate.lower.pte import export_engine, export_pte
     from llmnpu_delegate.prefill import quant_config
-    from llmnpu_delegate.evaluate import read_text, tokenize
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=4, progress=False)
     out = tmp_path / "smol.pte"

@@ -123,6 +123,10 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     assert report["prefill"]["kv_sqnr_db_min"] > 18
     vs = report["prefill"]["logits_sqnr_db_vs_fp32"]       # the .pte strays no further from float than we do
     assert vs["pte"] > vs["engine"] - 3, vs
+    # the same program generates: prefill on the simulator, decode (XNNPACK) from its K/V
+    out = runner.generate(ids[:40], 3)
+    assert len(out.tokens) == 3 and out.chunks == 2
+    assert out.tokens[0] == int(runner(ids[:40]).logits.argmax())
 
 
 @pytest.mark.slow

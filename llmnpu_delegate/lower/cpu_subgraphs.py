@@ -22,7 +22,6 @@ from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_mo
 from ..quantize.apply import LinearPlan
 from .shadow import shadow_product, sparse_shadow_product
 
-
 SHADOW_FORMS = ("sparse", "dense")
 
 
