@@ -194,8 +194,10 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             if branches:
                 entry["shadow"] = branches
             # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
-            # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones elsewhere
-            edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+            # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
+            # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
+            # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared
+            edge = to_edge_transform_and_lower(ep, partitioner=[] if _holds_model_linear(sub) else [XnnpackPartitioner()])
         programs[name] = edge.exported_program(name if sub.kind == "npu" and target == "qnn" else "forward")
         table.append(entry)
     if progress:
@@ -224,6 +226,12 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
             "rows_bytes": shadow_meta.get("bytes", 0), "tokenizer": tok_meta["folder"] if tok_meta else None,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _holds_model_linear(sub) -> bool:
+    from ..partitioner.regions import is_linear
+
+    return sub.kind == "cpu" and any(is_linear(n) for n in sub.nodes)
 
 
 def _shadowed(engine) -> list[str]:
