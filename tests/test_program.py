@@ -219,4 +219,5 @@ def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_p
     with torch.no_grad():
         ref = lm.model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel():]
     tf_pte, tf_wrapper = _teacher_forced_pte(runner, ids, ref), _teacher_forced_wrapper(wrapper, ids, ref)
-    assert abs(tf_pte - tf_wrapper) <= 0.07, (got, want, tf_pte, tf_wrapper)
+    # at most one token's worth of the 16 apart (the 0.03 is below one token in 16)
+    assert abs(tf_pte - tf_wrapper) <= 1 / n + 1e-9, (got, want, tf_pte, tf_wrapper)
