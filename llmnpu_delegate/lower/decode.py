@@ -18,6 +18,8 @@ the method concatenate the past with the new row and hand the whole cache back: 
 up to 47 MB per step, and a third if the runtime copies the inputs into its planned memory (the
 default for method inputs). The price of the static cache is attention over all ``context`` slots,
 the unwritten ones masked: a step at position p reads the whole cache rather than its first p rows.
+Measured (fp32 step at position 512 of 1,024, XNNPACK, one thread, medians of 9): this layout 19.4 ms;
+the same with memory-planned inputs 23.9 ms (1.23x); symbolic length in and out 49.1 ms (2.53x).
 """
 from __future__ import annotations
 
