@@ -172,7 +172,7 @@ _MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
 
 def _run_pte(args, prompt: str) -> dict:
     from .errors import LlmNpuError
-    from .run import format_summary, run_pte
+    from .run import format_summary, run_pte, write_prefill_trace
     from .runtime.pte_runner import PteRunner
 
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) is not None]
@@ -183,14 +183,7 @@ def _run_pte(args, prompt: str) -> dict:
     summary = run_pte(runner, prompt, args.max_new_tokens, args.chat, stream=not args.json,
                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.trace is not None:
-        from pathlib import Path
-
-        from .runtime.trace import write_timeline, write_trace
-
-        stats = runner.last_run
-        summary["trace"] = str(write_trace(stats, Path(args.trace) / "prefill.trace.json"))
-        summary["timeline"] = str(write_timeline(stats, Path(args.trace) / "prefill.png",
-                                                 f"prefill of {summary['prompt_tokens']} tokens (.pte)"))
+        write_prefill_trace(summary, runner.last_run, args.trace, f"prefill of {summary['prompt_tokens']} tokens (.pte)")
     args.text = format_summary(summary)
     return summary
 

@@ -81,12 +81,16 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "text": wrapper.tokenizer.decode(new, skip_special_tokens=True),
     }
     if trace_dir is not None:
-        from .runtime.trace import write_timeline, write_trace
-
-        stats = wrapper.engine.last_run
-        summary["trace"] = str(write_trace(stats, Path(trace_dir) / "prefill.trace.json"))
-        summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", f"prefill of {ids.shape[1]} tokens"))
+        write_prefill_trace(summary, wrapper.engine.last_run, trace_dir, f"prefill of {ids.shape[1]} tokens")
     return summary
+
+
+def write_prefill_trace(summary: dict, stats, trace_dir: str, title: str) -> None:
+    """The prefill's Chrome/Perfetto trace and timeline picture in ``trace_dir``; their paths go into ``summary``."""
+    from .runtime.trace import write_timeline, write_trace
+
+    summary["trace"] = str(write_trace(stats, Path(trace_dir) / "prefill.trace.json"))
+    summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", title))
 
 
 def load_program_tokenizer(runner):

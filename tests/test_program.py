@@ -9,8 +9,8 @@ from torch import fx, nn
 
 from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
 from llmnpu_delegate.capture import kv_shape
+from llmnpu_delegate.lower import decode as program_decode
 from llmnpu_delegate.lower.cpu_subgraphs import shadow_branches
-from llmnpu_delegate.lower.decode import export_decode
 from llmnpu_delegate.lower.pte import write_cold_rows
 from llmnpu_delegate.lower.validate import sqnr_db
 from llmnpu_delegate.partitioner.regions import shadow_delta
@@ -112,18 +112,16 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
         cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
     from llmnpu_delegate.prefill import PrefillResult
 
-    programs = {mode: _load(export_decode(model, kv, context, mode, ids)) for mode in ("fp32", "int8")}
+    programs = {mode: _load(program_decode.export_decode(model, kv, context, mode, ids)) for mode in ("fp32", "int8")}
     for t in (40, 80):                      # gemma2's window is 64: the second step must drop early keys
         pre = PrefillResult(torch.zeros(1), [layer.keys[:, :, :t] for layer in cache.layers],
                             [layer.values[:, :, :t] for layer in cache.layers], 1)
         want = _hf_decode_step(model, pre, 7)
-        k_cache = [torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)]
-        v_cache = [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)]
-        for k_all, v_all, k, v in zip(k_cache, v_cache, pre.past_k, pre.past_v):
-            k_all[..., :t] = k.transpose(2, 3)
-            v_all[:, :, :t] = v
-            k_all[..., t:] = 1e3            # slots past the position must not be read
-            v_all[:, :, t:] = 1e3
+        k_cache, v_cache = program_decode.empty_cache(kv, context)
+        for k_all, v_all in zip(k_cache, v_cache):
+            k_all.fill_(1e3)                # slots past the position must not be read
+            v_all.fill_(1e3)
+        assert program_decode.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v) == t
         got = {mode: p.forward((torch.tensor([[7]]), torch.tensor([t]), *k_cache, *v_cache)) for mode, p in programs.items()}
         torch.testing.assert_close(got["fp32"][0][0], want, rtol=0, atol=1e-4)
         # the new token's K/V: what HF appends to its cache
@@ -154,12 +152,9 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     pre = PrefillResult(torch.zeros(1), [la.keys for la in cache.layers], [la.values for la in cache.layers], 1)
     token = int(ids[0, -1])
     want = _hf_decode_step(model, pre, token)
-    pte = _load(export_decode(model, kv, context, "int8", ids, keep))
-    k_cache = [torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)]
-    v_cache = [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)]
-    for k_all, v_all, k, v in zip(k_cache, v_cache, pre.past_k, pre.past_v):
-        k_all[..., :t] = k.transpose(2, 3)
-        v_all[:, :, :t] = v
+    pte = _load(program_decode.export_decode(model, kv, context, "int8", ids, keep))
+    k_cache, v_cache = program_decode.empty_cache(kv, context)
+    program_decode.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v)
     got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
     assert sqnr_db(got, want) >= 25, sqnr_db(got, want)
 

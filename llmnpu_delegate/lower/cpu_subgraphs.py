@@ -46,7 +46,6 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
             continue
         x, name = node.args
         plan = plans[name]
-        weight = root.get_submodule(f"{prefix}{name}").weight.detach().float()
         with graph.inserting_before(node), warnings.catch_warnings():
             warnings.simplefilter("ignore")     # dense: the weight is not on ``gm`` yet: the rebuild copies it
             if form == "dense":
@@ -54,6 +53,7 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
             else:
                 hot = program_hot_channels(plan)
                 attr = "shadow_" + name.replace(".", "_")
+                weight = root.get_submodule(f"{prefix}{name}").weight.detach().float()
                 gm.register_buffer(f"{attr}_w", weight[:, hot].contiguous())
                 gm.register_buffer(f"{attr}_hot", hot)
                 delta, hits = sparse_shadow_product(graph, x, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"),

@@ -211,13 +211,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
 
     out = Path(out)
-    weights = {n: engine.backend._linear(n).weight for n in _shadowed(engine)}
-    shadow_meta = write_cold_rows(weights, engine.plans, rows_path(out)) if shadow == "sparse" else {"form": "dense"}
+    shadow_meta = (write_cold_rows({n: engine.backend._linear(n).weight for n in _shadowed(engine)}, engine.plans,
+                                   rows_path(out)) if shadow == "sparse" else {"form": "dense"})
     tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
     with atomic_path(out) as tmp:
         tmp.write_bytes(buffer)
     meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
-    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=_decode_meta(decode, engine.kv, context, keep_float))
+    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=decode_step.describe(decode, engine.kv, context, keep_float))
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
@@ -265,18 +265,6 @@ def _write_tokenizer(tokenizer, folder: Path) -> dict:
     return {"folder": folder.name, "files": sorted(p.name for p in folder.iterdir()),
             "bos_id": tokenizer.bos_token_id, "eos_ids": [eos] if isinstance(eos, int) else list(eos or []),
             "chat_template": getattr(tokenizer, "chat_template", None)}
-
-
-def _decode_meta(mode: str, kv, context: int, keep_float: list[str]) -> dict:
-    L = kv.layers
-    return {"method": "decode", "mode": mode, "backend": "xnnpack", "float_linears": keep_float,
-            "inputs": ["input_ids [1, 1] int64", "cache_position [1] int64",
-                       f"k_cache x {L}: [1, {kv.kv_heads}, {kv.head_dim}, {context}] float32 (K transposed)",
-                       f"v_cache x {L}: [1, {kv.kv_heads}, {context}, {kv.head_dim}] float32"],
-            "outputs": ["logits [1, vocab] float32", f"k_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]",
-                        f"v_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]"],
-            "kv_layout": "static cache of `context` slots per layer, read in place (not memory-planned); "
-                         "slots >= cache_position are not read; the runner writes k_new/v_new at slot cache_position"}
 
 
 def shadow_cost(engine, form: str) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -153,7 +153,6 @@ class Generation:
     cold_rows: int
     policy: str
     stopped: str = "length"                        # "length" | "eos"
-    times: list[float] = field(default_factory=list)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -219,13 +218,10 @@ class PteRunner:
     # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
         """The decode cache, filled with a prefill's K/V (``PrefillResult``)."""
-        kv, t = self.kv, prefill.tokens
-        cache = KVCache([torch.zeros(1, kv.kv_heads, kv.head_dim, self.context) for _ in range(kv.layers)],
-                        [torch.zeros(1, kv.kv_heads, self.context, kv.head_dim) for _ in range(kv.layers)], t)
-        for k_all, v_all, k, v in zip(cache.k, cache.v, prefill.past_k, prefill.past_v):
-            k_all[..., :t] = k.transpose(2, 3)
-            v_all[:, :, :t] = v
-        return cache
+        from ..lower.decode import empty_cache, fill_cache
+
+        k, v = empty_cache(self.kv, self.context)
+        return KVCache(k, v, fill_cache(k, v, prefill.past_k, prefill.past_v))
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token: int) -> Tensor:
@@ -236,10 +232,10 @@ class PteRunner:
                               f"--context or generate fewer tokens")
         outs = self.module.run_method(self.meta["decode"]["method"],
                                       (torch.tensor([[token]]), torch.tensor([pos]), *cache.k, *cache.v))
+        from ..lower.decode import write_slot
+
         layers = self.kv.layers
-        for k_all, v_all, k, v in zip(cache.k, cache.v, outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]):
-            k_all[0, :, :, pos] = k[0, :, 0]
-            v_all[0, :, pos] = v[0, :, 0]
+        write_slot(cache.k, cache.v, pos, outs[1:1 + layers], outs[1 + layers:1 + 2 * layers])
         cache.length = pos + 1
         return outs[0].reshape(-1).clone()
 
@@ -264,20 +260,15 @@ class PteRunner:
         prefill_s = time.perf_counter() - start
         token = next_token(pre.logits, temperature, top_p, gen)
         first = time.perf_counter()
-        tokens, times, stopped = [token], [first], "length"
+        tokens, last = [token], first
         if on_token:
             on_token(token)
         cache = self.start_decode(pre)
-        while len(tokens) < max_new_tokens:
-            if token in eos_ids:
-                stopped = "eos"
-                break
+        while len(tokens) < max_new_tokens and token not in eos_ids:
             token = next_token(self.decode(cache, token), temperature, top_p, gen)
             tokens.append(token)
-            times.append(time.perf_counter())
+            last = time.perf_counter()
             if on_token:
                 on_token(token)
-        else:
-            stopped = "eos" if token in eos_ids else "length"
-        return Generation(tokens, ids.numel(), pre.chunks, prefill_s, first - start, times[-1] - first,
-                          self.cold.fetched - fetched, self.last_run.policy, stopped, times)
+        return Generation(tokens, ids.numel(), pre.chunks, prefill_s, first - start, last - first,
+                          self.cold.fetched - fetched, self.last_run.policy, "eos" if token in eos_ids else "length")
