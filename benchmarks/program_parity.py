@@ -1,0 +1,93 @@
+"""An exported program against the engine it came from and the float model: prefill logits (SQNR), the
+decode step against Hugging Face's from the same K/V, greedy tokens against the wrapper, and
+teacher-forced agreement with the float model's own answer.
+
+Usage: python benchmarks/program_parity.py model.pte [other.pte ...] [--tokens 64]
+(programs of the default model settings at chunk 256, e.g. `llmnpu export --backend cpu-int8 --chunk 256`;
+one with `--shadow-branch dense --decode fp32` gives the reference forms). Prompts: examples/prompt.txt as
+a chat, and 700 tokens of the evaluation text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.simplefilter("ignore")
+
+
+def main() -> None:
+    from transformers import DynamicCache
+
+    from llmnpu_delegate.evaluate import read_text, tokenize
+    from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+    from llmnpu_delegate.lower.pte import export_engine
+    from llmnpu_delegate.lower.validate import sqnr_db
+    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pte", nargs="+")
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    runners = {p: PteRunner(p) for p in args.pte}
+    spec = next(iter(runners.values())).meta["model"]["spec"]
+    chunk = next(iter(runners.values())).chunk_len
+    lm, engine = export_engine(spec, chunk, quant_config("w8a8-shadow", None), progress=False)
+    model, tok = lm.model, lm.tokenizer
+    prompt = (Path(__file__).resolve().parents[1] / "examples" / "prompt.txt").read_text()
+    demo = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True)["input_ids"][0]
+    prompts = {"demo": demo, "eval700": tokenize(lm, read_text(None, "eval"))[:700]}
+
+    result = {}
+    for name, ids in prompts.items():
+        want = engine(ids)
+        with torch.no_grad():
+            f = model(ids[None]).logits[0, -1]
+        result[f"{name}/engine_vs_fp32_db"] = round(sqnr_db(want.logits, f), 2)
+        for path, r in runners.items():
+            got = r(ids)
+            result[f"{name}/{path}"] = {"vs_engine_db": round(sqnr_db(got.logits, want.logits), 2),
+                                        "vs_fp32_db": round(sqnr_db(got.logits, f), 2), "next": int(got.logits.argmax()),
+                                        "engine_next": int(want.logits.argmax()), "fp32_next": int(f.argmax())}
+
+    n = args.tokens
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=chunk, progress=False)
+    want = wrapper.generate(demo[None], attention_mask=torch.ones(1, demo.numel(), dtype=torch.long), max_new_tokens=n,
+                            do_sample=False, pad_token_id=tok.eos_token_id)[0, demo.numel():].tolist()
+    with torch.no_grad():
+        ref = model.generate(demo[None], max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)[0, demo.numel():]
+    pre = engine(demo)
+    cache = DynamicCache(config=model.config)
+    fill_cache(cache, pre)
+    with torch.no_grad():
+        rest = model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
+    result["wrapper_teacher_forced"] = round(float((torch.cat([pre.logits.argmax().reshape(1), rest]) == ref).float().mean()), 3)
+    for path, r in runners.items():
+        p = r(demo)
+        cache = DynamicCache(config=model.config)
+        fill_cache(cache, p)
+        first = int(p.logits.argmax())
+        with torch.no_grad():
+            hf_step = model(torch.tensor([[first]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        state = r.start_decode(p)
+        step = r.decode(state, first)
+        pred = [first]
+        state = r.start_decode(p)
+        for t in ref[:-1].tolist():
+            pred.append(int(r.decode(state, t).argmax()))
+        got = r.generate(demo, n, eos_ids=[tok.eos_token_id]).tokens
+        same = next((i for i in range(min(len(got), len(want))) if got[i] != want[i]), min(len(got), len(want)))
+        result[path] = {"decode": r.meta["decode"]["mode"], "decode_step_vs_hf_db": round(sqnr_db(step, hf_step), 2),
+                        "decode_step_max_diff": float((step - hf_step).abs().max()),
+                        "greedy_same_prefix": same, "greedy_identical": got == want,
+                        "teacher_forced": round(sum(int(a == b) for a, b in zip(pred, ref.tolist())) / len(ref), 3)}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
