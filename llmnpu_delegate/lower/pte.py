@@ -41,7 +41,9 @@ from ..paths import atomic_path
 from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
 
 FORMAT = "llmnpu-pte-sidecar"
-VERSION = 2          # 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer
+# 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
+# 3: the task dependency table (``runtime/tasks.py``), which the native runner expands
+VERSION = 3
 DEFAULT_CONTEXT = 1024
 ROW_DTYPE = "float32"    # cold rows file: little-endian float32 rows of W^T, one block per shadowed linear
 
@@ -287,6 +289,8 @@ def shadow_cost(engine, form: str) -> dict:
 
 
 def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, buffer: bytes) -> dict:
+    from ..runtime.tasks import dependency_table
+
     plans, quant = engine.plans, engine.quant
     linears = {}
     for name, outputs in npu_outputs.items():
@@ -298,7 +302,7 @@ def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path,
     profile = engine.profile
     return {
         "format": FORMAT, "version": VERSION,
-        "pte": out.name, "pte_sha256": hashlib.sha256(buffer).hexdigest(),
+        "pte": out.name, "pte_sha256": hashlib.sha256(buffer).hexdigest(), "pte_bytes": len(buffer),
         "target": target, "soc": soc if target == "qnn" else None,
         "model": {**(model or {}), "fingerprint": engine.fingerprint, "layers": kv.layers, "kv_heads": kv.kv_heads,
                   "head_dim": kv.head_dim, "vocab_size": engine.model.config.vocab_size},
@@ -306,6 +310,7 @@ def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path,
         "quant": quant.to_dict(),
         "graph": {"inputs": partition.graph_inputs, "outputs": partition.graph_outputs},
         "subgraphs": table,
+        "tasks": dependency_table(engine.program),
         "linears": linears,
         "pruned_layers": pruned,
         # seconds per subgraph measured on the host's cpu-int8 engine: relative costs for the scheduler

@@ -105,6 +105,14 @@ def prepare_sdk(root: Path | None = None) -> QnnSdk:
 _active: QnnSdk | None = None
 
 
+def native_env(sdk: QnnSdk | None = None) -> dict:
+    """Environment variables that give a native process (``llmnpu-runner``) the same libraries as
+    ``activate`` gives this one: the loader reads them when that process starts."""
+    sdk = sdk or prepare_sdk()
+    paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p and p != str(sdk.lib)]
+    return {"QNN_SDK_ROOT": str(sdk.root), "LD_LIBRARY_PATH": ":".join([str(sdk.lib), *paths])}
+
+
 def activate(sdk: QnnSdk | None = None) -> QnnSdk:
     """Make ExecuTorch's Qualcomm delegate use ``sdk`` (default: ``prepare_sdk()``) in this process."""
     global _active

@@ -135,6 +135,34 @@ class Scheduler:
         return all(self.done)
 
 
+def simulate(tasks: list[Task], policy: str) -> RunStats:
+    """The policy driven by simulated time instead of threads: each task takes its ``cost``. When a
+    processor is idle it asks the scheduler (npu first); the earliest finish (npu first on a tie)
+    is handled next. Deterministic, so another implementation of the policies (the native runner's
+    ``--dry-run``) must decide exactly alike."""
+    sched = Scheduler(tasks, policy)
+    stats = RunStats(policy=policy)
+    busy: dict[str, tuple[float, Task, float] | None] = {p: None for p in PROCESSORS}
+    now = 0.0
+    while not sched.finished:
+        for p in PROCESSORS:
+            if busy[p] is None:
+                stats.decisions += 1
+                t = sched.pick(p)
+                if t is not None:
+                    busy[p] = (now + t.cost, t, now)
+        running = [p for p in PROCESSORS if busy[p] is not None]
+        if not running:
+            raise LlmNpuError(f"policy {policy} stalled with tasks left: the task graph has a cycle")
+        p = min(running, key=lambda q: busy[q][0])
+        now, t, start = busy[p]
+        busy[p] = None
+        sched.finish(t)
+        stats.records.append(Record(t.id, t.chunk, t.step, p, start, now))
+    stats.wall_s = now
+    return stats
+
+
 class Executor:
     """Runs a ChunkProgram over the chunks of a prompt with two workers and a policy."""
 

@@ -33,8 +33,8 @@ from .profile import Profile
 from .program import ChunkProgram, Step, chunk_feeds
 from .sampling import check_sampling, next_token
 
-_KEYS = ("pte", "target", "model", "chunk_len", "context", "quant", "graph", "subgraphs", "linears", "shadow",
-         "decode", "tokenizer")
+_KEYS = ("pte", "target", "model", "chunk_len", "context", "quant", "graph", "subgraphs", "tasks", "linears",
+         "shadow", "decode", "tokenizer")
 
 
 def load_sidecar(pte: str | Path) -> dict:

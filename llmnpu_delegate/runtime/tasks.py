@@ -5,6 +5,9 @@ paper's two rules: *intra-chunk* (a subgraph needs the subgraphs of its chunk th
 inputs) and *cross-chunk* (layer l's attention of chunk i reads the K/V that layer l's attention
 of chunk i-1 produced, which covers chunks 0..i-1). Non-final chunks skip what only feeds the
 logits (the last layer's MLP and lm_head).
+
+``dependency_table`` states the rules once, as data: the exported program carries it in its
+sidecar, and every runner (this executor, the native one) expands it with ``expand``'s logic.
 """
 from __future__ import annotations
 
@@ -28,29 +31,42 @@ class Task:
         return (self.chunk, self.step)
 
 
-def build_tasks(program: ChunkProgram, chunks: int) -> list[Task]:
+def dependency_table(program: ChunkProgram) -> dict:
+    """Per step: ``after`` (steps of its own chunk that produce its inputs) and ``after_previous``
+    (steps of the chunk before that produce its past K/V); ``needed_kv`` / ``needed_final``: the
+    steps a non-final / the final chunk runs; ``processors``: each step's processor."""
+    producer: dict[str, int] = {}
+    after = []
+    for j, step in enumerate(program.steps):
+        after.append(sorted({producer[n] for n in step.sub.inputs if n in producer}))
+        for name in step.sub.outputs:
+            producer[name] = j
+    past = {past_name("k", i): producer[k] for i, k in enumerate(program.out_k)}
+    past.update({past_name("v", i): producer[v] for i, v in enumerate(program.out_v)})
+    return {"after": after,
+            "after_previous": [sorted({past[n] for n in s.sub.inputs if n in past}) for s in program.steps],
+            "needed_kv": list(program.needed_kv), "needed_final": list(program.needed_final),
+            "processors": [s.sub.processor for s in program.steps]}
+
+
+def expand(table: dict, chunks: int) -> list[Task]:
+    """The tasks of a ``chunks``-chunk prompt from a ``dependency_table``, in program order."""
     tasks: list[Task] = []
-    index: dict[tuple[int, int], int] = {}
-    producer_prev: dict[str, int] = {}     # past_* input name of chunk i -> task of chunk i-1
+    previous: dict[int, int] = {}          # step -> its task in the chunk before
     for i in range(chunks):
-        steps = program.needed_final if i == chunks - 1 else program.needed_kv
-        producer: dict[str, int] = {}
-        for j in steps:
-            step = program.steps[j]
-            t = Task(len(tasks), i, j, step.sub.processor)
-            for name in step.sub.inputs:
-                dep = producer.get(name, producer_prev.get(name))
-                if dep is not None and dep not in t.deps:
-                    t.deps.append(dep)
-            for name in step.sub.outputs:
-                producer[name] = t.id
-            index[(i, j)] = t.id
+        current: dict[int, int] = {}
+        for j in table["needed_final"] if i == chunks - 1 else table["needed_kv"]:
+            t = Task(len(tasks), i, j, table["processors"][j])
+            t.deps = [current[d] for d in table["after"][j]] + [previous[d] for d in table["after_previous"][j]
+                                                                 if i > 0]
+            current[j] = t.id
             tasks.append(t)
-        producer_prev = {}
-        for layer, (k, v) in enumerate(zip(program.out_k, program.out_v)):
-            producer_prev[past_name("k", layer)] = producer[k]
-            producer_prev[past_name("v", layer)] = producer[v]
+        previous = current
     for t in tasks:
         for d in t.deps:
             tasks[d].users.append(t.id)
     return tasks
+
+
+def build_tasks(program: ChunkProgram, chunks: int) -> list[Task]:
+    return expand(dependency_table(program), chunks)

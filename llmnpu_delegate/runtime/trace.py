@@ -36,6 +36,21 @@ def chrome_trace(stats: RunStats, names: dict[int, str] | None = None) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def read_trace(path: Path) -> RunStats:
+    """A trace written by ``write_trace`` or by the native runner (``--trace``) back as ``RunStats``."""
+    from .executor import Record
+
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    stats = RunStats()
+    for e in events:
+        if e.get("ph") == "X":
+            start = e["ts"] / 1e6
+            stats.records.append(Record(len(stats.records), e["args"]["chunk"], e["args"]["subgraph"],
+                                        PROCESSORS[e["tid"]], start, start + e["dur"] / 1e6))
+    stats.wall_s = max((r.end for r in stats.records), default=0.0)
+    return stats
+
+
 def write_trace(stats: RunStats, path: Path, names: dict[int, str] | None = None) -> Path:
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(json.dumps(chrome_trace(stats, names)))

@@ -1,0 +1,248 @@
+#include "methods.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/extension/threadpool/threadpool_guard.h>
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/backend/options.h>
+
+#include "error.h"
+
+namespace llmnpu {
+
+using executorch::extension::Module;
+using executorch::extension::TensorPtr;
+using executorch::runtime::EValue;
+
+std::string error_text(executorch::runtime::Error e) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "ExecuTorch error 0x%x", static_cast<unsigned>(e));
+  return buf;
+}
+
+// ---------------------------------------------------------------- cold rows
+
+ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
+  if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
+  std::string path = dir + "/" + s.rows_file;
+  int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw InputError("the program's cold rows file " + s.rows_file + " is missing: copy it with the .pte");
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size != s.rows_bytes) {
+    close(fd);
+    throw InputError(path + " does not belong to this program (its size differs): export again");
+  }
+  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) throw InputError("cannot map " + path);
+  rows_ = static_cast<const float*>(p);
+  mapped_ = static_cast<size_t>(st.st_size);
+  for (const auto& [name, c] : s.cold) {
+    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * 4;
+    if (c.rows_offset < 0 || c.rows_offset % 4 || end > s.rows_bytes)
+      throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
+  }
+}
+
+ColdRows::~ColdRows() {
+  if (rows_) munmap(const_cast<float*>(rows_), mapped_);
+}
+
+void ColdRows::add_product(const std::string& linear, const Value& x, const Value& hits, Value& out) {
+  const ColdLinear& c = s_.cold.at(linear);
+  const int64_t k = c.in_features, n = c.out_features, m = x.numel() / k;
+  if (x.shape.empty() || x.shape.back() != k || hits.numel() != k || out.numel() != m * n)
+    throw RunError("shadow branch of " + linear + ": unexpected shapes");
+  const float clip = static_cast<float>(c.clip);
+  const float* xs = x.f32();
+  const float* h = hits.f32();
+  std::vector<float> extra;   // summed apart, then added: the order the Python runner uses
+  for (size_t slot = 0; slot < c.cold_channels.size(); ++slot) {
+    const int64_t ch = c.cold_channels[slot];
+    if (!(h[ch] > 0)) continue;
+    if (extra.empty()) extra.assign(static_cast<size_t>(m * n), 0.0f);
+    const float* row = rows_ + c.rows_offset / 4 + static_cast<int64_t>(slot) * n;
+    for (int64_t r = 0; r < m; ++r) {
+      const float v = xs[r * k + ch];
+      const float residue = v - std::min(std::max(v, -clip), clip);
+      if (residue == 0.0f) continue;
+      float* dst = extra.data() + r * n;
+      for (int64_t j = 0; j < n; ++j) dst[j] += residue * row[j];
+    }
+    fetched.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (extra.empty()) return;
+  float* y = out.f32();
+  for (int64_t i = 0; i < m * n; ++i) y[i] += extra[i];
+}
+
+// ---------------------------------------------------------------- method calls
+
+MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, ColdRows& cold)
+    : s_(s), sub_(sub), module_(module), cold_(cold) {
+  if (sub.kind == "npu") {
+    if (sub.inputs.size() != 1 || sub.input_groups.empty())
+      throw InputError("NPU subgraph " + sub.method + " must have one input and its input groups: export again");
+    for (const auto& group : sub.input_groups) {
+      if (group.empty() || group[0] < 0 || static_cast<size_t>(group[0]) >= sub.linears.size())
+        throw InputError("NPU subgraph " + sub.method + " has a bad input group: export again");
+      auto it = s.linears.find(sub.linears[group[0]]);
+      if (it == s.linears.end()) throw InputError("the sidecar lacks NPU linear " + sub.linears[group[0]] + ": export again");
+      scales_.push_back(static_cast<float>(it->second.act_scale));
+    }
+  }
+}
+
+std::vector<std::shared_ptr<Value>> MethodCall::execute(std::vector<EValue> args) const {
+  auto result = module_.execute(sub_.method, args);
+  if (!result.ok()) throw RunError("method " + sub_.method + " returned " + error_text(result.error()));
+  std::vector<std::shared_ptr<Value>> outs;
+  for (const auto& ev : *result) {
+    if (!ev.isTensor()) throw RunError("method " + sub_.method + " returned a non-tensor output");
+    const auto& t = ev.toTensor();
+    auto v = Value::make(t.scalar_type(), std::vector<int64_t>(t.sizes().begin(), t.sizes().end()));
+    std::memcpy(v->bytes.data(), t.const_data_ptr(), t.nbytes());
+    outs.push_back(std::move(v));
+  }
+  return outs;
+}
+
+namespace {
+
+TensorPtr view(const Value& v, std::vector<int64_t> shape = {}) {
+  if (shape.empty()) shape = v.shape;
+  std::vector<executorch::aten::SizesType> sizes(shape.begin(), shape.end());
+  return executorch::extension::from_blob(const_cast<uint8_t*>(v.bytes.data()), sizes, v.dtype);
+}
+
+}  // namespace
+
+std::vector<ValuePtr> MethodCall::npu(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  const Value& x = *inputs.at(0);
+  const int64_t in = x.shape.back(), rows = x.numel() / in;
+  // Each group's rows already on its activation grid: clamp(round(x / scale), +-127) * scale, the
+  // codes of kernels/ops.py `quantize` (HTP's own float -> int8 conversion rounds differently).
+  std::vector<std::shared_ptr<Value>> grids;
+  std::vector<TensorPtr> keep;
+  std::vector<EValue> args;
+  for (float scale : scales_) {
+    auto g = Value::make(ScalarType::Float, {rows, in});
+    const float* src = x.f32();
+    float* dst = g->f32();
+    for (int64_t i = 0; i < rows * in; ++i) {
+      float q = std::nearbyint(src[i] / scale);
+      dst[i] = std::min(std::max(q, -127.0f), 127.0f) * scale;
+    }
+    keep.push_back(view(*g, break_input ? std::vector<int64_t>{rows, in - 1} : std::vector<int64_t>{}));
+    args.emplace_back(keep.back());
+    grids.push_back(std::move(g));
+  }
+  auto outs = execute(std::move(args));
+  const size_t n = sub_.linears.size();
+  if (outs.size() < n) throw RunError("method " + sub_.method + " returned too few outputs");
+  std::vector<ValuePtr> merged;
+  size_t k = n;
+  std::vector<int64_t> lead(x.shape.begin(), x.shape.end() - 1);
+  for (size_t i = 0; i < n; ++i) {
+    const auto& splits = s_.linears.at(sub_.linears[i]).split_channels;
+    std::shared_ptr<Value> y;
+    if (splits.empty()) {
+      y = outs[i];
+    } else {
+      // columns of cat(main, split groups...) are channels keep + split, in that order
+      std::vector<const Value*> parts = {outs[i].get()};
+      std::vector<int64_t> split;
+      for (const auto& group : splits) {
+        if (k >= outs.size()) throw RunError("method " + sub_.method + " returned too few outputs");
+        parts.push_back(outs[k++].get());
+        split.insert(split.end(), group.begin(), group.end());
+      }
+      int64_t width = 0;
+      for (const auto* p : parts) width += p->shape.back();
+      std::vector<char> is_split(static_cast<size_t>(width), 0);
+      for (auto c : split) is_split.at(static_cast<size_t>(c)) = 1;
+      std::vector<int64_t> channel;
+      for (int64_t c = 0; c < width; ++c)
+        if (!is_split[c]) channel.push_back(c);
+      channel.insert(channel.end(), split.begin(), split.end());
+      y = Value::make(ScalarType::Float, {rows, width});
+      int64_t col = 0;
+      for (const auto* p : parts) {
+        const int64_t w = p->shape.back();
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < w; ++j) y->f32()[r * width + channel[col + j]] = p->f32()[r * w + j];
+        col += w;
+      }
+    }
+    auto shape = lead;
+    shape.push_back(y->shape.back());
+    y->shape = shape;
+    merged.push_back(std::move(y));
+  }
+  return merged;
+}
+
+std::vector<ValuePtr> MethodCall::cpu(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  std::vector<TensorPtr> keep;
+  std::vector<EValue> args;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto shape = inputs[i]->shape;
+    if (break_input && i == 0) shape.push_back(1);
+    keep.push_back(view(*inputs[i], shape));
+    args.emplace_back(keep.back());
+  }
+  auto outs = execute(std::move(args));
+  const size_t n = sub_.outputs.size();
+  if (outs.size() < n) throw RunError("method " + sub_.method + " returned too few outputs");
+  for (const auto& b : sub_.shadow) {
+    if (!b.hits) continue;
+    if (static_cast<size_t>(*b.hits) >= outs.size() || static_cast<size_t>(b.input) >= inputs.size() ||
+        static_cast<size_t>(b.output) >= n)
+      throw RunError("method " + sub_.method + ": shadow branch indices out of range");
+    cold_.add_product(b.linear, *inputs[b.input], *outs[*b.hits], *outs[b.output]);
+  }
+  return std::vector<ValuePtr>(outs.begin(), outs.begin() + n);
+}
+
+std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  return sub_.kind == "npu" ? npu(inputs, break_input) : cpu(inputs, break_input);
+}
+
+// ---------------------------------------------------------------- loading
+
+LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
+  // Each XNNPACK delegate call gets its own workspace: with one shared workspace the two workers
+  // would take turns instead of running together.
+  executorch::runtime::BackendOptions<1> xnn;
+  xnn.set_option("workspace_sharing_mode", 0);
+  (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
+
+  auto slash = pte.find_last_of('/');
+  cold = std::make_unique<ColdRows>(s, slash == std::string::npos ? "." : pte.substr(0, slash));
+  for (auto& m : modules) m = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
+  {
+    // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
+    // pool when a method loads, so they load with the pool disabled.
+    executorch::extension::threadpool::NoThreadPoolGuard single;
+    for (const auto& sub : s.subgraphs) {
+      auto& module = *modules[sub.processor == "npu" ? kNpuModule : kCpuModule];
+      auto err = module.load_method(sub.method);
+      if (err != executorch::runtime::Error::Ok)
+        throw InputError("cannot load method " + sub.method + " of " + pte + " (" + error_text(err) +
+                         "): is it a program from llmnpu export, with its backend libraries present?");
+    }
+  }
+  auto err = modules[kCpuModule]->load_method(s.decode_method);   // decode: both cores
+  if (err != executorch::runtime::Error::Ok)
+    throw InputError("cannot load method " + s.decode_method + " of " + pte + " (" + error_text(err) + ")");
+  for (const auto& sub : s.subgraphs)
+    calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
+}
+
+}  // namespace llmnpu

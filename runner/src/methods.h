@@ -1,0 +1,67 @@
+// The program's methods as callables over named values: an NPU method gets its input rows on each
+// activation group's INT8 grid and gives back one output per linear (split channels put back in
+// place); a CPU method's shadow branches get their cold channels' products added from the rows file.
+// Mirrors runtime/pte_runner.py (_npu_call, _cpu_call, ColdRows).
+#pragma once
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <executorch/extension/module/module.h>
+
+#include "sidecar.h"
+#include "value.h"
+
+namespace llmnpu {
+
+// The cold channels' rows of W^T, memory-mapped.
+class ColdRows {
+ public:
+  ColdRows(const Sidecar& s, const std::string& dir);
+  ~ColdRows();
+  ColdRows(const ColdRows&) = delete;
+  ColdRows& operator=(const ColdRows&) = delete;
+  // Adds (x - clip(x))[:, hit] @ W^T[hit] to `out` for the cold channels that `hits` flags.
+  void add_product(const std::string& linear, const Value& x, const Value& hits, Value& out);
+  std::atomic<int64_t> fetched{0};   // rows read
+
+ private:
+  const Sidecar& s_;
+  const float* rows_ = nullptr;
+  size_t mapped_ = 0;
+};
+
+// Calls one subgraph's method on one of the runner's Modules.
+class MethodCall {
+ public:
+  MethodCall(const Sidecar& s, const Subgraph& sub, executorch::extension::Module& module, ColdRows& cold);
+  // `inputs` in the subgraph's input order; outputs in its output order. `break_input`: pass a
+  // wrong-shaped first input (tests of the failure path). Throws RunError.
+  std::vector<ValuePtr> operator()(const std::vector<ValuePtr>& inputs, bool break_input = false) const;
+
+ private:
+  std::vector<std::shared_ptr<Value>> execute(std::vector<executorch::runtime::EValue> args) const;
+  std::vector<ValuePtr> npu(const std::vector<ValuePtr>& inputs, bool break_input) const;
+  std::vector<ValuePtr> cpu(const std::vector<ValuePtr>& inputs, bool break_input) const;
+  const Sidecar& s_;
+  const Subgraph& sub_;
+  executorch::extension::Module& module_;
+  ColdRows& cold_;
+  std::vector<float> scales_;   // npu: one activation scale per input group
+};
+
+// The program loaded for the runner: one Module per prefill worker (a Module's temporary allocator
+// is not safe across threads), and the decode method on the cpu worker's Module.
+struct LoadedProgram {
+  LoadedProgram(const std::string& pte, const Sidecar& s);
+  static constexpr int kNpuModule = 0, kCpuModule = 1;
+  std::unique_ptr<executorch::extension::Module> modules[2];
+  std::unique_ptr<ColdRows> cold;
+  std::vector<MethodCall> calls;   // by subgraph index
+};
+
+// "error 0x.. (Name)" for an ExecuTorch error code.
+std::string error_text(executorch::runtime::Error e);
+
+}  // namespace llmnpu

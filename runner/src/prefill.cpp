@@ -1,0 +1,163 @@
+#include "prefill.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "error.h"
+
+namespace llmnpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Env = std::unordered_map<std::string, ValuePtr>;
+
+std::string past_name(const char* kind, int64_t layer) { return std::string("past_") + kind + "_" + std::to_string(layer); }
+
+// Per chunk: ids (the last chunk padded with 0), positions, the row whose logits are wanted; the
+// first chunk also gets the empty past K/V (runtime/program.py chunk_feeds).
+std::vector<Env> chunk_feeds(const Sidecar& s, const std::vector<int64_t>& ids) {
+  const int64_t c = s.chunk_len, n = static_cast<int64_t>(ids.size());
+  std::vector<Env> feeds;
+  for (int64_t start = 0; start < n; start += c) {
+    const int64_t part = std::min(c, n - start);
+    auto input = Value::make(ScalarType::Long, {1, c});
+    auto pos = Value::make(ScalarType::Long, {c});
+    auto index = Value::make(ScalarType::Long, {1});
+    for (int64_t i = 0; i < c; ++i) {
+      input->i64()[i] = i < part ? ids[start + i] : 0;
+      pos->i64()[i] = start + i;
+    }
+    index->i64()[0] = part - 1;
+    feeds.push_back({{"input_ids", input}, {"cache_position", pos}, {"logits_index", index}});
+  }
+  ValuePtr empty = Value::make(ScalarType::Float, {1, s.kv_heads, 0, s.head_dim});
+  for (int64_t l = 0; l < s.layers; ++l) {
+    feeds[0][past_name("k", l)] = empty;
+    feeds[0][past_name("v", l)] = empty;
+  }
+  return feeds;
+}
+
+// [1, H, T, d] -> its first `t` positions
+ValuePtr cut(const Value& kv, int64_t t) {
+  const int64_t h = kv.shape[1], total = kv.shape[2], d = kv.shape[3];
+  auto out = Value::make(ScalarType::Float, {1, h, t, d});
+  for (int64_t i = 0; i < h; ++i)
+    std::memcpy(out->f32() + i * t * d, kv.f32() + i * total * d, static_cast<size_t>(t * d) * 4);
+  return out;
+}
+
+}  // namespace
+
+PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, Policy policy,
+                      std::optional<std::pair<int, int>> fail_at) {
+  std::vector<Env> envs = chunk_feeds(s, ids);
+  const int chunks = static_cast<int>(envs.size());
+  if (!s.has_profile && policy == Policy::kOoo) policy = Policy::kInorder;   // nothing to score with
+  std::vector<Task> tasks = expand(s, chunks);
+  Scheduler sched(tasks, policy);
+
+  // a value is dropped once its last reader of the chunk has run, unless the result needs it
+  std::vector<std::unordered_map<std::string, int>> uses(chunks);
+  for (const auto& t : tasks)
+    for (const auto& name : s.subgraphs[t.step].inputs) ++uses[t.chunk][name];
+  std::set<std::string> keep(s.graph_outputs.begin(), s.graph_outputs.end());
+  std::unordered_map<std::string, std::string> handoff;   // chunk i's K/V output -> chunk i+1's past input
+  for (int64_t l = 0; l < s.layers; ++l) {
+    handoff[s.graph_outputs[1 + l]] = past_name("k", l);
+    handoff[s.graph_outputs[1 + s.layers + l]] = past_name("v", l);
+  }
+
+  PrefillResult result;
+  result.chunks = chunks;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string error;
+  const auto t0 = Clock::now();
+  auto seconds = [t0](Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
+
+  auto work = [&](Processor p) {
+    std::unique_lock<std::mutex> lock(mu);
+    while (true) {
+      const Task* task = nullptr;
+      while (true) {
+        if (!error.empty() || sched.finished()) {
+          cv.notify_all();
+          return;
+        }
+        const auto d0 = Clock::now();
+        task = sched.pick(p);
+        result.decision_s += std::chrono::duration<double>(Clock::now() - d0).count();
+        ++result.decisions;
+        if (task) break;
+        cv.wait(lock);
+      }
+      const Subgraph& sub = s.subgraphs[task->step];
+      std::vector<ValuePtr> args;
+      std::string missing;
+      for (const auto& name : sub.inputs) {
+        auto it = envs[task->chunk].find(name);
+        if (it == envs[task->chunk].end()) missing = name;
+        args.push_back(it == envs[task->chunk].end() ? nullptr : it->second);
+      }
+      lock.unlock();
+      const auto start = Clock::now();
+      std::vector<ValuePtr> outs;
+      std::string failure;
+      try {
+        if (!missing.empty()) throw RunError("its input " + missing + " was never produced");
+        const bool broken = fail_at && fail_at->first == task->chunk && fail_at->second == task->step;
+        outs = program.calls[task->step](args, broken);
+        if (outs.size() != sub.outputs.size()) throw RunError("it returned the wrong number of outputs");
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      const auto end = Clock::now();
+      lock.lock();
+      if (!failure.empty()) {
+        if (error.empty())
+          error = "prefill task failed: chunk " + std::to_string(task->chunk) + ", subgraph " +
+                  std::to_string(task->step) + " (method " + sub.method + " on " + kProcessorNames[p] + ", " +
+                  (sub.layer ? "layer " + std::to_string(*sub.layer) : std::string("model")) + "): " + failure;
+        cv.notify_all();
+        return;
+      }
+      result.records.push_back({task->id, task->chunk, task->step, p, seconds(start), seconds(end)});
+      Env& env = envs[task->chunk];
+      for (size_t i = 0; i < outs.size(); ++i) {
+        env[sub.outputs[i]] = outs[i];
+        auto h = handoff.find(sub.outputs[i]);
+        if (h != handoff.end() && task->chunk + 1 < chunks) envs[task->chunk + 1][h->second] = outs[i];
+      }
+      for (const auto& name : sub.inputs)
+        if (--uses[task->chunk][name] == 0 && !keep.count(name)) env.erase(name);
+      sched.finish(*task);
+      cv.notify_all();
+    }
+  };
+
+  std::thread npu(work, kNpu), cpu(work, kCpu);
+  npu.join();
+  cpu.join();
+  result.wall_s = seconds(Clock::now());
+  if (!error.empty()) throw RunError(error);
+
+  const Env& last = envs.back();
+  const int64_t total = static_cast<int64_t>(ids.size());
+  const Value& logits = *last.at(s.graph_outputs[0]);
+  result.logits.assign(logits.f32(), logits.f32() + logits.numel());
+  for (int64_t l = 0; l < s.layers; ++l) {
+    result.k.push_back(cut(*last.at(s.graph_outputs[1 + l]), total));
+    result.v.push_back(cut(*last.at(s.graph_outputs[1 + s.layers + l]), total));
+  }
+  return result;
+}
+
+}  // namespace llmnpu

@@ -1,0 +1,168 @@
+#include "sidecar.h"
+
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+
+#include "error.h"
+
+namespace llmnpu {
+namespace {
+
+using nlohmann::json;
+
+std::string sidecar_path(const std::string& pte) {
+  auto slash = pte.find_last_of('/');
+  auto dot = pte.find_last_of('.');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) return pte + ".json";
+  return pte.substr(0, dot) + ".json";
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+Subgraph read_subgraph(const json& e) {
+  Subgraph s;
+  s.index = e.at("index").get<int>();
+  s.method = e.at("method").get<std::string>();
+  s.kind = e.at("kind").get<std::string>();
+  s.processor = e.at("processor").get<std::string>();
+  if (!e.at("layer").is_null()) s.layer = e.at("layer").get<int>();
+  s.is_static = e.at("static").get<bool>();
+  s.inputs = e.at("inputs").get<std::vector<std::string>>();
+  s.outputs = e.at("outputs").get<std::vector<std::string>>();
+  s.linears = e.at("linears").get<std::vector<std::string>>();
+  if (e.contains("input_groups")) s.input_groups = e["input_groups"].get<std::vector<std::vector<int>>>();
+  if (e.contains("shadow")) {
+    for (const auto& b : e["shadow"]) {
+      ShadowBranch br;
+      br.linear = b.at("linear").get<std::string>();
+      br.input = b.at("input").get<int>();
+      br.output = b.at("output").get<int>();
+      if (!b.at("hits").is_null()) br.hits = b.at("hits").get<int>();
+      s.shadow.push_back(br);
+    }
+  }
+  if (s.processor != "npu" && s.processor != "cpu")
+    throw InputError("subgraph " + s.method + " has an unknown processor '" + s.processor + "'");
+  return s;
+}
+
+void check_tasks(const Sidecar& s) {
+  const size_t n = s.subgraphs.size();
+  const auto& t = s.tasks;
+  if (t.after.size() != n || t.after_previous.size() != n || t.processors.size() != n)
+    throw InputError("the sidecar's task table does not match its subgraphs: export the program again");
+  auto in_range = [n](int j) { return j >= 0 && static_cast<size_t>(j) < n; };
+  for (size_t j = 0; j < n; ++j) {
+    for (int d : t.after[j])
+      if (!in_range(d) || static_cast<size_t>(d) >= j)
+        throw InputError("the sidecar's task table has a bad dependency: export the program again");
+    for (int d : t.after_previous[j])
+      if (!in_range(d)) throw InputError("the sidecar's task table has a bad dependency: export the program again");
+  }
+  for (const auto* list : {&t.needed_kv, &t.needed_final})
+    for (int j : *list)
+      if (!in_range(j)) throw InputError("the sidecar's task table names an unknown step: export the program again");
+}
+
+}  // namespace
+
+Sidecar read_sidecar(const std::string& pte) {
+  if (file_size(pte) < 0) throw InputError("no such .pte file: " + pte);
+  Sidecar s;
+  s.path = sidecar_path(pte);
+  std::ifstream in(s.path);
+  if (!in)
+    throw InputError(pte + " has no sidecar " + s.path + " beside it: export writes both; copy them together");
+  json m;
+  try {
+    m = json::parse(in);
+  } catch (const json::exception& e) {
+    throw InputError("sidecar " + s.path + " is not valid JSON (" + e.what() + "): export again");
+  }
+  if (!m.is_object() || m.value("format", "") != "llmnpu-pte-sidecar")
+    throw InputError(s.path + " is not an llmnpu sidecar: export the program again (llmnpu export)");
+  if (!m.contains("version") || !m["version"].is_number_integer() || m["version"].get<int>() != kSidecarVersion)
+    throw InputError(s.path + " was written by another version of llmnpu export (format " +
+                     (m.contains("version") ? m["version"].dump() : std::string("none")) + ", this runner reads " +
+                     std::to_string(kSidecarVersion) + "): export the program again with this version");
+  try {
+    s.target = m.at("target").get<std::string>();
+    s.chunk_len = m.at("chunk_len").get<int64_t>();
+    s.context = m.at("context").get<int64_t>();
+    const auto& model = m.at("model");
+    s.layers = model.at("layers").get<int64_t>();
+    s.kv_heads = model.at("kv_heads").get<int64_t>();
+    s.head_dim = model.at("head_dim").get<int64_t>();
+    s.vocab = model.at("vocab_size").get<int64_t>();
+    s.graph_inputs = m.at("graph").at("inputs").get<std::vector<std::string>>();
+    s.graph_outputs = m.at("graph").at("outputs").get<std::vector<std::string>>();
+    for (const auto& e : m.at("subgraphs")) s.subgraphs.push_back(read_subgraph(e));
+    const auto& t = m.at("tasks");
+    s.tasks.after = t.at("after").get<std::vector<std::vector<int>>>();
+    s.tasks.after_previous = t.at("after_previous").get<std::vector<std::vector<int>>>();
+    s.tasks.needed_kv = t.at("needed_kv").get<std::vector<int>>();
+    s.tasks.needed_final = t.at("needed_final").get<std::vector<int>>();
+    s.tasks.processors = t.at("processors").get<std::vector<std::string>>();
+    for (const auto& [name, lin] : m.at("linears").items()) {
+      NpuLinear l;
+      l.act_scale = lin.at("act_scale").get<double>();
+      l.split_channels = lin.at("split_channels").get<std::vector<std::vector<int>>>();
+      s.linears[name] = l;
+    }
+    const auto& sh = m.at("shadow");
+    s.shadow_form = sh.at("form").get<std::string>();
+    if (s.shadow_form == "sparse") {
+      s.rows_file = sh.at("rows_file").get<std::string>();
+      s.rows_bytes = sh.at("bytes").get<int64_t>();
+      for (const auto& [name, lin] : sh.at("linears").items()) {
+        ColdLinear c;
+        c.cold_channels = lin.at("cold_channels").get<std::vector<int64_t>>();
+        c.rows_offset = lin.at("rows_offset").get<int64_t>();
+        c.in_features = lin.at("in_features").get<int64_t>();
+        c.out_features = lin.at("out_features").get<int64_t>();
+        c.clip = lin.at("clip").get<double>();
+        s.cold[name] = c;
+      }
+    }
+    if (!m.at("profile").is_null()) {
+      s.has_profile = true;
+      for (const auto& [k, v] : m["profile"].at("static").items()) s.profile_static[std::stoi(k)] = v.get<double>();
+      for (const auto& [k, v] : m["profile"].at("dynamic").items())
+        s.profile_dynamic[std::stoi(k)] = v.get<std::vector<double>>();
+    }
+    s.decode_method = m.at("decode").at("method").get<std::string>();
+    if (!m.at("tokenizer").is_null()) s.eos_ids = m["tokenizer"].at("eos_ids").get<std::vector<int64_t>>();
+    s.pte_bytes = m.value("pte_bytes", int64_t{-1});
+  } catch (const json::exception& e) {
+    throw InputError("sidecar " + s.path + " lacks or garbles an entry (" + e.what() + "): export the program again");
+  }
+  if (s.chunk_len <= 0 || s.context < s.chunk_len || s.layers <= 0 || static_cast<int64_t>(s.graph_outputs.size()) != 1 + 2 * s.layers)
+    throw InputError("sidecar " + s.path + " describes an impossible program: export the program again");
+  check_tasks(s);
+  for (const auto& sub : s.subgraphs)
+    for (const auto& b : sub.shadow)
+      if (b.hits && !s.cold.count(b.linear))
+        throw InputError("sidecar " + s.path + " has no cold rows entry for " + b.linear + ": export again");
+  if (s.pte_bytes >= 0 && file_size(pte) != s.pte_bytes)
+    throw InputError(s.path + " was written for another " + pte + " (its size differs): the .pte and sidecar do not match");
+  return s;
+}
+
+double profile_cost(const Sidecar& s, int step, int position) {
+  auto st = s.profile_static.find(step);
+  if (st != s.profile_static.end()) return st->second;
+  auto dy = s.profile_dynamic.find(step);
+  if (dy == s.profile_dynamic.end() || dy->second.empty()) return 0.0;
+  const auto& times = dy->second;
+  if (static_cast<size_t>(position) < times.size()) return times[position];
+  // attention reads (position + 1) chunks of keys
+  return times.back() * (position + 1) / static_cast<double>(times.size());
+}
+
+}  // namespace llmnpu

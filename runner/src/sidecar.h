@@ -1,0 +1,72 @@
+// The sidecar JSON beside a .pte (written by llmnpu_delegate/lower/pte.py, which owns the format):
+// read once, checked, and turned into plain structs.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace llmnpu {
+
+constexpr int kSidecarVersion = 3;  // lower/pte.py VERSION
+
+struct ShadowBranch {
+  std::string linear;
+  int input = 0;                // method input holding the activation
+  int output = 0;               // method output the product is added to
+  std::optional<int> hits;      // method output: largest residue per input channel (sparse form)
+};
+
+struct Subgraph {
+  int index = 0;
+  std::string method, kind, processor;   // kind: npu | cpu | shadow; processor: npu | cpu
+  std::optional<int> layer;
+  bool is_static = true;
+  std::vector<std::string> inputs, outputs, linears;
+  std::vector<std::vector<int>> input_groups;   // npu: activation-scale groups (indices into linears)
+  std::vector<ShadowBranch> shadow;
+};
+
+struct NpuLinear {
+  double act_scale = 0;
+  std::vector<std::vector<int>> split_channels;   // output channels the method returns on their own
+};
+
+struct ColdLinear {
+  std::vector<int64_t> cold_channels;
+  int64_t rows_offset = 0, in_features = 0, out_features = 0;
+  double clip = 0;
+};
+
+struct TaskTable {  // runtime/tasks.py dependency_table
+  std::vector<std::vector<int>> after, after_previous;
+  std::vector<int> needed_kv, needed_final;
+  std::vector<std::string> processors;
+};
+
+struct Sidecar {
+  std::string path, target;
+  int64_t chunk_len = 0, context = 0, layers = 0, kv_heads = 0, head_dim = 0, vocab = 0;
+  std::vector<std::string> graph_inputs, graph_outputs;
+  std::vector<Subgraph> subgraphs;
+  TaskTable tasks;
+  std::map<std::string, NpuLinear> linears;
+  std::string shadow_form, rows_file;
+  int64_t rows_bytes = 0;
+  std::map<std::string, ColdLinear> cold;
+  bool has_profile = false;
+  std::map<int, double> profile_static;
+  std::map<int, std::vector<double>> profile_dynamic;
+  std::string decode_method;
+  std::vector<int64_t> eos_ids;
+  int64_t pte_bytes = -1;   // the .pte's size, when the sidecar records it
+};
+
+// Reads and checks the sidecar of `pte` (model.pte -> model.json); throws InputError.
+Sidecar read_sidecar(const std::string& pte);
+
+// Seconds of `step` at chunk `position`, as runtime/profile.py Profile.cost computes them.
+double profile_cost(const Sidecar& s, int step, int position);
+
+}  // namespace llmnpu
