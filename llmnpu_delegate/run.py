@@ -112,11 +112,12 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
             native: bool = False, trace_dir: str | None = None) -> dict:
     """Generate from ``prompt`` with an exported program alone: the Python reference runner
     (``PteRunner``) or, with ``native``, the C++ one (``llmnpu-runner``); the same summary as ``run``."""
-    from .runtime.pte_runner import load_sidecar
+    from .runtime.pte_runner import PteRunner, load_sidecar
     from .runtime.sampling import check_sampling
 
     pte = Path(pte)
-    meta = load_sidecar(pte)
+    runner = None if native else PteRunner(pte, policy=policy)     # checks the program and its files
+    meta = runner.meta if runner else load_sidecar(pte)
     check_sampling(temperature, top_p)
     tok = load_program_tokenizer(meta, pte)
     ids = prompt_ids(tok, pte.name, prompt, chat)[0]
@@ -132,9 +133,6 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
                          on_token=on_token).summary
         engine = "native runner"
     else:
-        from .runtime.pte_runner import PteRunner
-
-        runner = PteRunner(pte, policy=policy)
         g = runner.generate(ids, max_new_tokens, temperature, top_p, seed, meta["tokenizer"]["eos_ids"], on_token)
         out = {"tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "chunks": g.chunks, "ttft_s": g.ttft_s,
                "prefill_s": g.prefill_s, "decode_tok_s": g.decode_tok_s, "cold_rows": g.cold_rows,

@@ -1,0 +1,204 @@
+"""The native runner (runner/, `llmnpu-runner`) against the Python reference runner on the same program.
+
+`make test` builds both binaries first (the release one and the one under AddressSanitizer and
+UndefinedBehaviorSanitizer); a missing binary fails these tests, it does not skip them.
+"""
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmnpu_delegate.lower.pte import sidecar_path
+from llmnpu_delegate.runtime.executor import POLICIES, simulate
+from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
+from llmnpu_delegate.runtime.profile import Profile
+from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.tasks import expand
+
+ASAN_BUILD = _REPO_BUILD.parents[1] / "build-asan" / _REPO_BUILD.name
+PROMPT = ("The committee met on Tuesday to review the budget for the coming year. After a long debate, "
+          "the members agreed to fund the new library, repair two bridges and hire more teachers for the "
+          "schools in the northern district, while postponing the stadium until the next session. The mayor "
+          "said the decision reflected what residents had asked for at the public hearings held in spring.")
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    """A cpu-int8 program of the embedded model's first 2 blocks (chunk 64, INT8 decode) and a prompt
+    of 2-3 chunks whose last chunk is padded."""
+    from llmnpu_delegate.evaluate import read_text, tokenize
+    from llmnpu_delegate.lower.pte import export_engine, export_pte
+    from llmnpu_delegate.prefill import quant_config
+
+    lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=2, progress=False)
+    out = tmp_path_factory.mktemp("native") / "smol.pte"
+    export_pte(engine, out, tokenize(lm, read_text(None, "calib")), target="cpu-int8", context=256,
+               model={"spec": "smollm2-135m", "blocks": 2}, progress=False, tokenizer=lm.tokenizer)
+    ids = lm.tokenizer(PROMPT, return_tensors="pt").input_ids[0]
+    assert 64 < ids.numel() < 192 and ids.numel() % 64, ids.numel()
+    return out, ids
+
+
+def _logits(tmp_path, name) -> np.ndarray:
+    return np.fromfile(tmp_path / name, dtype="<f4")
+
+
+def test_prefill_logits_and_greedy_tokens_match_the_python_runner(program, tmp_path):
+    """Bit-identical but for the cold shadow channels' products, which the two sum in a different order
+    (torch's GEMM/CSR kernel vs one running sum per row): within 1e-5 there."""
+    pte, ids = program
+    runner = PteRunner(pte)
+    ref = runner(ids, "ooo").logits.numpy()
+    want = runner.generate(ids, 16)
+    got = run_native(pte, ids.tolist(), runner.meta, 16, "ooo", logits_out=tmp_path / "ooo.bin")
+    assert got.tokens == want.tokens
+    assert got.summary["cold_rows"] == want.cold_rows > 0     # the same cold channels were hit and merged
+    assert got.summary["chunks"] == want.chunks == 2
+    logits = _logits(tmp_path, "ooo.bin")
+    assert logits.shape == ref.shape and int(logits.argmax()) == want.tokens[0]
+    assert np.abs(logits - ref).max() <= 1e-5, np.abs(logits - ref).max()
+    # the test could fail: without the cold products the logits move by far more than that
+    runner.cold.product = lambda *a: None
+    assert np.abs(runner(ids, "ooo").logits.numpy() - ref).max() > 1e-3
+
+
+def test_policies_give_bit_identical_outputs(program, tmp_path):
+    pte, ids = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    runs = {p: run_native(pte, ids.tolist(), meta, 6, p, logits_out=tmp_path / f"{p}.bin") for p in POLICIES}
+    assert all(r.tokens == runs["ooo"].tokens for r in runs.values())
+    for p in POLICIES:
+        assert _logits(tmp_path, f"{p}.bin").tobytes() == _logits(tmp_path, "ooo.bin").tobytes(), p
+        assert runs[p].summary["policy"] == p
+
+
+def test_the_native_policies_decide_exactly_like_the_python_ones(program):
+    """On simulated time (each task takes its profiled cost) the C++ scheduler and runtime/executor.py's
+    pick the same task at the same moment, for every policy; the sidecar's task table expands alike."""
+    pte, _ = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    profile = Profile({int(k): v for k, v in meta["profile"]["static"].items()},
+                      {int(k): v for k, v in meta["profile"]["dynamic"].items()})
+    prompt_len = 5 * meta["chunk_len"] - 3
+    orders = {}
+    for policy in POLICIES:
+        tasks = expand(meta["tasks"], 5)
+        costs = profile.costs(5)
+        for t in tasks:
+            t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0))
+        want = [(r.task, r.chunk, r.step, r.processor, r.start, r.end) for r in simulate(tasks, policy).records]
+        out = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", str(prompt_len),
+                              "--policy", policy], capture_output=True, text=True, check=True)
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith('{"'))
+        got = [(r["task"], r["chunk"], r["step"], r["processor"], r["start"], r["end"])
+               for r in json.loads(line)["records"]]
+        assert got == want, policy
+        orders[policy] = [r[0] for r in got]
+    assert orders["ooo"] != orders["inorder"]          # the heuristic does reorder on this profile
+
+
+def _runner(*args, binary=None, stdin="1 2 3", timeout=300):
+    return subprocess.run([str(binary or find_runner()), *map(str, args)], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith("llmnpu-runner: error: ")]
+
+
+def test_a_failing_method_stops_both_threads_and_names_chunk_method_and_layer(program):
+    pte, ids = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    step = next(e["index"] for e in meta["subgraphs"] if e["kind"] == "npu" and e["layer"] == 1)
+    out = _runner("--pte", pte, "--prompt-ids", "-", "--max-new-tokens", 4, "--fail-at", f"1:{step}",
+                  stdin=" ".join(map(str, ids.tolist())), timeout=120)       # a hang fails here
+    assert out.returncode == 1
+    (line,) = _error_lines(out.stderr)
+    assert f"chunk 1, subgraph {step} (method npu_{step} on npu, layer 1)" in line, line
+    assert out.stdout.strip() == ""                                          # no token came out
+
+
+def test_bad_programs_and_prompts_get_one_line_errors(program, tmp_path):
+    pte, _ = program
+    for f in pte.parent.iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    copy = tmp_path / pte.name
+    meta = json.loads(sidecar_path(pte).read_text())
+
+    def refused(match, *args, stdin="1 2 3"):
+        out = _runner("--pte", copy, "--prompt-ids", "-", *args, stdin=stdin, timeout=120)
+        lines = _error_lines(out.stderr)
+        assert out.returncode == 2 and len(lines) == 1 and match in lines[0], out.stderr[-2000:]
+
+    refused("past the program's context of 256", "--max-new-tokens", 16, stdin=" ".join(["5"] * 250))
+    refused("outside the vocabulary", stdin="1 2 999999")
+    refused("prompt ids must be integers", stdin="1 two 3")
+    refused("unknown policy 'fast'", "--policy", "fast")
+    sidecar_path(copy).write_text(json.dumps({**meta, "version": 2}))
+    refused("another version of llmnpu export (format 2")
+    sidecar_path(copy).write_text("{ not json")
+    refused("is not valid JSON")
+    sidecar_path(copy).write_text(json.dumps(meta))
+    copy.write_bytes(pte.read_bytes()[:-4096])
+    refused("the .pte and sidecar do not match")
+    copy.write_bytes(pte.read_bytes())
+    (tmp_path / meta["shadow"]["rows_file"]).write_bytes(b"\0" * 64)
+    refused("does not belong to this program")
+    (tmp_path / meta["shadow"]["rows_file"]).unlink()
+    refused("cold rows file smol.rows.bin is missing")
+
+
+def test_the_sanitized_build_runs_prefill_decode_and_the_failure_path_clean(program):
+    """AddressSanitizer (leaks included) and UndefinedBehaviorSanitizer over a 2-chunk prefill, decode,
+    and a failing run whose threads must unwind cleanly."""
+    pte, ids = program
+    assert ASAN_BUILD.is_file(), "build it with `make runner/build-asan/llmnpu-runner` (make test does)"
+    prompt = " ".join(map(str, ids.tolist()))
+    ok = _runner("--pte", pte, "--prompt-ids", "-", "--max-new-tokens", 4, "--json", binary=ASAN_BUILD, stdin=prompt)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    bad = _runner("--pte", pte, "--prompt-ids", "-", "--fail-at", "1:1", binary=ASAN_BUILD, stdin=prompt)
+    assert bad.returncode == 1 and len(_error_lines(bad.stderr)) == 1, bad.stderr[-3000:]
+    for run in (ok, bad):
+        assert "Sanitizer" not in run.stderr and "runtime error:" not in run.stderr, run.stderr[-3000:]
+
+
+def test_run_pte_native_streams_the_same_text_as_the_python_runner(program, capsys):
+    from llmnpu_delegate.cli import main
+
+    pte, _ = program
+    results = {}
+    for native in (False, True):
+        argv = ["run", "--pte", str(pte), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
+        assert main(argv + (["--native"] if native else [])) == 0
+        results[native] = json.loads(capsys.readouterr().out)
+    assert results[True]["tokens"] == results[False]["tokens"] and results[True]["text"] == results[False]["text"]
+    assert "native runner" in results[True]["backend"]
+    assert main(["run", "--native", "--prompt", "x"]) == 2
+    assert "give it with --pte" in capsys.readouterr().err
+
+
+def test_trace_of_the_native_runner_draws_like_the_benchmark_one(program, tmp_path):
+    from llmnpu_delegate.runtime.trace import metrics, read_trace, write_timeline
+
+    pte, ids = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    out = run_native(pte, ids.tolist(), meta, 2, trace=tmp_path / "t.json")
+    stats = read_trace(tmp_path / "t.json")
+    tasks = expand(meta["tasks"], out.summary["chunks"])
+    assert sorted((r.chunk, r.step) for r in stats.records) == sorted((t.chunk, t.step) for t in tasks)
+    assert {r.processor for r in stats.records} == {"npu", "cpu"}
+    assert metrics(stats)["npu_busy_s"] > 0
+    assert write_timeline(stats, tmp_path / "t.png").stat().st_size > 0
+
+
+def test_missing_binary_is_named_with_how_to_build_it(monkeypatch, tmp_path):
+    from llmnpu_delegate.errors import LlmNpuError
+
+    monkeypatch.setenv("LLMNPU_RUNNER", str(tmp_path / "nope"))
+    with pytest.raises(LlmNpuError, match="make runner"):
+        find_runner()
+    assert Path(_REPO_BUILD).is_file()
