@@ -9,7 +9,6 @@ the ``g`` query heads sharing a K/V head into one matrix instead of copying K/V 
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +68,17 @@ def _(q, k, v, mask, scaling, softcap):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 
 
+def _exported(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float) -> Tensor:
+    # Grouped bmm and an additive mask: ops XNNPACK takes whole. Measured for one SmolLM2 layer at a
+    # chunk of 256 over 1,024 keys, one thread, in an ExecuTorch method: 6.1 ms, against 21.7 ms for
+    # decomposed SDPA (K/V copied per query head) and 16.9 ms with a boolean mask (``where`` stays on
+    # the portable kernels, a pass over every score); torch's fused SDPA: 7.5-7.9 ms.
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))
+    return _explicit(q, k, v, mask, scaling, softcap, inplace=False).transpose(1, 2).contiguous()
+
+
 def decompositions() -> dict:
     """``llmnpu::chunk_attention`` as plain aten ops, for ``ExportedProgram.run_decompositions``: programs
     that leave our runtime (ExecuTorch's portable kernels have no such op) compute the same attention."""
-    return {torch.ops.llmnpu.chunk_attention.default: functools.partial(_attend, inplace=False)}
+    return {torch.ops.llmnpu.chunk_attention.default: _exported}

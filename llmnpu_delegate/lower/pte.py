@@ -198,8 +198,14 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
             # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
             # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
-            # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared
-            edge = to_edge_transform_and_lower(ep, partitioner=[] if _holds_model_linear(sub) else [XnnpackPartitioner()])
+            # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared.
+            # There ``aten.linear`` is kept whole: decomposed, it becomes permute_copy + mm, a transposed
+            # copy of the whole weight at every call (162 ms vs 11 ms for the embedded model's lm_head)
+            if _holds_model_linear(sub):
+                edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
+                    _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
+            else:
+                edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
         programs[name] = edge.exported_program(name if sub.kind == "npu" and target == "qnn" else "forward")
         table.append(entry)
     if progress:
