@@ -10,6 +10,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include <executorch/extension/threadpool/threadpool_guard.h>
+
 #include "error.h"
 
 namespace llmnpu {
@@ -84,6 +86,9 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
   auto seconds = [t0](Clock::time_point t) { return std::chrono::duration<double>(t - t0).count(); };
 
   auto work = [&](Processor p) {
+    // one core per worker: kernels that parallelize through ExecuTorch's shared pool (its threads
+    // spin while waiting) would contend with the other worker
+    executorch::extension::threadpool::NoThreadPoolGuard single;
     std::unique_lock<std::mutex> lock(mu);
     while (true) {
       const Task* task = nullptr;
