@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmnpu_delegate.lower.pte import sidecar_path
-from llmnpu_delegate.runtime.executor import POLICIES, simulate
+from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
 from llmnpu_delegate.runtime.profile import Profile
 from llmnpu_delegate.runtime.pte_runner import PteRunner
@@ -86,9 +86,7 @@ def test_the_native_policies_decide_exactly_like_the_python_ones(program):
     orders = {}
     for policy in POLICIES:
         tasks = expand(meta["tasks"], 5)
-        costs = profile.costs(5)
-        for t in tasks:
-            t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0))
+        assign_costs(tasks, profile.costs(5))
         want = [(r.task, r.chunk, r.step, r.processor, r.start, r.end) for r in simulate(tasks, policy).records]
         out = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", str(prompt_len),
                               "--policy", policy], capture_output=True, text=True, check=True)

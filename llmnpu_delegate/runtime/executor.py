@@ -135,6 +135,12 @@ class Scheduler:
         return all(self.done)
 
 
+def assign_costs(tasks: list[Task], costs: dict | None) -> None:
+    """Each task's profiled cost from ``Profile.costs``: per (step, chunk) for dynamic steps, per step else."""
+    for t in tasks:
+        t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0)) if costs else 0.0
+
+
 def simulate(tasks: list[Task], policy: str) -> RunStats:
     """The policy driven by simulated time instead of threads: each task takes its ``cost``. When a
     processor is idle it asks the scheduler (npu first); the earliest finish (npu first on a tie)
@@ -176,8 +182,7 @@ class Executor:
         ``fail=(chunk, step)`` injects a failure (for tests of the error path)."""
         program = self.program
         tasks = build_tasks(program, len(feeds))
-        for t in tasks:
-            t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0)) if costs else 0.0
+        assign_costs(tasks, costs)
         sched = Scheduler(tasks, policy)
         envs = [dict(f) for f in feeds]
         uses: list[dict[str, int]] = [dict() for _ in feeds]

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -65,21 +66,26 @@ def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int,
     if logits_out is not None:
         cmd += ["--logits-out", str(logits_out)]
     cmd += extra or []
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=runner_env(meta))
-    proc.stdin.write(" ".join(map(str, ids)))
-    proc.stdin.close()
-    tokens, summary = [], None
-    for line in proc.stdout:     # the runtime may log its own lines too: take ours only
-        line = line.strip()
-        if line.isdigit():
-            tokens.append(int(line))
-            if on_token:
-                on_token(int(line))
-        elif line.startswith('{"'):
-            summary = json.loads(line)
-    err = proc.stderr.read()
-    if proc.wait() != 0:
+    # stderr to a file, not a pipe: the runtime's logs (QNN's are many) would fill a pipe that nobody
+    # reads while the tokens are streamed, and block the binary
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=runner_env(meta))
+        proc.stdin.write(" ".join(map(str, ids)))
+        proc.stdin.close()
+        tokens, summary = [], None
+        for line in proc.stdout:     # the runtime may log its own lines too: take ours only
+            line = line.strip()
+            if line.isdigit():
+                tokens.append(int(line))
+                if on_token:
+                    on_token(int(line))
+            elif line.startswith('{"'):
+                summary = json.loads(line)
+        proc.wait()
+        log.seek(0)
+        err = log.read()
+    if proc.returncode != 0:
         ours = [ln for ln in err.splitlines() if ln.startswith(f"{BINARY}: error: ")]
         message = ours[-1][len(f"{BINARY}: error: "):] if ours else f"exited with code {proc.returncode}: {err[-500:]}"
         raise LlmNpuError(f"native runner: {message}")

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..paths import atomic_path
-from .executor import PROCESSORS, RunStats
+from .executor import PROCESSORS, Record, RunStats
 
 
 def metrics(stats: RunStats) -> dict:
@@ -38,8 +38,6 @@ def chrome_trace(stats: RunStats, names: dict[int, str] | None = None) -> dict:
 
 def read_trace(path: Path) -> RunStats:
     """A trace written by ``write_trace`` or by the native runner (``--trace``) back as ``RunStats``."""
-    from .executor import Record
-
     events = json.loads(Path(path).read_text())["traceEvents"]
     stats = RunStats()
     for e in events:
