@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,15 +101,22 @@ def check_family(config) -> None:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A short hash of the architecture (every parameter's name and shape) and of the first and last
-    decoder layers' weights. Stable across save/load, unlike the config's bookkeeping fields."""
+    """A short hash of every parameter and buffer: name, dtype, shape and bytes. Calibration,
+    compiled INT8 graphs and shadow rows are keyed by it, so a model that differs in any element
+    (a merged fine-tune, one edited block) gets its own artefacts. Each tensor is hashed on its own,
+    on both cores (hashlib releases the GIL): ~0.3 s for the embedded model, ~0.6 s for Qwen2-0.5B."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+
+    def digest(item: tuple[str, Tensor]) -> bytes:
+        name, t = item
+        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        return h.digest()
+
     h = hashlib.sha256(model.config.model_type.encode())
-    for name, p in model.named_parameters():
-        h.update(f"{name}{tuple(p.shape)}".encode())
-    layers = decoder_layers(model)
-    for layer in (layers[0], layers[-1]):
-        for p in layer.state_dict().values():
-            h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for d in pool.map(digest, tensors):
+            h.update(d)
     return h.hexdigest()[:16]
 
 

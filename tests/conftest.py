@@ -35,3 +35,13 @@ def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
                 else:
                     w[list(channels)] *= scale
     return model
+
+
+def assert_within_quant_effect(got, quantized, float_ref, share: float = 0.1):
+    """``got`` must equal the quantized reference to within ``share`` of what quantization itself
+    changed (max over elements): a tolerance scaled to the effect under test, never a fixed number."""
+    effect = float((quantized - float_ref).abs().max())
+    error = float((got - quantized).abs().max())
+    assert effect > 0, "quantization changed nothing: the comparison would prove nothing"
+    assert error <= share * effect, f"|got - quantized| = {error:.3g} > {share} x quantization effect {effect:.3g}"
+    return error, effect

@@ -20,8 +20,10 @@ from llmnpu_delegate.quantize import (
 )
 from llmnpu_delegate.quantize.importance import layers_to_prune
 from llmnpu_delegate.quantize.shadow import (
+    HEADER_BYTES,
     ShadowWeights,
     hot_channels,
+    shadow_weights,
     weight_rows_file,
 )
 
@@ -49,9 +51,8 @@ def test_quantize_weight_roundtrip(granularity):
 
 # --------------------------------------------------------------------------- shadow linear
 def _shadow_layer(tmp_path, w, b, clip, hot):
-    np.save(tmp_path / "w.npy", w.t().contiguous().numpy())
     w_q, w_s = quantize_weight(w, "channel")
-    store = ShadowWeights(tmp_path / "w.npy", torch.tensor(hot, dtype=torch.int64))
+    store = shadow_weights(tmp_path.name, "w", w, torch.tensor(hot, dtype=torch.int64))  # a model per test
     layer = QuantLinear(w_q, w_s, b, clip / 127, full_scale=50.0 / 127, clip=clip, shadow=store)
     return layer, w_q, w_s, store
 
@@ -111,9 +112,27 @@ def test_shadow_rows_file_and_cold_reads(tmp_path, monkeypatch):
     assert store.cold_fetches == 2 and store.hot_hits == 2
     assert store.resident_bytes == 2 * 6 * 4
     assert not list(path.parent.glob(".*"))  # no temporary left behind
-    path.write_bytes(path.read_bytes()[:100])  # a damaged cache entry is detected and rebuilt
+    path.write_bytes(path.read_bytes()[:300])  # a damaged cache entry is detected and rebuilt
     assert weight_rows_file("fp", "layer.0", w) == path
     torch.testing.assert_close(ShadowWeights(path, torch.tensor([2])).rows(torch.tensor([4])), w.t()[[4]])
+
+
+def test_rows_file_of_another_model_is_never_read(tmp_path, monkeypatch, caplog):
+    """A rows file carries the key it was built for: another model's file of the same shape, copied
+    under this model's name, is rebuilt (a shape check alone would have served the foreign rows)."""
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
+    w, other = torch.randn(6, 9), torch.randn(6, 9)
+    mine = weight_rows_file("fp-a", "layer.0", w)
+    foreign = weight_rows_file("fp-b", "layer.0", other)
+    mine.write_bytes(foreign.read_bytes())
+    assert weight_rows_file("fp-a", "layer.0", w) == mine
+    assert "was built for fp-b" in caplog.text
+    torch.testing.assert_close(ShadowWeights(mine, torch.tensor([0])).rows(torch.tensor([5])), w.t()[[5]])
+    # a header that names this model over another weight's rows: caught by the hot rows read back
+    header = mine.read_bytes()[:HEADER_BYTES]
+    mine.write_bytes(header + foreign.read_bytes()[HEADER_BYTES:])
+    store = shadow_weights("fp-a", "layer.0", w, torch.tensor([1, 4]))
+    torch.testing.assert_close(store.rows(torch.tensor([1, 4, 8])), w.t()[[1, 4, 8]])
 
 
 # --------------------------------------------------------------------------- calibration

@@ -19,7 +19,7 @@ from ..errors import LlmNpuError
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
-from ..quantize.shadow import ShadowWeights, weight_rows_file
+from ..quantize.shadow import ShadowWeights, shadow_weights
 from ..runtime.graph_cache import GraphCache
 
 NAME = "cpu-int8"
@@ -140,5 +140,5 @@ class CpuInt8Backend:
         if plan is None or not plan.shadow:
             raise LlmNpuError(f"{name} has no shadow path in this quantization plan")
         lin = self._linear(name)
-        rows = ShadowWeights(weight_rows_file(self.fingerprint, name, lin.weight), plan.hot)
+        rows = shadow_weights(self.fingerprint, name, lin.weight, plan.hot)
         return ShadowDelta(name, plan.clip, rows, lin.out_features)

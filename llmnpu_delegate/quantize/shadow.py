@@ -7,6 +7,8 @@ on-disk copy of W^T (a "cold fetch", counted).
 """
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,8 @@ import torch
 from torch import Tensor
 
 from ..paths import atomic_path, cache_dir
+
+log = logging.getLogger(__name__)
 
 
 def hot_channels(counts: Tensor, coverage: float) -> Tensor:
@@ -27,22 +31,65 @@ def hot_channels(counts: Tensor, coverage: float) -> Tensor:
     return order[: min(n, counts.numel())].sort().values
 
 
+ROWS_FORMAT = 1
+HEADER_BYTES = 256   # a JSON header padded with spaces, then W^T [K, N] little-endian float32
+
+
+def rows_key(fingerprint: str, name: str, weight: Tensor) -> dict:
+    """What a rows file was built for: the model's fingerprint, the linear and its shape."""
+    return {"format": ROWS_FORMAT, "model": fingerprint, "linear": name,
+            "shape": [int(weight.shape[1]), int(weight.shape[0])], "dtype": "<f4"}
+
+
 def weight_rows_file(fingerprint: str, name: str, weight: Tensor) -> Path:
-    """The on-disk W^T [K, N] float32 of one linear, written once per model (atomically)."""
-    path = cache_dir() / "shadow" / fingerprint / f"{name}.npy"
-    if not _valid_rows_file(path, (weight.shape[1], weight.shape[0])):  # missing, or damaged: rebuild
+    """The on-disk W^T [K, N] float32 of one linear, written once per model (atomically). The file
+    carries the key it was built for; a damaged or foreign file is rebuilt, never read."""
+    path = cache_dir() / "shadow" / fingerprint / f"{name}.rows"
+    key = rows_key(fingerprint, name, weight)
+    problem = _rows_file_problem(path, key)
+    if problem:
+        if path.exists():
+            log.warning("shadow rows file %s %s: rebuilding it", path, problem)
+        header = json.dumps(key).encode().ljust(HEADER_BYTES)
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
-                np.save(f, weight.detach().float().t().contiguous().numpy())
+                f.write(header)
+                f.write(weight.detach().float().t().contiguous().numpy().astype("<f4").tobytes())
     return path
 
 
-def _valid_rows_file(path: Path, shape: tuple[int, int]) -> bool:
+def read_rows_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = json.loads(f.read(HEADER_BYTES).decode())
+    if not isinstance(head, dict) or not isinstance(head.get("shape"), list) or len(head["shape"]) != 2:
+        raise ValueError("header is not a rows-file header")
+    return head
+
+
+def _rows_file_problem(path: Path, key: dict) -> str | None:
+    if not path.exists():
+        return "is missing"
     try:
-        arr = np.load(path, mmap_mode="r")
-    except (OSError, ValueError):
-        return False
-    return arr.shape == shape and arr.dtype == np.float32
+        head = read_rows_header(path)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"is damaged ({type(e).__name__})"
+    if head != key:
+        return f"was built for {head.get('model')}/{head.get('linear')} {head.get('shape')}, not {key['model']}/{key['linear']} {key['shape']}"
+    k, n = key["shape"]
+    if path.stat().st_size != HEADER_BYTES + 4 * k * n:
+        return "is truncated"
+    return None
+
+
+def shadow_weights(fingerprint: str, name: str, weight: Tensor, hot: Tensor) -> "ShadowWeights":
+    """The shadow rows of one linear, its file (re)built for this model when needed. The hot rows
+    read back must equal the weight's: a file that lies about its key is caught here too."""
+    store = ShadowWeights(weight_rows_file(fingerprint, name, weight), hot)
+    if store.hot.numel() and not torch.equal(store.hot_rows, weight.detach().float().t()[store.hot]):
+        store.path.unlink()
+        log.warning("shadow rows file %s does not hold this linear's weights: rebuilding it", store.path)
+        store = ShadowWeights(weight_rows_file(fingerprint, name, weight), hot)
+    return store
 
 
 class ShadowWeights:
@@ -50,7 +97,8 @@ class ShadowWeights:
 
     def __init__(self, path: Path, hot: Tensor):
         self.path = Path(path)
-        self._disk = np.load(self.path, mmap_mode="r")      # [K, N] float32, read lazily
+        k, n = read_rows_header(self.path)["shape"]
+        self._disk = np.memmap(self.path, dtype="<f4", mode="r", offset=HEADER_BYTES, shape=(k, n))  # read lazily
         k = self._disk.shape[0]
         self.hot = hot.to(torch.int64)
         self.hot_rows = torch.from_numpy(np.ascontiguousarray(self._disk[self.hot.numpy()]))  # [h, N]
