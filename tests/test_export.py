@@ -146,9 +146,9 @@ def test_export_and_validate_commands_cpu_int8(tmp_path, capsys):
     assert out.stat().st_size == summary["pte_bytes"] and sidecar_path(out).is_file()
     code = main(["validate", "--pte", str(out), "--no-progress", "--json"])
     captured = capsys.readouterr()
-    assert code in (0, 1), captured.err
+    assert code == 0, captured.err      # 1 would mean the program predicts another next token
     report = json.loads(captured.out)
-    assert code == (0 if report["prefill"]["same_next_token"] else 1)
+    assert report["prefill"]["same_next_token"]
     assert report["target"] == "cpu-int8" and report["prefill"]["chunks"] == 2
     assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99
 

@@ -38,28 +38,44 @@ def test_quantize_saturates_at_threshold():
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 8, 4), (7, 33, 19), (64, 96, 128), (256, 896, 300)])
+def test_int8_linear_accumulates_exactly(m, k, n):
+    """With unit scales the output is the int32 accumulator itself (|acc| <= 127^2 * 896 < 2^24, so
+    float32 holds it exactly): compared as integers with an int64 matmul."""
+    x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    x_q[0], w_q[0] = 127, -127          # the extreme products
+    acc = x_q.long() @ w_q.long().t()
+    for out in (K.int8_linear(x_q, 1.0, w_q, torch.ones(n)), int8_linear_reference(x_q, 1.0, w_q, torch.ones(n), None)):
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        assert torch.equal(out, out.round()) and torch.equal(out.long(), acc)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 8, 4), (64, 96, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_linear_exact(m, k, n, with_bias):
+def test_int8_linear_epilogue(m, k, n, with_bias):
+    """Scales and bias on the accumulator: float32 rounding of acc * x_scale * w_scale[n] + bias."""
     x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
     w_q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     w_scale = torch.rand(n) * 0.01 + 1e-4
     bias = torch.randn(n) if with_bias else None
     ref = ref_int_linear(x_q, 0.02, w_q, w_scale, bias)
     for out in (K.int8_linear(x_q, 0.02, w_q, w_scale, bias), int8_linear_reference(x_q, 0.02, w_q, w_scale, bias)):
-        assert out.dtype == torch.float32 and out.shape == (m, n)
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
 @given(m=st.integers(1, 30), k=st.integers(2, 64), n=st.integers(1, 40))
 @settings(max_examples=30, deadline=None)
 def test_w8a8_linear_equals_quantize_then_int8_linear(m, k, n):
+    """The fused op quantizes exactly as the reference (integers) and then runs the same integer GEMM:
+    its output is bit for bit that of int8_linear on the reference's integers."""
     x = torch.randn(m, k) * 5
     w_q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     w_scale = torch.rand(n) * 0.01 + 1e-4
     s = 0.03
-    fused = K.w8a8_linear(x, s, w_q, w_scale, None)
-    torch.testing.assert_close(fused.double(), ref_int_linear(ref_quantize(x, s), s, w_q, w_scale, None),
-                               rtol=1e-5, atol=1e-5)
+    q = ref_quantize(x, s).to(torch.int8)
+    assert torch.equal(K.w8a8_linear(x, s, w_q, w_scale, None), K.int8_linear(q, s, w_q, w_scale, None))
+    assert torch.equal(K.w8a8_linear(x, 1.0, w_q, torch.ones(n), None).long(),
+                       ref_quantize(x, 1.0).long() @ w_q.long().t())
 
 
 def test_outlier_extract_and_compensate():

@@ -13,6 +13,7 @@ from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
 from llmnpu_delegate.runtime.graph_cache import GraphCache
+from llmnpu_delegate.runtime.tasks import build_tasks
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned
@@ -116,6 +117,37 @@ def test_npu_subgraphs_are_int8_only(quant_engines):
     for step in npu:
         for _, _, weights in step.fn.groups:
             assert all(w.dtype == torch.int8 for w, _, _ in weights)
+
+
+INT8_KERNELS = {"onednn::qlinear_pointwise", "aten::_int_mm"}
+FLOAT_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+               "aten::mkldnn_rnn_layer", "mkldnn::_linear_pointwise"}
+
+
+def test_npu_regions_run_integer_kernels_and_no_float_gemm(quant_engines):
+    """Values cannot tell an INT8 GEMM from a float one (float sums of these products are exact
+    below 2^24), so this asks the profiler what ran inside each NPU task of the executor."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = quant_engines[8]
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        result = engine(torch.randint(0, 1000, (20,)))
+
+    def below(event):
+        for child in event.cpu_children:
+            yield child.name
+            yield from below(child)
+
+    regions = [e for e in prof.events() if e.name.startswith("llmnpu.")]
+    npu = [e for e in regions if e.name.startswith("llmnpu.npu")]
+    assert len(npu) == sum(t.processor == "npu" for t in build_tasks(engine.program, result.chunks))
+    for region in npu:
+        ops = set(below(region))
+        assert ops & INT8_KERNELS, f"{region.name} ran no integer GEMM: {sorted(ops)}"
+        assert not ops & FLOAT_GEMMS, f"{region.name} ran a float GEMM: {sorted(ops & FLOAT_GEMMS)}"
+    # the float work is where it belongs: some CPU task runs a float product (the shadow path)
+    assert any(set(below(e)) & FLOAT_GEMMS for e in regions if e.name.startswith("llmnpu.cpu"))
 
 
 def test_second_prompt_of_another_length_compiles_nothing(llama, llama_calib, tmp_path):

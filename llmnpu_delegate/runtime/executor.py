@@ -195,6 +195,9 @@ class Executor:
         stats = RunStats(policy=policy)
         cond = threading.Condition()
         error: list = []
+        # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
+        # with profile_all_threads, which is what sees the workers' ops)
+        profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
         t0 = time.perf_counter()
 
         def worker(processor: str) -> None:
@@ -224,7 +227,11 @@ class Executor:
                 try:
                     if fail == task.key:
                         raise RuntimeError("injected failure")
-                    outs = program.call_step(task.step, args)
+                    if profiling:   # torch.profiler sees each task as a region named after it
+                        with torch.profiler.record_function(f"llmnpu.{task.processor}[{task.chunk}:{task.step}]"):
+                            outs = program.call_step(task.step, args)
+                    else:
+                        outs = program.call_step(task.step, args)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                     with cond:
                         error.append((task, e))
