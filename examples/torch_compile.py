@@ -23,7 +23,8 @@ args = ap.parse_args()
 
 lm = load_model(args.model)
 calib = default_calibration(lm)
-compiled = torch.compile(lm.model, backend="llmnpu", options=compile_options(lm, "w8a8-shadow", calibration=calib))
+options = compile_options(lm, "w8a8-shadow", calibration=calib)
+compiled = torch.compile(lm.model, backend="llmnpu", options=options)
 
 text = "The lighthouse keeper climbed the stairs every evening to light the lamp, and"
 ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
@@ -35,4 +36,5 @@ with torch.no_grad():
     fp32 = lm.model(ids).logits[0, -1]
 print(f"max |compiled - eager W8A8+shadow| = {float((got - quantized).abs().max()):.3g}")
 print(f"max |compiled - eager fp32|        = {float((got - fp32).abs().max()):.3g}")
+print(f"graphs and calls on the NPU path / eagerly: {options['counters'].to_dict()}")
 print(f"next token: compiled {lm.tokenizer.decode(got.argmax())!r}, fp32 {lm.tokenizer.decode(fp32.argmax())!r}")

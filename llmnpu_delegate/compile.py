@@ -7,7 +7,10 @@ products, everything else runs as the float graph Dynamo captured. There is no c
 Dynamo graph takes whatever sequence length it was traced for, so the regions run once per call.
 
 Graphs without quantizable linears, and graphs the partitioner cannot handle, run eagerly (the
-latter with a warning); a graph that fails at run time warns once and runs eagerly from then on.
+latter with a warning). A partitioned graph that fails at run time raises by default
+(``fallback="error"``): its results would otherwise carry no NPU quantization under an NPU label.
+With ``fallback="eager"`` it warns once and runs the float graph from then on. ``options["counters"]``
+(a ``CompileCounters``) tells the caller how many graphs and calls ran on the NPU path and eagerly.
 
 The backend is registered under "llmnpu" through the ``torch_dynamo_backends`` entry point of the
 installed package, so ``backend="llmnpu"`` needs no import of ours first (``register()`` does it by
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -30,29 +34,52 @@ from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linear
 from .quantize.apply import LinearPlan
 
 NAME = "llmnpu"
-_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms"}
+_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms", "fallback", "counters"}
+FALLBACKS = ("error", "eager")
+
+
+@dataclass
+class CompileCounters:
+    """What the backend did with the graphs Dynamo gave it, and with their calls."""
+    npu_graphs: int = 0       # partitioned: NPU regions on the INT8 engine
+    eager_graphs: int = 0     # run as captured: nothing to quantize, unsupported, or failed (fallback="eager")
+    npu_calls: int = 0
+    eager_calls: int = 0      # calls of partitioned graphs that ran eagerly after a failure
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
 
 
 def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | None = "w8a8-shadow",
                     calibration: Calibration | None = None, pruning_rate: float | None = None,
-                    clip_percentile: float | None = None, progress: bool = True) -> dict:
+                    clip_percentile: float | None = None, progress: bool = True, fallback: str = "error") -> dict:
     """The ``options`` of ``torch.compile(..., backend="llmnpu")``: the quantization plan of ``model``
     (calibrated on the shipped text unless ``calibration`` is given; cached on disk).
 
     ``quant="fp32"`` gives the float reference: the same partition, NPU regions as float linears.
+    ``fallback``: what a partitioned graph that fails at run time does, ``"error"`` (raise) or
+    ``"eager"`` (warn once, then run the float graph). ``options["counters"]`` counts both paths.
     """
     from .prefill import default_calibration, quant_config
 
     lm = model if isinstance(model, LoadedModel) else None
     module = lm.model if lm else model
     fp = lm.fingerprint if lm else model_fingerprint(module)
+    _check_fallback(fallback)
     config = quant_config(quant, pruning_rate, clip_percentile)
     linears = sorted(quantizable_linears(module))
+    common = {"linears": linears, "fingerprint": fp, "fallback": fallback, "counters": CompileCounters()}
     if config is None:
-        return {"linears": linears, "plans": None, "fingerprint": fp, "weights": "channel"}
+        return {**common, "plans": None, "weights": "channel"}
     calib = calibration if calibration is not None else default_calibration(lm, progress)
     plans = plan_linears(module, calib, config, fp, progress)
-    return {"linears": linears, "plans": plans, "fingerprint": fp, "weights": config.weights}
+    return {**common, "plans": plans, "weights": config.weights}
+
+
+def _check_fallback(fallback) -> None:
+    if fallback not in FALLBACKS:
+        raise LlmNpuError(f"unknown llmnpu fallback {fallback!r}: use 'error' (a failing graph raises) or "
+                          f"'eager' (it runs unquantized, with a warning)")
 
 
 def _param_fqn(placeholder_target: str) -> str | None:
@@ -94,8 +121,10 @@ class _PartitionedGraph:
     Lowering waits for the first call: Dynamo passes the parameters as graph inputs, and only a
     call has their real values (a recompilation's example inputs may be fake tensors)."""
 
-    def __init__(self, gm: fx.GraphModule, partition, names: dict[str, str], options: dict):
+    def __init__(self, gm: fx.GraphModule, partition, names: dict[str, str], options: dict,
+                 counters: CompileCounters):
         self.gm, self.partition, self.names, self.options = gm, partition, names, options
+        self.counters = counters
         self.out_spec = gm.graph.find_nodes(op="output")[0].args[0]
         self.steps = None
         self.eager = False
@@ -121,11 +150,20 @@ class _PartitionedGraph:
         if not self.eager:
             try:
                 with torch.no_grad():
-                    return self._run(*args)
-            except Exception as e:  # noqa: BLE001 - any failure: this graph runs eagerly from now on
-                warnings.warn(f"llmnpu: a compiled graph failed ({type(e).__name__}: {e}); it runs eagerly from now on",
-                              stacklevel=2)
+                    out = self._run(*args)
+                self.counters.npu_calls += 1
+                return out
+            except Exception as e:  # noqa: BLE001 - the fallback option decides
+                if self.options.get("fallback", "error") == "error":
+                    raise LlmNpuError(f"llmnpu: a partitioned graph failed at run time ({type(e).__name__}: {e}); "
+                                      f"compile_options(..., fallback='eager') runs such graphs unquantized "
+                                      f"instead") from e
+                warnings.warn(f"llmnpu: a compiled graph failed ({type(e).__name__}: {e}); it runs eagerly "
+                              f"(unquantized) from now on", stacklevel=2)
                 self.eager = True
+                self.counters.npu_graphs -= 1
+                self.counters.eager_graphs += 1
+        self.counters.eager_calls += 1
         return self.gm.forward(*args)
 
 
@@ -139,11 +177,16 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
     if not {"linears", "plans", "fingerprint"} <= set(options):
         raise LlmNpuError("torch.compile(backend='llmnpu') needs the model's quantization plan: pass "
                           "options=llmnpu_delegate.compile.compile_options(model) (or quant='fp32' there)")
+    _check_fallback(options.get("fallback", "error"))
+    counters = options.get("counters")
+    if not isinstance(counters, CompileCounters):
+        counters = CompileCounters()
     plans: dict[str, LinearPlan] | None = options["plans"]
     names = {n.name: fqn for n in gm.graph.find_nodes(op="placeholder")
              if (fqn := _param_fqn(str(n.target))) is not None}
     found = set(linear_names(gm, options["linears"], "", names).values())
     if not found:
+        counters.eager_graphs += 1
         return gm.forward                 # nothing for the NPU in this graph
     try:
         partition = partition_graph(gm, found, shadowed=[n for n, p in (plans or {}).items() if p.shadow],
@@ -153,8 +196,10 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
     except Exception as e:  # noqa: BLE001 - an unsupported graph runs eagerly, never crashes
         warnings.warn(f"llmnpu: this graph is not supported ({type(e).__name__}: {e}); it runs eagerly",
                       stacklevel=2)
+        counters.eager_graphs += 1
         return gm.forward
-    return _PartitionedGraph(gm, partition, names, options)
+    counters.npu_graphs += 1
+    return _PartitionedGraph(gm, partition, names, options, counters)
 
 
 def register() -> None:

@@ -50,8 +50,8 @@ def test_backend_is_found_by_name_through_the_entry_point():
 @pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-gemma2", "random:tiny-phi3"])
 def test_w8a8_shadow_equals_the_quantized_eager_model(spec, partitioned):
     lm, calib = _calibrated(spec)
-    compiled = torch.compile(lm.model, backend="llmnpu", options=C.compile_options(lm, calibration=calib,
-                                                                                   progress=False))
+    options = C.compile_options(lm, calibration=calib, progress=False)
+    compiled = torch.compile(lm.model, backend="llmnpu", options=options)
     reference = copy.deepcopy(lm.model)
     quantize_(reference, calib, QuantConfig(), lm.fingerprint, progress=False)
     with warnings.catch_warnings():
@@ -64,6 +64,8 @@ def test_w8a8_shadow_equals_the_quantized_eager_model(spec, partitioned):
             assert (got - flt).abs().max() > 1e-3     # it really is quantized
     assert partitioned and all(p.partition.by_kind("npu") for p in partitioned)
     assert any(p.partition.by_kind("shadow") for p in partitioned)
+    counters = options["counters"]
+    assert counters.npu_graphs == len(partitioned) and counters.npu_calls >= 3 and counters.eager_calls == 0
     assert all(isinstance(s.fn, torch.nn.Module) and type(s.fn).__name__ == "NpuRegion"
                for p in partitioned for s in p.steps if s.sub.kind == "npu")
 
@@ -102,14 +104,30 @@ def test_unsupported_graph_falls_back_to_eager_with_a_warning(monkeypatch):
         torch.testing.assert_close(got, lm.model(ids).logits)
 
 
-def test_failure_at_run_time_falls_back_to_eager_once(monkeypatch):
-    lm = load_model("random:tiny-llama")
-    compiled = torch.compile(lm.model, backend="llmnpu", options=C.compile_options(lm, quant="fp32"))
-
+def _failing_lower(monkeypatch):
     def broken(self, args):
         raise RuntimeError("lowering exploded")
 
     monkeypatch.setattr(C._PartitionedGraph, "_lower", broken)
+
+
+def test_failure_at_run_time_is_an_error_by_default(monkeypatch):
+    """No silent downgrade: a partitioned graph that fails does not quietly run unquantized."""
+    lm = load_model("random:tiny-llama")
+    options = C.compile_options(lm, quant="fp32")
+    compiled = torch.compile(lm.model, backend="llmnpu", options=options)
+    _failing_lower(monkeypatch)
+    with pytest.raises(LlmNpuError, match="lowering exploded.*fallback='eager'"):
+        with torch.no_grad():
+            compiled(torch.randint(0, 1000, (1, 12)))
+    assert options["counters"].npu_calls == 0 and options["counters"].eager_calls == 0
+
+
+def test_eager_fallback_warns_once_and_is_counted(monkeypatch):
+    lm = load_model("random:tiny-llama")
+    options = C.compile_options(lm, quant="fp32", fallback="eager")
+    compiled = torch.compile(lm.model, backend="llmnpu", options=options)
+    _failing_lower(monkeypatch)
     ids = torch.randint(0, 1000, (1, 12))
     with pytest.warns(UserWarning, match="lowering exploded"):
         with torch.no_grad():
@@ -121,6 +139,10 @@ def test_failure_at_run_time_falls_back_to_eager_once(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(got, lm.model(ids).logits)
         torch.testing.assert_close(again, got)
+    counters = options["counters"].to_dict()
+    assert counters["npu_calls"] == 0 and counters["eager_calls"] == 2 and counters["eager_graphs"] >= 1
+    with pytest.raises(LlmNpuError, match="unknown llmnpu fallback 'float'"):
+        C.compile_options(lm, quant="fp32", fallback="float")
 
 
 def test_missing_or_unknown_options_are_clear_errors():
