@@ -6,6 +6,9 @@ the KV cache the prefill produced: the paper's split (prefill on the NPU, decode
 
 ``generate`` is ``transformers``' own, with every argument it takes (sampling, streamers, stopping
 criteria, logits processors). Only its prefill step is replaced, for the duration of the call.
+Several wrappers may share one model and generate from several threads at once: the model's prefill
+is routed, per thread, to the wrapper whose ``generate`` is running (a plain ``model.generate``
+keeps Hugging Face's own), and the model is left as it was when the last call ends.
 """
 from __future__ import annotations
 
@@ -22,6 +25,22 @@ from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
 from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
 from .quantize import Calibration, QuantConfig
+
+
+_routes = threading.local()       # this thread's running wrapper, per model id
+_patch_lock = threading.Lock()
+_patched: dict[int, int] = {}     # id(model) -> generate calls running on it
+
+
+def _route_prefill(model: nn.Module):
+    """The ``_prefill`` installed on a model while some wrapper generates with it."""
+    original = type(model)._prefill.__get__(model)
+
+    def prefill(*args, **kwargs):
+        wrapper = getattr(_routes, "by_model", {}).get(id(model))
+        return wrapper._prefill(*args, **kwargs) if wrapper is not None else original(*args, **kwargs)
+
+    return prefill
 
 
 def fill_cache(cache, result) -> None:
@@ -91,12 +110,26 @@ class LlmNpuForCausalLM:
 
     @contextmanager
     def _npu_prefill(self):
-        model = self.model
-        model._prefill = self._prefill   # an instance attribute shadows GenerationMixin._prefill
+        model, key = self.model, id(self.model)
+        with _patch_lock:
+            if _patched.get(key, 0) == 0:
+                model._prefill = _route_prefill(model)   # an instance attribute shadows GenerationMixin._prefill
+            _patched[key] = _patched.get(key, 0) + 1
+        routes = _routes.__dict__.setdefault("by_model", {})
+        outer = routes.get(key)
+        routes[key] = self
         try:
             yield
         finally:
-            del model._prefill
+            if outer is None:
+                routes.pop(key, None)
+            else:
+                routes[key] = outer
+            with _patch_lock:
+                _patched[key] -= 1
+                if _patched[key] == 0:
+                    del _patched[key]
+                    del model._prefill
 
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration: bool = True):
         cache = model_kwargs.get("past_key_values")

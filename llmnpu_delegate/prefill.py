@@ -10,6 +10,7 @@ every policy gives the same outputs, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -165,6 +166,7 @@ class Prefiller:
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path())
         self.last_run: RunStats | None = None
+        self._lock = threading.Lock()       # one prompt at a time: profile, counters, last_run
         self._warm_up(profile=policy == "ooo" and self.profile is None)
 
     def _warm_up(self, profile: bool) -> None:
@@ -191,10 +193,15 @@ class Prefiller:
 
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None) -> PrefillResult:
+        """Prefill one prompt. Safe to call from several threads: prompts run one after another."""
         ids = self.check_prompt(input_ids)
         policy = policy or self.policy
         if policy not in POLICIES:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        with self._lock:
+            return self._run(ids, policy)
+
+    def _run(self, ids: Tensor, policy: str) -> PrefillResult:
         feeds = self.feeds(ids)
         seen0, outliers0 = self._outlier_counts()
         # The out-of-order policy needs each subgraph's time: an engine made for another policy has
@@ -267,6 +274,12 @@ def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: st
 
 
 _prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_prepared_lock = threading.Lock()
+
+
+def _weights_state(model: nn.Module) -> tuple:
+    """Changes when a weight is replaced or edited in place (tensor version counters), at no cost."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
 def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
@@ -275,11 +288,20 @@ def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_
     """Chunked prefill of one prompt: last-token logits and the KV cache.
 
     The prepared engine is kept for the model (per chunk length, backend and quantization), so later
-    prompts of any length reuse every compiled graph.
+    prompts of any length reuse every compiled graph. Editing the model's weights gives a new engine.
+    Thread-safe: concurrent first calls prepare one engine.
     """
     base = model.model if isinstance(model, LoadedModel) else model
-    key = (chunk_len, backend, repr(resolve_quant(quant)), id(calibration))
-    engines = _prepared.setdefault(base, {})
-    if key not in engines:
-        engines[key] = Prefiller(model, chunk_len, backend, quant, calibration, progress=progress)
-    return engines[key](input_ids)
+    state = _weights_state(base)
+    key = (chunk_len, backend, repr(resolve_quant(quant)), id(calibration), state)
+    with _prepared_lock:
+        engines = _prepared.setdefault(base, {})
+        if key not in engines:
+            stale = [k for k in engines if k[-1] != state]
+            for k in stale:
+                del engines[k]
+            if stale and isinstance(model, LoadedModel):      # edited since its fingerprint was taken
+                model = dataclasses.replace(model, fingerprint=model_fingerprint(base))
+            engines[key] = Prefiller(model, chunk_len, backend, quant, calibration, progress=progress)
+        engine = engines[key]
+    return engine(input_ids)

@@ -156,3 +156,53 @@ def test_profile_is_stored_and_reused(engine):
     costs = again.costs(6)
     dynamic = next(iter(again.dynamic))
     assert costs[(dynamic, 5)] > 0
+
+
+def test_one_engine_called_from_two_threads(engine):
+    """Prompts from two threads: each output equals its single-threaded run, the process-wide
+    settings a run changes (torch threads, GC) are restored, and the counters add up."""
+    import gc
+
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 30, 45)]
+    want = [engine(ids).logits for ids in prompts]
+    seen = [engine(ids).seen_elements for ids in prompts]
+    threads_before, gc_before = torch.get_num_threads(), gc.isenabled()
+    got, errors = [], []
+
+    def client():
+        try:
+            for _ in range(4):
+                for i, ids in enumerate(prompts):
+                    r = engine(ids)
+                    got.append((i, r.logits, r.seen_elements))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(got) == 2 * 4 * len(prompts)
+    for i, logits, n in got:
+        assert torch.equal(logits, want[i]) and n == seen[i]
+    assert torch.get_num_threads() == threads_before and gc.isenabled() == gc_before
+
+
+def test_prefill_function_follows_an_edited_model():
+    """prefill() keeps an engine per model: editing a weight in place must give a new one (a new
+    fingerprint, so a new calibration and INT8 weights), not the old model's INT8 weights."""
+    from llmnpu_delegate.prefill import prefill
+
+    lm = load_model("random:tiny-llama")
+    ids = torch.randint(0, 1000, (20,))
+    with torch.no_grad():
+        old = lm.model(ids[None]).logits[0, -1]
+    before = prefill(lm, ids, chunk_len=8, progress=False).logits
+    with torch.no_grad():
+        lm.model.model.layers[1].mlp.down_proj.weight.mul_(3)
+        want = lm.model(ids[None]).logits[0, -1]
+    after = prefill(lm, ids, chunk_len=8, progress=False).logits
+    edit, error_before, error_after = [float((a - b).abs().max()) for a, b in ((want, old), (before, old), (after, want))]
+    assert error_after < 2 * error_before and error_after < 0.25 * edit, (edit, error_before, error_after)

@@ -147,3 +147,52 @@ def test_run_command_and_its_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["run", "--prompt", "hi", "--temperature", "0"]) == 2
     assert "--temperature must be positive" in capsys.readouterr().err
+
+
+def test_two_wrappers_over_one_model_generate_from_two_threads():
+    """Each thread's generate must use its own wrapper's engine (one fp32, one W8A8: their first
+    logits differ), while HF's own generate runs beside them untouched; the model is left as found."""
+    import gc
+    import threading
+
+    from conftest import inject_outliers
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    wrappers = {"fp32": LlmNpuForCausalLM(lm, quant="fp32", chunk_len=16, progress=False),
+                "w8a8": LlmNpuForCausalLM(lm, quant="w8a8-shadow", chunk_len=16, progress=False),
+                "hf": lm.model}
+    prompts = [torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in (21, 40, 9)]
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+    def first_logits(name, ids):
+        return wrappers[name].generate(ids, **kw).logits[0][0]
+
+    want = {(name, i): first_logits(name, ids) for name in wrappers for i, ids in enumerate(prompts)}
+    assert not torch.equal(want["fp32", 0], want["w8a8", 0])
+    threads_before, gc_before = torch.get_num_threads(), gc.isenabled()
+    got, errors = {}, []
+
+    def client(name):
+        try:
+            for _ in range(3):
+                for i, ids in enumerate(prompts):
+                    got.setdefault((name, i), []).append(first_logits(name, ids))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(name,)) for name in wrappers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for key, runs in got.items():
+        assert len(runs) == 3, key
+        for r in runs:
+            if key[0] == "hf":   # torch's thread count is process-wide: a run beside a prefill may sum in another order
+                torch.testing.assert_close(r, want[key], rtol=1e-5, atol=1e-5)
+            else:                # the engines' prefill runs one prompt at a time, single-threaded per worker
+                assert torch.equal(r, want[key]), key
+    assert "_prefill" not in vars(lm.model)
+    assert torch.get_num_threads() == threads_before and gc.isenabled() == gc_before

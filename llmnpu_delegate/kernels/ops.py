@@ -12,6 +12,7 @@ activation ``q`` is fed to it as the unsigned ``q + 128`` with zero point 128, w
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -49,6 +50,7 @@ def _(q, scale):
 
 # --------------------------------------------------------------------------- integer linear
 _packed_cache: dict[int, tuple[weakref.ref, Tensor, Tensor]] = {}
+_lock = threading.Lock()   # the two caches below are filled once, by one thread
 
 
 def _onednn_weight(w_q: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,9 +64,13 @@ def _onednn_weight(w_q: Tensor) -> tuple[Tensor, Tensor]:
     hit = _packed_cache.get(key)
     if hit is not None and hit[0]() is w_q:
         return hit[1], hit[2]
-    packed = torch.ops.onednn.qlinear_prepack(w_q, None)
-    zero_points = torch.zeros(w_q.shape[0], dtype=torch.int64)
-    _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed, zero_points)
+    with _lock:
+        hit = _packed_cache.get(key)
+        if hit is not None and hit[0]() is w_q:
+            return hit[1], hit[2]
+        packed = torch.ops.onednn.qlinear_prepack(w_q, None)
+        zero_points = torch.zeros(w_q.shape[0], dtype=torch.int64)
+        _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed, zero_points)
     return packed, zero_points
 
 
@@ -144,16 +150,17 @@ def quantize_u8(x: Tensor, scale: float) -> Tensor:
     global _fused_quantize, _fused_state
     s = torch.tensor(float(scale))
     if _fused_state == "untried":
-        try:
-            fn = torch.compile(_quantize_u8_expr, dynamic=True, fullgraph=True)
-            out = fn(x, s)
-            if not torch.equal(out, _quantize_u8_eager(x, s)):
-                raise RuntimeError("compiled quantization differs from the eager one")
-            _fused_quantize, _fused_state = fn, "ok"
-            return out
-        except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
-            _fused_state = "failed"
-            warnings.warn(f"fused quantization unavailable, using the eager form: {e}", RuntimeWarning, stacklevel=2)
+        with _lock:
+            if _fused_state == "untried":
+                try:
+                    fn = torch.compile(_quantize_u8_expr, dynamic=True, fullgraph=True)
+                    if not torch.equal(fn(x, s), _quantize_u8_eager(x, s)):
+                        raise RuntimeError("compiled quantization differs from the eager one")
+                    _fused_quantize, _fused_state = fn, "ok"
+                except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
+                    _fused_state = "failed"
+                    warnings.warn(f"fused quantization unavailable, using the eager form: {e}", RuntimeWarning,
+                                  stacklevel=2)
     if _fused_state == "ok":
         return _fused_quantize(x, s)
     return _quantize_u8_eager(x, s)

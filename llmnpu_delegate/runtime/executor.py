@@ -10,6 +10,11 @@ policy that picks their next task.
 
 Values live in one environment per chunk and are dropped as soon as their last consumer has run.
 A task that raises stops both workers; the caller gets a ``TaskError`` naming the task.
+
+A run owns the machine: it sets torch's thread count and pauses the cyclic GC, both process-wide,
+and its two workers take every core. Runs are therefore serialized process-wide (``_RUN_LOCK``):
+callers on several threads, of one engine or of several, wait their turn and never see each
+other's settings.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from .tasks import Task, build_tasks
 
 POLICIES = ("inorder", "overlap", "ooo")
 PROCESSORS = ("npu", "cpu")
+_RUN_LOCK = threading.Lock()
 
 
 class TaskError(LlmNpuError):
@@ -198,7 +204,7 @@ class Executor:
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
         profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
-        t0 = time.perf_counter()
+        t0 = 0.0   # set when the run starts, under the lock
 
         def worker(processor: str) -> None:
             if self.workers.cores and hasattr(os, "sched_setaffinity"):
@@ -253,20 +259,22 @@ class Executor:
                     cond.notify_all()
 
         threads = [threading.Thread(target=worker, args=(p,), name=f"llmnpu-{p}", daemon=True) for p in PROCESSORS]
-        saved = torch.get_num_threads()
-        torch.set_num_threads(self.workers.threads)
-        gc_was_on = gc.isenabled()
-        gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
-        try:
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-        finally:
-            torch.set_num_threads(saved)
-            if gc_was_on:
-                gc.enable()
-        stats.wall_s = time.perf_counter() - t0
+        with _RUN_LOCK:
+            t0 = time.perf_counter()
+            saved = torch.get_num_threads()
+            torch.set_num_threads(self.workers.threads)
+            gc_was_on = gc.isenabled()
+            gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
+            try:
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+            finally:
+                torch.set_num_threads(saved)
+                if gc_was_on:
+                    gc.enable()
+            stats.wall_s = time.perf_counter() - t0
         if error:
             task, exc = error[0]
             sub = program.steps[task.step].sub
