@@ -1,4 +1,4 @@
-"""The `llmnpu` command line: run, eval, calibrate, partition, bench, export, validate."""
+"""The `llmnpu` command line: run, eval, calibrate, partition, bench, export, validate, prepare-text."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import warnings
+from pathlib import Path
 
 
 def _quiet_third_party_logs() -> None:
@@ -128,7 +129,6 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_run(args) -> dict:
-    from pathlib import Path
 
     from .errors import LlmNpuError
     from .hf import LlmNpuForCausalLM
@@ -215,6 +215,17 @@ def cmd_export(args) -> dict:
                  f"{summary['rows_bytes'] / 2**20:.1f} MiB\n"
                  f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary
+
+
+def cmd_prepare_text(args) -> dict:
+    from .text import prepare_text, text_dir
+
+    result = prepare_text(Path(args.out) if args.out else text_dir(), Path(args.wheel) if args.wheel else None)
+    if not args.json:
+        args.text = (f"calibration: {result['calib_documents']} news documents, {result['calib_words']} words\n"
+                     f"evaluation:  {result['eval_paragraphs']} Wikipedia paragraphs, {result['eval_words']} words\n"
+                     f"-> {result['folder']}")
+    return result
 
 
 def cmd_validate(args) -> dict:
@@ -452,6 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the whole-prefill prompt (default 1.5 chunks)")
     _add_output_args(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("prepare-text", help="extract the default calibration and evaluation text (first use does it too)",
+                       description="Write calib.txt (the Lee news corpus) and eval.txt (English Wikipedia prose) from "
+                                   "the gensim 4.4.0 wheel, fetched by pip unless --wheel is given, into the text "
+                                   "folder (LLMNPU_DATA_DIR, else text/ in the cache folder).")
+    p.add_argument("--wheel", default=None, help="a downloaded gensim-4.4.0 wheel (default: pip download it)")
+    p.add_argument("--out", default=None, help="output folder (default: the text folder)")
+    _add_output_args(p)
+    p.set_defaults(func=cmd_prepare_text)
     return ap
 
 

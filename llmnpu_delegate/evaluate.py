@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
 from .models import LoadedModel
-from .paths import data_dir
+from .text import default_text_file
 from .quantize import (
     CalibConfig,
     QuantConfig,
@@ -35,12 +35,7 @@ MODES: dict[str, QuantConfig | None] = {
 
 def read_text(path: Path | None, role: str) -> str:
     """Text of ``path``, or the shipped default for ``role`` ("calib" or "eval")."""
-    if path is None:
-        path = data_dir() / f"{role}.txt"
-        if not path.is_file():
-            raise LlmNpuError(f"default {role} text {path} is missing: run `make data` (or `make demo`), "
-                              f"or pass a text file")
-    path = Path(path)
+    path = Path(path) if path is not None else default_text_file(role)
     if not path.is_file():
         raise LlmNpuError(f"text file not found: {path}")
     text = path.read_text(encoding="utf-8", errors="replace")

@@ -8,19 +8,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 def cache_dir() -> Path:
     """Root of all caches (models, calibration, shadow weights). Override with LLMNPU_CACHE_DIR."""
     root = Path(os.environ.get("LLMNPU_CACHE_DIR") or Path.home() / ".cache" / "llmnpu_delegate")
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def data_dir() -> Path:
-    """Folder of the default calibration/evaluation text (made by `make data`). Override with LLMNPU_DATA_DIR."""
-    return Path(os.environ.get("LLMNPU_DATA_DIR") or REPO_ROOT / "data")
 
 
 @contextmanager

