@@ -280,19 +280,20 @@ def _format_validate(r: dict) -> str:
 def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, median of {r['repeats']}"]
-    rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None)]
+    rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None, None)]
     if r.get("hf_fp32_default_malloc_tok_s"):
-        rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None))
+        rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None, None))
     for p in ("inorder", "overlap", "ooo"):
         if f"{p}_tok_s" in r:
-            rows.append((f"llmnpu {p}", r[f"{p}_tok_s"], r[f"bubble_rate_{p}"]))
-    rows.append(("two-engine bound", r["bound_tok_s"], None))
+            rows.append((f"llmnpu {p}", r[f"{p}_tok_s"], r[f"bubble_rate_{p}"], r.get(f"decision_us_{p}")))
+    rows.append(("two-engine bound", r["bound_tok_s"], None, None))
     if r.get("llamacpp_tok_s"):
-        rows.append(("llama.cpp (same GGUF)", r["llamacpp_tok_s"], None))
-    lines.append(f"{'':<24}{'tok/s':>9}{'vs hf':>8}{'NPU bubbles':>13}")
-    for name, tok_s, bubbles in rows:
+        rows.append(("llama.cpp (same GGUF)", r["llamacpp_tok_s"], None, None))
+    lines.append(f"{'':<24}{'tok/s':>9}{'vs hf':>8}{'NPU bubbles':>13}{'decision':>11}")
+    for name, tok_s, bubbles, decision in rows:
         b = f"{100 * bubbles:.1f} %" if bubbles is not None else ""
-        lines.append(f"{name:<24}{tok_s:>9.1f}{tok_s / r['hf_fp32_tok_s']:>7.2f}x{b:>13}")
+        d = f"{decision:.1f} us" if decision is not None else ""
+        lines.append(f"{name:<24}{tok_s:>9.1f}{tok_s / r['hf_fp32_tok_s']:>7.2f}x{b:>13}{d:>11}")
     if "ooo_vs_inorder" in r:
         lines.append(f"ooo vs inorder {r['ooo_vs_inorder']:.2f}x, efficiency vs bound {r['efficiency_vs_bound']:.2f}")
     if r.get("llamacpp_reason"):

@@ -1,6 +1,7 @@
 """Where the project keeps data and caches, and how it writes files safely."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -37,3 +38,48 @@ def atomic_path(final: Path) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+class DamagedFile(ValueError):
+    """A checked file that is unreadable, truncated, altered, or of another kind."""
+
+
+_MAGIC = b"llmnpu-checked-1"
+
+
+def save_checked(obj, path: Path, kind: str) -> None:
+    """``torch.save(obj)`` behind a one-line header naming ``kind`` and the SHA-256 of the rest,
+    written atomically. torch.load checks no checksum: a flipped byte in a tensor would load."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    body = buf.getvalue()
+    header = b" ".join([_MAGIC, kind.encode(), hashlib.sha256(body).hexdigest().encode()]) + b"\n"
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(body)
+
+
+def load_checked(path: Path, kind: str):
+    """What ``save_checked`` wrote (tensors and plain values only); ``DamagedFile`` says what is wrong."""
+    import io
+
+    import torch
+
+    data = Path(path).read_bytes()
+    header, _, body = data.partition(b"\n")
+    parts = header.split(b" ")
+    if len(parts) != 3 or parts[0] != _MAGIC:
+        raise DamagedFile("not an llmnpu file (no header)")
+    if parts[1] != kind.encode():
+        raise DamagedFile(f"holds a {parts[1].decode(errors='replace')}, not a {kind}")
+    if hashlib.sha256(body).hexdigest().encode() != parts[2]:
+        raise DamagedFile("its content does not match its checksum (truncated or altered)")
+    try:
+        return torch.load(io.BytesIO(body), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a checksummed body that torch cannot read
+        raise DamagedFile(f"unreadable ({type(e).__name__})") from None

@@ -164,7 +164,7 @@ class Prefiller:
             # Compile the fused activation quantizer here, not inside the first timed task.
             with torch.inference_mode():
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
-        self.profile = Profile.load(self._profile_path())
+        self.profile = Profile.load(self._profile_path(), self.program)
         self.last_run: RunStats | None = None
         self._lock = threading.Lock()       # one prompt at a time: profile, counters, last_run
         self._warm_up(profile=policy == "ooo" and self.profile is None)

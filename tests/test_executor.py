@@ -151,7 +151,7 @@ def test_profile_is_stored_and_reused(engine):
     assert engine.profile is not None
     path = engine._profile_path()
     assert path.is_file()
-    again = type(engine.profile).load(path)
+    again = type(engine.profile).load(path, engine.program)
     assert again.static == engine.profile.static
     costs = again.costs(6)
     dynamic = next(iter(again.dynamic))
@@ -206,3 +206,34 @@ def test_prefill_function_follows_an_edited_model():
     after = prefill(lm, ids, chunk_len=8, progress=False).logits
     edit, error_before, error_after = [float((a - b).abs().max()) for a, b in ((want, old), (before, old), (after, want))]
     assert error_after < 2 * error_before and error_after < 0.25 * edit, (edit, error_before, error_after)
+
+
+def test_a_broken_task_graph_is_an_error_not_a_hang(engine, monkeypatch):
+    """A task waiting for one that never runs (a damaged program's table): every policy reports it."""
+    import llmnpu_delegate.runtime.executor as ex
+    from llmnpu_delegate.errors import LlmNpuError
+
+    real = ex.build_tasks
+
+    def broken(program, chunks):
+        tasks = real(program, chunks)
+        tasks[len(tasks) // 2].deps.append(len(tasks))     # no such task: it never finishes
+        return tasks
+
+    monkeypatch.setattr(ex, "build_tasks", broken)
+    feeds = engine.feeds(torch.randint(0, 1000, (20,)))
+    for policy in POLICIES:
+        outcome = []
+        th = threading.Thread(target=lambda: outcome.append(_raised(engine.executor.run, feeds, policy)))
+        th.start()
+        th.join(60)
+        assert not th.is_alive(), f"{policy}: the executor hung"
+        assert isinstance(outcome[0], LlmNpuError) and "cannot finish" in str(outcome[0]), outcome
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - returned for the assertion
+        return e
+    return None

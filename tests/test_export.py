@@ -2,10 +2,14 @@
 sidecar, checked against the cpu-int8 engine, and the reference runner that prefills from the .pte alone."""
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
 from conftest import inject_outliers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_artefacts import BYTES, damage_bytes, mutated, structure
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.lower.pte import export_pte, sidecar_path
@@ -281,3 +285,53 @@ def test_run_pte_refuses_bad_programs_and_prompts(exported, tmp_path, capsys):
     cache = runner.start_decode(runner(torch.zeros(128, dtype=torch.long)))
     with pytest.raises(LlmNpuError, match="decode past the program's context of 128"):
         runner.decode(cache, 1)
+
+
+# --------------------------------------------------------------------------- damaged sidecars (fuzzed)
+def _program_copy(out, folder):
+    """The .pte and everything beside it, copied into ``folder``; the copy's sidecar path."""
+    import shutil as sh
+
+    sh.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for f in out.parent.iterdir():
+        (sh.copytree if f.is_dir() else sh.copy)(f, folder / f.name)
+    return folder / out.name, sidecar_path(folder / out.name)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(how=BYTES)
+def test_damaged_sidecar_is_a_one_line_error(exported, tmp_path, how):
+    pte, side = _program_copy(exported[0], tmp_path / "program")
+    side.write_bytes(damage_bytes(side.read_bytes(), how))
+    with pytest.raises(LlmNpuError) as e:
+        PteRunner(pte)
+    assert "\n" not in str(e.value) and side.name in str(e.value) and "export" in str(e.value), str(e.value)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data):
+    """A key deleted or a value of another type, with the checksum made to fit (a buggy or foreign
+    exporter): the Python runner refuses in one line or gives the same logits; the native runner
+    (--dry-run reads the whole sidecar) exits 0, or 2 with one line, and never crashes."""
+    from llmnpu_delegate.lower.pte import sidecar_digest
+    from llmnpu_delegate.runtime.native import find_runner
+
+    pte, side = _program_copy(exported[0], tmp_path / "program")
+    meta = json.loads(side.read_text())
+    path, value, delete = data.draw(structure(meta, json_only=True))
+    bad = mutated(meta, path, value, delete)
+    bad["sidecar_sha256"] = sidecar_digest(bad)
+    side.write_text(json.dumps(bad))
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    try:
+        got = PteRunner(pte)(ids).logits
+    except LlmNpuError as e:
+        assert "\n" not in str(e) and "export" in str(e), str(e)
+    else:
+        assert torch.equal(got, PteRunner(exported[0])(ids).logits)
+    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
+                       capture_output=True, text=True, timeout=60)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
+    assert r.returncode == 0 or (r.returncode == 2 and len(errors) == 1), (path, r.returncode, r.stderr[-1500:])

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
+from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
 from llmnpu_delegate.runtime.graph_cache import GraphCache
@@ -182,9 +183,9 @@ def test_cache_entry_of_another_format_is_not_trusted(tmp_path):
     cache = GraphCache(tmp_path)
     payload = cache.get_or_build({"x": 1}, lambda: {"w": torch.ones(3)})
     path = next(tmp_path.glob("*.pt"))
-    entry = torch.load(path, weights_only=True)
+    entry = load_checked(path, "graph-cache-entry")
     entry["format"] = 999
-    torch.save(entry, path)
+    save_checked(entry, path, "graph-cache-entry")
     again = GraphCache(tmp_path)
     rebuilt = again.get_or_build({"x": 1}, lambda: {"w": torch.ones(3)})
     assert again.stats.rebuilt == 1 and torch.equal(rebuilt["w"], payload["w"])

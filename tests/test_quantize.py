@@ -7,6 +7,7 @@ from conftest import inject_outliers
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.models import RANDOM_SHAPES, load_model
+from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.quantize import (
     CalibConfig,
     Calibration,
@@ -185,9 +186,9 @@ def test_calibration_artefact_roundtrip_and_rejections(tmp_path):
         assert again.layers[n].percentiles == calib.layers[n].percentiles
     with pytest.raises(LlmNpuError, match="another model"):
         again.check_model("0000")
-    d = torch.load(path, weights_only=True)
+    d = load_checked(path, "calibration")
     d["version"] = 0
-    torch.save(d, tmp_path / "old.pt")
+    save_checked(d, tmp_path / "old.pt", "calibration")
     with pytest.raises(LlmNpuError, match="format version 0"):
         Calibration.load(tmp_path / "old.pt")
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")

@@ -123,7 +123,8 @@ class CpuInt8Backend:
         scales = [self.plans[n].act_scale for n in sub.linears]
         fields = {"backend": NAME, "model": self.fingerprint, "chunk_len": self.chunk_len, "weights": self.weights,
                   "linears": sub.linears, "act_scale": scales}
-        return NpuRegion(self.cache.get_or_build(fields, lambda: self._compile(sub.linears, scales)))
+        return NpuRegion(self.cache.get_or_build(fields, lambda: self._compile(sub.linears, scales),
+                                                 lambda payload: self._check_payload(payload, sub.linears, scales)))
 
     def _compile(self, names: list[str], scales: list[float]) -> dict:
         w_q, w_scale, bias = [], [], []
@@ -134,6 +135,21 @@ class CpuInt8Backend:
             w_scale.append(s)
             bias.append(None if lin.bias is None else lin.bias.detach().float().clone())
         return {"names": list(names), "w_q": w_q, "w_scale": w_scale, "bias": bias, "act_scale": list(scales)}
+
+    def _check_payload(self, payload, names: list[str], scales: list[float]) -> None:
+        """A cached payload must be what ``_compile`` builds for these linears: raises otherwise."""
+        if not isinstance(payload, dict) or payload.get("names") != list(names) or payload.get("act_scale") != list(scales):
+            raise ValueError("payload is not for these linears")
+        for i, name in enumerate(names):
+            lin = self._linear(name)
+            n, k = lin.weight.shape
+            w_q, w_scale, bias = payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]
+            if not (isinstance(w_q, torch.Tensor) and w_q.dtype == torch.int8 and w_q.shape == (n, k)):
+                raise ValueError(f"{name}: weight is not an int8 [{n}, {k}] tensor")
+            if not (isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.numel() in (1, n)):
+                raise ValueError(f"{name}: weight scales are not float32 [{n}]")
+            if (bias is None) != (lin.bias is None) or (bias is not None and bias.shape != (n,)):
+                raise ValueError(f"{name}: bias does not match the linear")
 
     def shadow_module(self, name: str) -> ShadowDelta:
         plan = self.plans[name] if self.plans else None

@@ -39,17 +39,10 @@ from torch import Tensor
 from ..errors import LlmNpuError
 from ..paths import atomic_path
 from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
+from .sidecar import FORMAT, VERSION, sidecar_digest, sidecar_path  # noqa: F401 - sidecar_path: part of this API
 
-FORMAT = "llmnpu-pte-sidecar"
-# 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
-# 3: the task dependency table (``runtime/tasks.py``), which the native runner expands
-VERSION = 3
 DEFAULT_CONTEXT = 1024
 ROW_DTYPE = "float32"    # cold rows file: little-endian float32 rows of W^T, one block per shadowed linear
-
-
-def sidecar_path(pte: Path) -> Path:
-    return Path(pte).with_suffix(".json")
 
 
 def rows_path(pte: Path) -> Path:
@@ -226,6 +219,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         tmp.write_bytes(buffer)
     meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
     meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=decode_step.describe(decode, engine.kv, context, keep_float))
+    meta["sidecar_sha256"] = sidecar_digest(meta)
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),

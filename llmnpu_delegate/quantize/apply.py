@@ -82,6 +82,7 @@ def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fing
                           "`llmnpu eval` to measure it")
     calib.check_model(fingerprint)
     linears = quantizable_linears(model)
+    calib.check_linears(linears)
     if config.prunes and config.importance == "output" and importance_key(config) not in calib.importance:
         try:
             quantize_(model, calib, config, fingerprint, progress)
@@ -121,6 +122,7 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
     """
     calib.check_model(fingerprint)
     linears = quantizable_linears(model)
+    calib.check_linears(linears)
     key = importance_key(config)
     need_profile = config.prunes and config.importance == "output" and key not in calib.importance
     float_logits = logits_of(model, calib.probe_ids) if need_profile else None

@@ -8,6 +8,7 @@ versioned artefact tied to the model's fingerprint; later runs load it instead o
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +19,12 @@ from tqdm.auto import tqdm
 
 from ..errors import LlmNpuError
 from ..models import decoder_layers
-from ..paths import atomic_path, cache_dir
+from ..paths import DamagedFile, cache_dir, load_checked, save_checked
 from .config import CalibConfig
 
-CALIB_VERSION = 1
+CALIB_VERSION = 2     # 2: a checked file (header with a checksum); structure validated on load
+KIND = "calibration"
+log = logging.getLogger(__name__)
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -73,33 +76,80 @@ class Calibration:
             raise LlmNpuError(f"calibration artefact {self.path or ''} was made for another model "
                               f"(fingerprint {self.model_fingerprint}, this model {fingerprint}): recalibrate")
 
+    def check_linears(self, linears: dict[str, nn.Linear]) -> None:
+        """Statistics for every linear, with its input width (a fingerprint match implies it for a
+        well-formed artefact; this names the damage when one is not)."""
+        missing = sorted(set(linears) - set(self.layers))
+        wrong = sorted(n for n, lin in linears.items() if n in self.layers
+                       and self.layers[n].channel_absmax.numel() != lin.in_features)
+        if missing or wrong:
+            raise LlmNpuError(f"calibration artefact {self.path or ''} lacks statistics for {', '.join((missing + wrong)[:3])}"
+                              f"{' ...' if len(missing) + len(wrong) > 3 else ''}: delete it and recalibrate")
+
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path)
         payload = {"version": self.version, "model_fingerprint": self.model_fingerprint,
                    "config": self.config.to_dict(), "text_sha": self.text_sha,
                    "layers": {n: s.to_dict() for n, s in self.layers.items()},
                    "probe_ids": self.probe_ids, "importance": self.importance}
-        with atomic_path(path) as tmp:
-            torch.save(payload, tmp)
+        save_checked(payload, path, KIND)
         self.path = path
         return path
 
     @classmethod
     def load(cls, path: Path) -> "Calibration":
+        """The artefact at ``path``; a missing, damaged, altered or malformed file is a one-line error."""
         path = Path(path)
         if not path.is_file():
             raise LlmNpuError(f"calibration artefact not found: {path}: run `llmnpu calibrate` first")
         try:
-            d = torch.load(path, weights_only=True)
-            version = d.get("version")
-        except Exception as e:
-            raise LlmNpuError(f"calibration artefact {path} is corrupt ({type(e).__name__}): delete it and recalibrate") from None
+            d = load_checked(path, KIND)
+        except (OSError, DamagedFile) as e:
+            raise LlmNpuError(f"calibration artefact {path} is corrupt ({e}): delete it and recalibrate") from None
+        version = d.get("version") if isinstance(d, dict) else None
         if version != CALIB_VERSION:
             raise LlmNpuError(f"calibration artefact {path} has format version {version}, this release reads "
                               f"{CALIB_VERSION}: delete it and recalibrate")
-        layers = {n: LayerStats(**s) for n, s in d["layers"].items()}
-        return cls(d["model_fingerprint"], CalibConfig.from_dict(d["config"]), d["text_sha"], layers,
-                   d["probe_ids"], d["importance"], version, path)
+        try:
+            return cls._from_payload(d, path)
+        except (KeyError, TypeError, ValueError, AttributeError, LlmNpuError) as e:
+            raise LlmNpuError(f"calibration artefact {path} is malformed ({type(e).__name__}: {e}): delete it and "
+                              f"recalibrate") from None
+
+    @classmethod
+    def _from_payload(cls, d: dict, path: Path) -> "Calibration":
+        config = CalibConfig.from_dict(_typed(d["config"], dict, "config"))
+        wanted = set(config.percentiles)
+        layers = {}
+        for name, s in _typed(d["layers"], dict, "layers").items():
+            stats = LayerStats(**_typed(s, dict, name))
+            if _typed(stats.absmax, float, f"{name}.absmax") < 0 or _typed(stats.elements, int, f"{name}.elements") <= 0:
+                raise ValueError(f"{name}: negative maximum or no elements")
+            k = _typed(stats.channel_absmax, Tensor, f"{name}.channel_absmax").numel()
+            if set(_typed(stats.percentiles, dict, f"{name}.percentiles")) != wanted or \
+                    set(_typed(stats.channel_outliers, dict, f"{name}.channel_outliers")) != wanted:
+                raise ValueError(f"{name}: percentiles are not the configured {sorted(wanted)}")
+            for p, value in stats.percentiles.items():
+                _typed(value, float, f"{name}.percentiles[{p}]")
+            for p, counts in stats.channel_outliers.items():
+                if not isinstance(counts, Tensor) or counts.shape != (k,):
+                    raise TypeError(f"{name}.channel_outliers[{p}] is not a [{k}] tensor")
+            layers[name] = stats
+        probe = _typed(d["probe_ids"], Tensor, "probe_ids")
+        if probe.dim() != 2 or probe.dtype != torch.int64:
+            raise TypeError("probe_ids is not a [n, L] int64 tensor")
+        importance = {key: {n: _typed(v, float, f"importance[{key}]") for n, v in _typed(table, dict, key).items()}
+                      for key, table in _typed(d["importance"], dict, "importance").items()}
+        return cls(_typed(d["model_fingerprint"], str, "model_fingerprint"), config,
+                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, d["version"], path)
+
+
+def _typed(value, kind, what: str):
+    """``value`` when it is a ``kind`` (an int counts as a float, a bool as neither), else TypeError naming ``what``."""
+    kinds, name = ((int, float), "number") if kind is float else (kind, kind.__name__)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a {name}")
+    return value
 
 
 def default_calibration_path(fingerprint: str, text_sha: str, config: CalibConfig) -> Path:
@@ -214,12 +264,19 @@ def calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConf
 
 def load_or_calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConfig = CalibConfig(),
                       path: Path | None = None, progress: bool = True) -> Calibration:
-    """Reuse the artefact for (model, text, config) if it exists, else calibrate and save it."""
+    """Reuse the artefact for (model, text, config) if it exists, else calibrate and save it. A
+    damaged artefact in the cache is recalibrated (with a warning); one at a path you gave is an error."""
+    cached = path is None
     path = Path(path) if path else default_calibration_path(fingerprint, text_sha(ids), config)
     if path.exists():
-        calib = Calibration.load(path)
-        calib.check_model(fingerprint)
-        return calib
+        try:
+            calib = Calibration.load(path)
+            calib.check_model(fingerprint)
+            return calib
+        except LlmNpuError as e:
+            if not cached:
+                raise
+            log.warning("%s: recalibrating", e)
     calib = calibrate(model, ids, fingerprint, config, progress)
     calib.save(path)
     return calib

@@ -140,6 +140,18 @@ class Scheduler:
     def finished(self) -> bool:
         return all(self.done)
 
+    def stuck(self) -> bool:
+        """Nothing runs and no processor may start anything: the remaining tasks wait forever."""
+        if self.running or self.finished:
+            return False
+        if self.policy == "inorder":
+            nxt = self.order[self.cursor]
+            return nxt not in self.ready[self.tasks[nxt].processor]
+        if self.policy == "overlap":
+            return not any(self.heads[p] < len(self.queues[p]) and self.queues[p][self.heads[p]] in self.ready[p]
+                           for p in PROCESSORS)
+        return not any(self.ready.values())
+
 
 def assign_costs(tasks: list[Task], costs: dict | None) -> None:
     """Each task's profiled cost from ``Profile.costs``: per (step, chunk) for dynamic steps, per step else."""
@@ -164,8 +176,9 @@ def simulate(tasks: list[Task], policy: str) -> RunStats:
                 if t is not None:
                     busy[p] = (now + t.cost, t, now)
         running = [p for p in PROCESSORS if busy[p] is not None]
-        if not running:
-            raise LlmNpuError(f"policy {policy} stalled with tasks left: the task graph has a cycle")
+        if not running:   # sched.stuck(): nothing runs, nothing may start
+            raise LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for one that never runs "
+                              f"(a broken task graph)")
         p = min(running, key=lambda q: busy[q][0])
         now, t, start = busy[p]
         busy[p] = None
@@ -225,9 +238,19 @@ class Executor:
                         stats.decisions += 1
                         if task is not None:
                             break
+                        if sched.stuck():
+                            error.append((None, LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for "
+                                                            f"one that never runs (a broken task graph)")))
+                            cond.notify_all()
+                            return
                         cond.wait()
                     env = envs[task.chunk]
                     step = program.steps[task.step]
+                    missing = [name for name in step.sub.inputs if name not in env]
+                    if missing:   # a task graph that lets a task run before its producer: report, never hang
+                        error.append((task, LlmNpuError(f"input {missing[0]} was not made before this task")))
+                        cond.notify_all()
+                        return
                     args = {name: env[name] for name in step.sub.inputs}
                 start = time.perf_counter()
                 try:
@@ -277,6 +300,8 @@ class Executor:
             stats.wall_s = time.perf_counter() - t0
         if error:
             task, exc = error[0]
+            if task is None:
+                raise exc
             sub = program.steps[task.step].sub
             where = f"layer {sub.layer}" if sub.layer is not None else "model"
             raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "

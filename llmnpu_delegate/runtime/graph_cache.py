@@ -5,7 +5,8 @@ fingerprint, chunk length, quantization decisions, the subgraph's linears, this 
 so a changed model, config or release never reads a stale entry: it gets a new key. Entries are
 written to a temporary name and renamed: two processes compiling the same subgraph at once both
 end with a complete file (the last rename wins; both wrote the same content). A damaged entry is
-detected on load (unreadable, or its header does not match its key) and rebuilt.
+detected on load (unreadable, altered: its checksum fails, its header names another key, or its
+payload fails the builder's ``check``) and rebuilt, with a warning.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from typing import Callable
 
 import torch
 
-from ..paths import atomic_path, cache_dir
+from ..paths import cache_dir, load_checked, save_checked
 
-FORMAT = 1
+FORMAT = 2    # 2: a checked file (header with a checksum)
+KIND = "graph-cache-entry"
 log = logging.getLogger(__name__)
 
 
@@ -56,33 +58,36 @@ class GraphCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.pt"
 
-    def get_or_build(self, fields: dict, build: Callable[[], object]):
+    def get_or_build(self, fields: dict, build: Callable[[], object], check: Callable[[object], None] | None = None):
+        """The payload for ``fields``: from memory, from disk, or ``build()`` (then stored). ``check``
+        raises on a payload of the wrong structure (a disk entry that fails it is rebuilt)."""
         key = entry_key(fields)
         if key in self._memory:
             self.stats.hits += 1
             return self._memory[key]
-        payload = self._load(key)
+        payload = self._load(key, check)
         if payload is None:
             payload = build()
             self.stats.compilations += 1
-            with atomic_path(self.path(key)) as tmp:
-                torch.save({"format": FORMAT, "key": key, "payload": payload}, tmp)
+            save_checked({"format": FORMAT, "key": key, "payload": payload}, self.path(key), KIND)
         else:
             self.stats.hits += 1
         self._memory[key] = payload
         self.stats.bytes_held += payload_bytes(payload)
         return payload
 
-    def _load(self, key: str):
+    def _load(self, key: str, check: Callable[[object], None] | None):
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            entry = torch.load(path, weights_only=True)
+            entry = load_checked(path, KIND)
             if not isinstance(entry, dict) or entry.get("key") != key:
                 raise ValueError("header does not match the entry's name")
             if entry.get("format") != FORMAT:
                 raise ValueError(f"written by cache format {entry.get('format')}, this is {FORMAT}")
+            if check is not None:
+                check(entry["payload"])
             return entry["payload"]
         except Exception as e:  # unreadable for any reason: the entry is rebuilt, never trusted
             log.warning("graph cache entry %s is damaged (%s): rebuilding it", path.name, e)

@@ -7,6 +7,8 @@ proportion to the key count beyond the profiled positions. Stored as JSON next t
 from __future__ import annotations
 
 import json
+import logging
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from ..paths import atomic_path
 from .program import ChunkProgram
 
 VERSION = 1
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,13 +60,37 @@ class Profile:
             tmp.write_text(json.dumps({"version": VERSION, "static": self.static, "dynamic": self.dynamic}))
 
     @classmethod
-    def load(cls, path: Path) -> "Profile | None":
-        """The stored profile, or None when missing, damaged or of another version (then re-profiled)."""
-        try:
-            d = json.loads(Path(path).read_text())
-            if d.get("version") != VERSION:
-                return None
-            return cls({int(k): float(v) for k, v in d["static"].items()},
-                       {int(k): [float(x) for x in v] for k, v in d["dynamic"].items()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    def from_dict(cls, d: dict, program: ChunkProgram) -> "Profile":
+        """A stored profile, checked against ``program``: every step once, static ones as static,
+        finite non-negative seconds. Raises ValueError naming the first problem."""
+        if not isinstance(d, dict) or not isinstance(d.get("static"), dict) or not isinstance(d.get("dynamic"), dict):
+            raise ValueError("not a profile (no static/dynamic tables)")
+        static = {int(k): _seconds(v) for k, v in d["static"].items()}
+        dynamic = {int(k): [_seconds(x) for x in v] for k, v in d["dynamic"].items()}
+        want_static = {i for i, s in enumerate(program.steps) if s.static}
+        want_dynamic = set(range(len(program.steps))) - want_static
+        if set(static) != want_static or set(dynamic) != want_dynamic or not all(dynamic.values()):
+            raise ValueError("its steps are not this program's")
+        return cls(static, dynamic)
+
+    @classmethod
+    def load(cls, path: Path, program: ChunkProgram) -> "Profile | None":
+        """The stored profile, or None when missing, or damaged, foreign or of another version (then
+        with a warning): the engine profiles again."""
+        path = Path(path)
+        if not path.exists():
             return None
+        try:
+            d = json.loads(path.read_text())
+            if not isinstance(d, dict) or d.get("version") != VERSION:
+                raise ValueError(f"format version {d.get('version') if isinstance(d, dict) else None}, not {VERSION}")
+            return cls.from_dict(d, program)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            log.warning("schedule profile %s is unusable (%s): profiling again", path, e)
+            return None
+
+
+def _seconds(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{v!r} is not a time in seconds")
+    return float(v)

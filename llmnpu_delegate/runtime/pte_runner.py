@@ -33,13 +33,9 @@ from .profile import Profile
 from .program import ChunkProgram, Step, chunk_feeds
 from .sampling import check_sampling, next_token
 
-_KEYS = ("pte", "target", "model", "chunk_len", "context", "quant", "graph", "subgraphs", "tasks", "linears",
-         "shadow", "decode", "tokenizer")
-
-
 def load_sidecar(pte: str | Path) -> dict:
-    """The sidecar of ``pte``, checked: right format and version, and written for this very file."""
-    from ..lower.pte import FORMAT, VERSION, sidecar_path
+    """The sidecar of ``pte``, checked: right format and version, unaltered, and written for this very file."""
+    from ..lower.sidecar import FORMAT, VERSION, check_sidecar, sidecar_digest, sidecar_path
 
     pte = Path(pte)
     if not pte.is_file():
@@ -49,19 +45,21 @@ def load_sidecar(pte: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise LlmNpuError(f"{pte} has no sidecar {path.name} beside it: export writes both; copy them together") from None
-    except ValueError as e:
-        raise LlmNpuError(f"sidecar {path} is not valid JSON ({e}): export again") from None
+    except (ValueError, OSError) as e:
+        raise LlmNpuError(f"sidecar {path} is not valid JSON ({type(e).__name__}): export the program again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise LlmNpuError(f"{path} is not an llmnpu sidecar: export the program again (llmnpu export)")
     if meta.get("version") != VERSION:
         raise LlmNpuError(f"{path} was written by another version of llmnpu export (format {meta.get('version')}, "
                           f"this runner reads {VERSION}): export the program again with this version")
-    missing = [k for k in _KEYS if k not in meta]
-    if missing:
-        raise LlmNpuError(f"sidecar {path} lacks {', '.join(missing)}: export the program again")
+    if problem := check_sidecar(meta):
+        raise LlmNpuError(f"sidecar {path} is malformed ({problem}): export the program again")
+    if meta["sidecar_sha256"] != sidecar_digest(meta):
+        raise LlmNpuError(f"sidecar {path} was altered or damaged since export (its checksum fails): export the "
+                          f"program again")
     digest = hashlib.sha256(pte.read_bytes()).hexdigest()
-    if meta.get("pte_sha256") != digest:
-        raise LlmNpuError(f"{path.name} was written for another {meta.get('pte')}: the .pte and sidecar do not match")
+    if meta["pte_sha256"] != digest:
+        raise LlmNpuError(f"{path.name} was written for another {meta['pte']}: the .pte and sidecar do not match")
     return meta
 
 
@@ -100,6 +98,21 @@ class ColdRows:
         rows = torch.from_numpy(np.ascontiguousarray(block[slot[hit].numpy()]))
         self.fetched += hit.numel()
         return outlier_product(residue, rows).view(*x.shape[:-1], n)
+
+
+def _check_arity(module, entry: dict) -> None:
+    """The method exists and takes what the sidecar will give it (a malformed entry fails here, at
+    load, and not inside a prompt)."""
+    try:
+        meta = module.method_meta(entry["method"])
+    except RuntimeError:
+        raise ValueError(f"the program has no method {entry['method']}") from None
+    given = len(entry["input_groups"]) if entry["kind"] == "npu" else len(entry["inputs"])
+    if meta.num_inputs() != given:
+        raise ValueError(f"method {entry['method']} takes {meta.num_inputs()} inputs, the sidecar gives {given}")
+    if entry["kind"] == "cpu" and meta.num_outputs() != len(entry["outputs"]):
+        raise ValueError(f"method {entry['method']} returns {meta.num_outputs()} outputs, the sidecar names "
+                         f"{len(entry['outputs'])}")
 
 
 def _npu_call(module, entry: dict, linears: dict):
@@ -163,13 +176,22 @@ class PteRunner:
     """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``."""
 
     def __init__(self, pte: str | Path, policy: str = "ooo", workers: Workers | None = None):
+        if policy not in POLICIES:
+            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        self.meta = meta = load_sidecar(pte)
+        try:
+            self._build(Path(pte), meta, workers)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            # the checksum passed: a sidecar of a well-formed but inconsistent export
+            raise LlmNpuError(f"sidecar of {pte} is inconsistent ({type(e).__name__}: {e}): export the program "
+                              f"again") from None
+        self.policy = policy
+
+    def _build(self, pte: Path, meta: dict, workers: Workers | None) -> None:
         from executorch.extension.pybindings.portable_lib import (
             _load_for_executorch_from_buffer,
         )
 
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
-        self.meta = meta = load_sidecar(pte)
         if meta["target"] == "qnn":
             from ..qnn.sdk import activate
 
@@ -181,6 +203,7 @@ class PteRunner:
         self.pte = Path(pte)
         steps = []
         for e in meta["subgraphs"]:
+            _check_arity(self.module, e)
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
             fn = (_npu_call(self.module, e, meta["linears"]) if e["kind"] == "npu"
                   else _cpu_call(self.module, e, self.cold))
@@ -192,10 +215,7 @@ class PteRunner:
         self.kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
         self.program = ChunkProgram(steps, meta["graph"]["outputs"], self.chunk_len, self.kv.layers)
         self.executor = Executor(self.program, workers)
-        self.policy = policy
-        p = meta.get("profile")
-        self.profile = (Profile({int(k): v for k, v in p["static"].items()},
-                                {int(k): v for k, v in p["dynamic"].items()}) if p else None)
+        self.profile = Profile.from_dict(meta["profile"], self.program) if meta["profile"] else None
 
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None):

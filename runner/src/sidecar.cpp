@@ -85,7 +85,8 @@ Sidecar read_sidecar(const std::string& pte) {
   } catch (const json::exception& e) {
     throw InputError("sidecar " + s.path + " is not valid JSON (" + e.what() + "): export again");
   }
-  if (!m.is_object() || m.value("format", "") != "llmnpu-pte-sidecar")
+  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() ||
+      m["format"].get<std::string>() != "llmnpu-pte-sidecar")
     throw InputError(s.path + " is not an llmnpu sidecar: export the program again (llmnpu export)");
   if (!m.contains("version") || !m["version"].is_number_integer() || m["version"].get<int>() != kSidecarVersion)
     throw InputError(s.path + " was written by another version of llmnpu export (format " +

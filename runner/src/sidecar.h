@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 3;  // lower/pte.py VERSION
+constexpr int kSidecarVersion = 4;  // lower/pte.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
 
 struct ShadowBranch {
   std::string linear;

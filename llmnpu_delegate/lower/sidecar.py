@@ -1,0 +1,151 @@
+"""The sidecar's format: what ``llmnpu export`` writes beside a ``.pte`` and every runner reads.
+
+``SCHEMA`` states each field's JSON type; ``check_sidecar`` checks a loaded sidecar against it and
+against itself (indices in range, names that exist), so a runner refuses a malformed sidecar when it
+opens it, not in the middle of a prompt. ``sidecar_sha256`` is a checksum of the content: a damaged
+or edited sidecar is refused outright (the native runner, without SHA-256, relies on the schema).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT = "llmnpu-pte-sidecar"
+# 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
+# 3: the task dependency table (``runtime/tasks.py``), which the native runner expands;
+# 4: ``sidecar_sha256``, a checksum of the sidecar's own content (an altered scale is caught)
+VERSION = 4
+
+NUM = "number"
+ANY = "any"
+INTS, STRS, NUMS = [int], [str], [NUM]
+# A dict of fields (a trailing "?" marks an optional one), {str: T} a map, [T] a list, a tuple alternatives.
+SCHEMA = {
+    "format": str, "version": int, "pte": str, "pte_sha256": str, "pte_bytes": int,
+    "target": str, "soc": (str, None), "chunk_len": int, "context": int, "quant": {str: ANY},
+    "model": {"fingerprint": str, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int, "spec?": str},
+    "graph": {"inputs": STRS, "outputs": STRS},
+    "subgraphs": [{"index": int, "method": str, "kind": str, "processor": str, "layer": (int, None), "static": bool,
+                   "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS],
+                   "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
+    "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
+    "linears": {str: {"act_scale": NUM, "output": {"scale": NUM, "range": NUMS}, "split_channels": INTS,
+                      "split_outputs": [ANY], "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
+    "pruned_layers": STRS,
+    "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
+    "shadow": {"form": str, "rows_file?": str, "rows_dtype?": str, "bytes?": int, "rows_sha256?": str,
+               "linears?": {str: {"cold_channels": INTS, "rows_offset": int, "in_features": int,
+                                  "out_features": int, "clip": NUM}}},
+    "tokenizer": (None, {"folder": str, "files": STRS, "bos_id": (int, None), "eos_ids": INTS,
+                         "chat_template?": (str, None)}),
+    "decode": {"method": str, "mode": str, "backend": str, "float_linears": STRS, "inputs": STRS, "outputs": STRS,
+               "kv_layout": str},
+    "sidecar_sha256": str,
+}
+
+
+def sidecar_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".json")
+
+
+def sidecar_digest(meta: dict) -> str:
+    """SHA-256 of the sidecar's content without its own checksum, in a canonical JSON form."""
+    # as a reader sees it: through JSON once (integer keys become strings and sort as strings)
+    body = json.loads(json.dumps({k: v for k, v in meta.items() if k != "sidecar_sha256"}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def schema_problem(value, schema, where: str) -> str | None:
+    """The first place where ``value`` does not have the type ``schema`` describes, or None."""
+    if isinstance(schema, tuple):
+        problems = [schema_problem(value, s, where) for s in schema]
+        return None if None in problems else problems[0]
+    if schema is None:
+        return None if value is None else f"{where} is not null"
+    if schema == ANY:
+        return None
+    if schema == NUM:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else f"{where} is not a number"
+    if schema in (int, str, bool):
+        ok = isinstance(value, schema) and (schema is bool or not isinstance(value, bool))
+        return None if ok else f"{where} is not {'an' if schema is int else 'a'} {schema.__name__}"
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            return f"{where} is not a list"
+        return next((p for i, v in enumerate(value) if (p := schema_problem(v, schema[0], f"{where}[{i}]"))), None)
+    if not isinstance(value, dict):
+        return f"{where} is not an object"
+    if list(schema) == [str]:                                   # a map
+        return next((p for k, v in value.items() if (p := schema_problem(v, schema[str], f"{where}.{k}"))), None)
+    for key, sub in schema.items():
+        name = key.rstrip("?")
+        if name not in value:
+            if key.endswith("?"):
+                continue
+            return f"{where} lacks {name}"
+        if p := schema_problem(value[name], sub, f"{where}.{name}"):
+            return p
+    return None
+
+
+def check_sidecar(meta: dict) -> str | None:
+    """What is wrong with a loaded sidecar (first problem), or None: types, then cross-references."""
+    if p := schema_problem(meta, SCHEMA, "sidecar"):
+        return p
+    subs, n = meta["subgraphs"], len(meta["subgraphs"])
+    for i, e in enumerate(subs):
+        if e["index"] != i:
+            return f"subgraphs[{i}] has index {e['index']}"
+        if unknown := [x for x in e["linears"] if x not in meta["linears"] and e["kind"] == "npu"]:
+            return f"subgraphs[{i}] names unknown linears {unknown[:2]}"
+        if e["kind"] == "npu" and sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
+            return f"subgraphs[{i}].input_groups do not cover its linears"
+    shadow = meta["shadow"]
+    if shadow["form"] not in ("sparse", "dense"):
+        return f"shadow.form is {shadow['form']!r}"
+    if shadow["form"] == "sparse":
+        if any(k not in shadow for k in ("rows_file", "linears")):
+            return "a sparse shadow lacks its rows file or linears"
+        branches = [b["linear"] for e in subs for b in e.get("shadow", [])]
+        if missing := [b for b in branches if b not in shadow["linears"]]:
+            return f"shadow.linears lacks {missing[0]}"
+    tasks = meta["tasks"]
+    if any(len(tasks[k]) != n for k in ("after", "after_previous", "processors")):
+        return "tasks do not have one entry per subgraph"
+    if any(not 0 <= j < n for k in ("needed_kv", "needed_final") for j in tasks[k]) or \
+            any(not 0 <= j < n for k in ("after", "after_previous") for deps in tasks[k] for j in deps):
+        return "tasks name a subgraph that does not exist"
+    return _dependency_problem(meta)
+
+
+def _dependency_problem(meta: dict) -> str | None:
+    """The task table must be the data flow of the subgraphs (``runtime/tasks.py dependency_table``):
+    a missing dependency would let a task read a value not yet made (a race), a step left out of the
+    needed sets one that never is (a stall)."""
+    subs, tasks, layers = meta["subgraphs"], meta["tasks"], meta["model"]["layers"]
+    outs = meta["graph"]["outputs"]
+    if len(outs) != 1 + 2 * layers:
+        return "graph.outputs are not logits, K and V of every layer"
+    producer: dict[str, int] = {}
+    for j, e in enumerate(subs):
+        if tasks["after"][j] != sorted({producer[x] for x in e["inputs"] if x in producer}):
+            return f"tasks.after[{j}] is not the data flow of the subgraphs"
+        if tasks["processors"][j] != e["processor"]:
+            return f"tasks.processors[{j}] is not subgraph {j}'s processor"
+        producer.update({x: j for x in e["outputs"]})
+    if any(x not in producer for x in outs):
+        return "graph.outputs names a value no subgraph makes"
+    past = {f"past_{kind}_{i}": producer[outs[1 + off + i]] for off, kind in ((0, "k"), (layers, "v"))
+            for i in range(layers)}
+    for j, e in enumerate(subs):
+        if tasks["after_previous"][j] != sorted({past[x] for x in e["inputs"] if x in past}):
+            return f"tasks.after_previous[{j}] is not the data flow of the subgraphs"
+    kv, final = set(tasks["needed_kv"]), set(tasks["needed_final"])
+    for needed, name in ((kv, "needed_kv"), (final, "needed_final")):
+        if any(not set(tasks["after"][j]) <= needed or not set(tasks["after_previous"][j]) <= kv for j in needed):
+            return f"tasks.{name} leaves out a step that a needed step waits for"
+    if not {producer[x] for x in outs[1:]} <= kv or producer[outs[0]] not in final:
+        return "the needed steps do not make the K/V and logits"
+    return None
