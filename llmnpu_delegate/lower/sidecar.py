@@ -30,7 +30,7 @@ SCHEMA = {
                    "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS],
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
-    "linears": {str: {"act_scale": NUM, "output": {"scale": NUM, "range": NUMS}, "split_channels": INTS,
+    "linears": {str: {"act_scale": NUM, "output": {"scale": NUM, "range": NUMS}, "split_channels": [INTS],
                       "split_outputs": [ANY], "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
     "pruned_layers": STRS,
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
