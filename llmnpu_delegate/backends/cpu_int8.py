@@ -146,7 +146,7 @@ class CpuInt8Backend:
             w_q, w_scale, bias = payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]
             if not (isinstance(w_q, torch.Tensor) and w_q.dtype == torch.int8 and w_q.shape == (n, k)):
                 raise ValueError(f"{name}: weight is not an int8 [{n}, {k}] tensor")
-            if not (isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.numel() in (1, n)):
+            if not (isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.shape == (n,)):
                 raise ValueError(f"{name}: weight scales are not float32 [{n}]")
             if (bias is None) != (lin.bias is None) or (bias is not None and bias.shape != (n,)):
                 raise ValueError(f"{name}: bias does not match the linear")

@@ -121,31 +121,26 @@ def check_sidecar(meta: dict) -> str | None:
 
 
 def _dependency_problem(meta: dict) -> str | None:
-    """The task table must be the data flow of the subgraphs (``runtime/tasks.py dependency_table``):
-    a missing dependency would let a task read a value not yet made (a race), a step left out of the
-    needed sets one that never is (a stall)."""
+    """The task table must be the data flow of the subgraphs (``runtime/tasks.py``): a missing
+    dependency would let a task read a value not yet made (a race), a step left out of the needed
+    sets one that never is (a stall)."""
+    from ..runtime.tasks import data_flow
+
     subs, tasks, layers = meta["subgraphs"], meta["tasks"], meta["model"]["layers"]
     outs = meta["graph"]["outputs"]
-    if len(outs) != 1 + 2 * layers:
-        return "graph.outputs are not logits, K and V of every layer"
-    producer: dict[str, int] = {}
-    for j, e in enumerate(subs):
-        if tasks["after"][j] != sorted({producer[x] for x in e["inputs"] if x in producer}):
-            return f"tasks.after[{j}] is not the data flow of the subgraphs"
-        if tasks["processors"][j] != e["processor"]:
-            return f"tasks.processors[{j}] is not subgraph {j}'s processor"
-        producer.update({x: j for x in e["outputs"]})
-    if any(x not in producer for x in outs):
-        return "graph.outputs names a value no subgraph makes"
-    past = {f"past_{kind}_{i}": producer[outs[1 + off + i]] for off, kind in ((0, "k"), (layers, "v"))
-            for i in range(layers)}
-    for j, e in enumerate(subs):
-        if tasks["after_previous"][j] != sorted({past[x] for x in e["inputs"] if x in past}):
-            return f"tasks.after_previous[{j}] is not the data flow of the subgraphs"
+    made = {x for e in subs for x in e["outputs"]}
+    if len(outs) != 1 + 2 * layers or any(x not in made for x in outs):
+        return "graph.outputs are not the logits, K and V of every layer made by the subgraphs"
+    after, after_previous = data_flow([(e["inputs"], e["outputs"]) for e in subs], outs[1:1 + layers], outs[1 + layers:])
+    if tasks["after"] != after or tasks["after_previous"] != after_previous:
+        return "tasks are not the data flow of the subgraphs"
+    if tasks["processors"] != [e["processor"] for e in subs]:
+        return "tasks.processors are not the subgraphs' processors"
     kv, final = set(tasks["needed_kv"]), set(tasks["needed_final"])
     for needed, name in ((kv, "needed_kv"), (final, "needed_final")):
-        if any(not set(tasks["after"][j]) <= needed or not set(tasks["after_previous"][j]) <= kv for j in needed):
+        if any(not set(after[j]) <= needed or not set(after_previous[j]) <= kv for j in needed):
             return f"tasks.{name} leaves out a step that a needed step waits for"
+    producer = {x: j for j, e in enumerate(subs) for x in e["outputs"]}
     if not {producer[x] for x in outs[1:]} <= kv or producer[outs[0]] not in final:
         return "the needed steps do not make the K/V and logits"
     return None

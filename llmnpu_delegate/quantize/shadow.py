@@ -99,7 +99,6 @@ class ShadowWeights:
         self.path = Path(path)
         k, n = read_rows_header(self.path)["shape"]
         self._disk = np.memmap(self.path, dtype="<f4", mode="r", offset=HEADER_BYTES, shape=(k, n))  # read lazily
-        k = self._disk.shape[0]
         self.hot = hot.to(torch.int64)
         self.hot_rows = torch.from_numpy(np.ascontiguousarray(self._disk[self.hot.numpy()]))  # [h, N]
         self._slot = torch.full((k,), -1, dtype=torch.int64)

@@ -36,6 +36,10 @@ PROCESSORS = ("npu", "cpu")
 _RUN_LOCK = threading.Lock()
 
 
+def _cannot_finish(policy: str) -> LlmNpuError:
+    return LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for one that never runs (a broken task graph)")
+
+
 class TaskError(LlmNpuError):
     """A subgraph failed during prefill; ``task`` says which."""
 
@@ -177,8 +181,7 @@ def simulate(tasks: list[Task], policy: str) -> RunStats:
                     busy[p] = (now + t.cost, t, now)
         running = [p for p in PROCESSORS if busy[p] is not None]
         if not running:   # sched.stuck(): nothing runs, nothing may start
-            raise LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for one that never runs "
-                              f"(a broken task graph)")
+            raise _cannot_finish(policy)
         p = min(running, key=lambda q: busy[q][0])
         now, t, start = busy[p]
         busy[p] = None
@@ -239,8 +242,7 @@ class Executor:
                         if task is not None:
                             break
                         if sched.stuck():
-                            error.append((None, LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for "
-                                                            f"one that never runs (a broken task graph)")))
+                            error.append((None, _cannot_finish(policy)))
                             cond.notify_all()
                             return
                         cond.wait()

@@ -35,18 +35,24 @@ def dependency_table(program: ChunkProgram) -> dict:
     """Per step: ``after`` (steps of its own chunk that produce its inputs) and ``after_previous``
     (steps of the chunk before that produce its past K/V); ``needed_kv`` / ``needed_final``: the
     steps a non-final / the final chunk runs; ``processors``: each step's processor."""
-    producer: dict[str, int] = {}
-    after = []
-    for j, step in enumerate(program.steps):
-        after.append(sorted({producer[n] for n in step.sub.inputs if n in producer}))
-        for name in step.sub.outputs:
-            producer[name] = j
-    past = {past_name("k", i): producer[k] for i, k in enumerate(program.out_k)}
-    past.update({past_name("v", i): producer[v] for i, v in enumerate(program.out_v)})
-    return {"after": after,
-            "after_previous": [sorted({past[n] for n in s.sub.inputs if n in past}) for s in program.steps],
+    after, after_previous = data_flow([(s.sub.inputs, s.sub.outputs) for s in program.steps],
+                                      program.out_k, program.out_v)
+    return {"after": after, "after_previous": after_previous,
             "needed_kv": list(program.needed_kv), "needed_final": list(program.needed_final),
             "processors": [s.sub.processor for s in program.steps]}
+
+
+def data_flow(steps: list[tuple[list[str], list[str]]], out_k: list[str], out_v: list[str]) -> tuple[list, list]:
+    """``after`` and ``after_previous`` of steps given as (inputs, outputs) in program order;
+    ``out_k`` / ``out_v``: the values each layer hands to the next chunk as its past K / V."""
+    producer: dict[str, int] = {}
+    after = []
+    for j, (inputs, outputs) in enumerate(steps):
+        after.append(sorted({producer[n] for n in inputs if n in producer}))
+        producer.update({name: j for name in outputs})
+    past = {past_name("k", i): producer[k] for i, k in enumerate(out_k)}
+    past.update({past_name("v", i): producer[v] for i, v in enumerate(out_v)})
+    return after, [sorted({past[n] for n in inputs if n in past}) for inputs, _ in steps]
 
 
 def expand(table: dict, chunks: int) -> list[Task]:
