@@ -25,7 +25,7 @@ from .prefill import Prefiller
 from .runtime.allocator import tune_malloc, tuned
 from .runtime.executor import POLICIES, Workers
 from .runtime.graph_cache import GraphCache
-from .runtime.trace import metrics, write_timeline, write_trace
+from .runtime.trace import metrics, step_label, write_timeline, write_trace
 
 
 def prompt_ids(lm: LoadedModel, length: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
     if ablation:
         out["ablation"] = _ablation(lm, ids, chunk, quant, out, workers, progress)
     if trace_dir is not None:
-        names = {i: _label(s.sub) for i, s in enumerate(engine.program.steps)}
+        names = {i: step_label(s.sub) for i, s in enumerate(engine.program.steps)}
         trace_dir = Path(trace_dir)
         out["traces"] = {}
         for p, stats in medians.items():
@@ -152,11 +152,6 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
                                 "png": str(write_timeline(stats, trace_dir / f"{p}.png",
                                                           f"{lm.spec} {prompt_len} tokens, chunk {chunk}, {p}"))}
     return out
-
-
-def _label(sub) -> str:
-    where = f"L{sub.layer}" if sub.layer is not None else "model"
-    return f"{sub.kind} {where} #{sub.index}"
 
 
 def _ablation(lm: LoadedModel, ids, chunk: int, quant, out: dict, workers: Workers, progress: bool) -> dict:

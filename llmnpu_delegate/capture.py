@@ -98,17 +98,24 @@ class attention_implementation:
         self.config._attn_implementation = self.saved
 
 
-def example_inputs(config, chunk_len: int, past_len: int) -> tuple:
+def example_inputs(config, chunk_len: int, past_len: int, device: torch.device | str = "cpu") -> tuple:
     s = kv_shape(config)
-    past_k = [torch.zeros(1, s.kv_heads, past_len, s.head_dim) for _ in range(s.layers)]
-    past_v = [torch.zeros(1, s.kv_heads, past_len, s.head_dim) for _ in range(s.layers)]  # distinct tensors
-    return (torch.zeros(1, chunk_len, dtype=torch.long), torch.arange(past_len, past_len + chunk_len),
-            torch.tensor([chunk_len - 1]), past_k, past_v)
+    with torch.device(device):
+        past_k = [torch.zeros(1, s.kv_heads, past_len, s.head_dim) for _ in range(s.layers)]
+        past_v = [torch.zeros(1, s.kv_heads, past_len, s.head_dim) for _ in range(s.layers)]  # distinct tensors
+        return (torch.zeros(1, chunk_len, dtype=torch.long), torch.arange(past_len, past_len + chunk_len),
+                torch.tensor([chunk_len - 1]), past_k, past_v)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 @torch.no_grad()
 def export_chunk_step(model: nn.Module, chunk_len: int) -> ExportedProgram:
-    """``torch.export`` of one chunk step; the past length is symbolic (any multiple of C works)."""
+    """``torch.export`` of one chunk step; the past length is symbolic (any multiple of C works).
+    A model on the ``meta`` device (no weights: ``llmnpu simulate`` of a 7B shape) exports too."""
     ctx = max_context(model.config)
     if not 0 < chunk_len <= ctx:
         raise LlmNpuError(f"chunk length must be in 1..{ctx} (the model's context), got {chunk_len}")
@@ -118,5 +125,6 @@ def export_chunk_step(model: nn.Module, chunk_len: int) -> ExportedProgram:
                "past_k": [{2: past}] * layers, "past_v": [{2: past}] * layers}
     # Traced with a past of 2 chunks (not 0 or 1, which export would specialise on).
     with attention_implementation(model):
-        return torch.export.export(ChunkStep(model).eval(), example_inputs(model.config, chunk_len, 2 * chunk_len),
+        return torch.export.export(ChunkStep(model).eval(),
+                                   example_inputs(model.config, chunk_len, 2 * chunk_len, _device_of(model)),
                                    dynamic_shapes=dynamic, strict=False)

@@ -36,6 +36,25 @@ RANDOM_SHAPES: dict[str, tuple[str, dict]] = {
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                                vocab_size=128256, max_position_embeddings=131072,
                                rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    # The paper's five models (section 4.1), for `llmnpu simulate`; the 7B ones do not fit in this
+    # machine's RAM as fp32 weights and are simulated from their shapes only (``model_skeleton``).
+    "qwen1.5-1.8b": ("qwen2", dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
+                                   num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                                   max_position_embeddings=32768, rope_theta=1_000_000.0,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    "gemma-2b": ("gemma", dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                               num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
+                               max_position_embeddings=8192, rms_norm_eps=1e-6)),
+    "phi-2": ("phi", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, vocab_size=51200,
+                          max_position_embeddings=2048, partial_rotary_factor=0.4, layer_norm_eps=1e-5)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 max_position_embeddings=4096, rms_norm_eps=1e-5)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                   max_position_embeddings=32768, rope_theta=10_000.0, sliding_window=None,
+                                   rms_norm_eps=1e-5)),
     "tiny-llama": ("llama", dict(_TINY)),
     "tiny-qwen2": ("qwen2", dict(_TINY)),
     "tiny-mistral": ("mistral", dict(_TINY, sliding_window=None)),
@@ -200,13 +219,55 @@ def _load_hf_folder(folder: Path):
     return model, tok
 
 
-def _build_random(shape: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_config(shape: str):
+    from transformers import AutoConfig
 
     if shape not in RANDOM_SHAPES:
         raise LlmNpuError(f"unknown random shape '{shape}': choose one of {', '.join(RANDOM_SHAPES)}")
     model_type, kwargs = RANDOM_SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def model_skeleton(spec: str) -> nn.Module:
+    """The model of ``spec`` on the ``meta`` device: every shape, no weights (what a simulation of
+    a 7B model needs on this machine). ``random:<shape>`` or a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.startswith("random:"):
+        config = random_config(spec.split(":", 1)[1])
+    elif Path(spec).is_dir() and (Path(spec) / "config.json").is_file():
+        config = AutoConfig.from_pretrained(spec)
+        check_family(config)
+    else:
+        raise LlmNpuError(f"no shapes-only form of '{spec}': use random:<shape> (one of {', '.join(RANDOM_SHAPES)}) "
+                          f"or a Hugging Face model folder")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _available_ram() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _build_random(shape: str):
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(shape)
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise LlmNpuError(f"random:{shape} has the {config.model_type} architecture, which the engine does not run "
+                          f"(it runs {', '.join(SUPPORTED_FAMILIES)}): use it with `llmnpu simulate`")
+    with torch.device("meta"):
+        need = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_config(config).parameters())
+    have = _available_ram()
+    if have is not None and need > 0.7 * have:
+        raise LlmNpuError(f"random:{shape} needs {need / 1e9:.1f} GB of fp32 weights and this machine has "
+                          f"{have / 1e9:.1f} GB available: use it with `llmnpu simulate` (shapes only, no weights)")
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same spec always gives the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

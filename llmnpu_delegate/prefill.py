@@ -35,7 +35,7 @@ from .quantize import (
     quantizable_linears,
 )
 from .runtime.allocator import tune_malloc
-from .runtime.executor import POLICIES, Executor, RunStats, Workers
+from .runtime.executor import COST_POLICIES, POLICIES, Executor, RunStats, Workers
 from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, chunk_feeds
@@ -120,7 +120,7 @@ class Prefiller:
         calibration: a Calibration; by default the cached one on the shipped calibration text.
         norms: where norms run (``"cpu"``; ``"npu"`` is refused by ``cpu-int8``).
         cache: the graph cache (default: on disk under the cache folder).
-        policy: default scheduling policy, ``"ooo"`` | ``"overlap"`` | ``"inorder"``.
+        policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
         workers: threads and cores of the two workers (default: half the cores each).
     """
 
@@ -167,7 +167,7 @@ class Prefiller:
         self.profile = Profile.load(self._profile_path(), self.program)
         self.last_run: RunStats | None = None
         self._lock = threading.Lock()       # one prompt at a time: profile, counters, last_run
-        self._warm_up(profile=policy == "ooo" and self.profile is None)
+        self._warm_up(profile=policy in COST_POLICIES and self.profile is None)
 
     def _warm_up(self, profile: bool) -> None:
         """Run a prompt in order before any real one: kernels make their first-call setup here (it
@@ -204,9 +204,9 @@ class Prefiller:
     def _run(self, ids: Tensor, policy: str) -> PrefillResult:
         feeds = self.feeds(ids)
         seen0, outliers0 = self._outlier_counts()
-        # The out-of-order policy needs each subgraph's time: an engine made for another policy has
+        # The cost-driven policies (ooo, cp) need each subgraph's time: an engine made for another policy has
         # none until its first prompt, which then runs in order and is profiled (same outputs).
-        run_policy = "inorder" if policy == "ooo" and self.profile is None else policy
+        run_policy = "inorder" if policy in COST_POLICIES and self.profile is None else policy
         out, stats = self.executor.run(feeds, run_policy, self.profile.costs(len(feeds)) if self.profile else None)
         if self.profile is None and run_policy == "inorder":
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)

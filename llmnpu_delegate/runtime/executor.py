@@ -7,6 +7,9 @@ policy that picks their next task.
 - ``ooo``: the paper's heuristic (section 3.4). Among the ready tasks of a processor, a CPU task
   scores the total profiled NPU time of the tasks it makes ready, an NPU task scores minus its own
   time; the highest score runs. The NPU is the critical path: feed it first.
+- ``cp``: list scheduling by critical path (HEFT's upward rank): among the ready tasks of a
+  processor, the one with the longest chain of profiled work from its start to the end of the
+  prompt runs first. Needs the profile, like ``ooo``.
 
 Values live in one environment per chunk and are dropped as soon as their last consumer has run.
 A task that raises stops both workers; the caller gets a ``TaskError`` naming the task.
@@ -31,7 +34,8 @@ from ..errors import LlmNpuError
 from .program import ChunkProgram, past_name
 from .tasks import Task, build_tasks
 
-POLICIES = ("inorder", "overlap", "ooo")
+POLICIES = ("inorder", "overlap", "ooo", "cp")
+COST_POLICIES = ("ooo", "cp")    # policies that read the profiled task costs
 PROCESSORS = ("npu", "cpu")
 _RUN_LOCK = threading.Lock()
 
@@ -98,6 +102,7 @@ class Scheduler:
         self.cursor = 0                                                          # inorder
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
         self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
+        self.rank = self._upward_rank() if policy == "cp" else None              # cp
 
     def pick(self, processor: str) -> Task | None:
         ready = self.ready[processor]
@@ -117,11 +122,20 @@ class Scheduler:
                 return None
             self.heads[processor] += 1
             choice = queue[head]
+        elif self.policy == "cp":
+            choice = max(ready, key=lambda i: (self.rank[i], -self.tasks[i].chunk, -self.tasks[i].step))
         else:
             choice = max(ready, key=self._score)
         ready.discard(choice)
         self.running += 1
         return self.tasks[choice]
+
+    def _upward_rank(self) -> list[float]:
+        """Each task's cost plus the longest chain of costs after it (tasks come in a topological order)."""
+        rank = [0.0] * len(self.tasks)
+        for t in reversed(self.tasks):
+            rank[t.id] = t.cost + max((rank[u] for u in t.users), default=0.0)
+        return rank
 
     def _score(self, i: int) -> tuple:
         t = self.tasks[i]

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..errors import LlmNpuError
 from ..kernels import outlier_product
 from ..partitioner.regions import Subgraph
-from .executor import POLICIES, Executor, Workers
+from .executor import COST_POLICIES, POLICIES, Executor, Workers
 from .profile import Profile
 from .program import ChunkProgram, Step, chunk_feeds
 from .sampling import check_sampling, next_token
@@ -227,7 +227,7 @@ class PteRunner:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         feeds = chunk_feeds(ids, self.chunk_len, self.kv)
         costs = self.profile.costs(len(feeds)) if self.profile else None
-        out, stats = self.executor.run(feeds, policy if costs or policy != "ooo" else "inorder", costs)
+        out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)
         self.last_run = stats
         total = ids.numel()
         return PrefillResult(out[self.program.out_logits].reshape(-1),

@@ -23,6 +23,12 @@ def metrics(stats: RunStats) -> dict:
     return out
 
 
+def step_label(sub) -> str:
+    """How a subgraph is named in traces: kind, layer, index."""
+    where = f"L{sub.layer}" if sub.layer is not None else "model"
+    return f"{sub.kind} {where} #{sub.index}"
+
+
 def chrome_trace(stats: RunStats, names: dict[int, str] | None = None) -> dict:
     """Trace Event Format: one complete event per task, one thread row per processor."""
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "llmnpu prefill"}}]

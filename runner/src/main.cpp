@@ -25,7 +25,7 @@ namespace {
 
 const char* kUsage =
     "usage: llmnpu-runner --pte MODEL.pte (--prompt-ids FILE | --prompt-ids -) [--max-new-tokens N]\n"
-    "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo]\n"
+    "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo|cp]\n"
     "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup]\n"
     "       llmnpu-runner --pte MODEL.pte --dry-run --prompt-len N [--policy P]\n"
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
@@ -204,7 +204,7 @@ int run(const Args& a) {
     for (const auto& r : pre.records) busy[r.processor] += r.end - r.start;
     nlohmann::json j = {
         {"tokens", tokens}, {"prompt_tokens", ids.size()}, {"chunks", pre.chunks},
-        {"policy", policy_name(s.has_profile || policy != Policy::kOoo ? policy : Policy::kInorder)},
+        {"policy", policy_name(s.has_profile || !uses_costs(policy) ? policy : Policy::kInorder)},
         {"load_s", load_s}, {"warmup_s", warmup_s}, {"prefill_s", prefill_s}, {"ttft_s", ttft}, {"decode_s", decode_s},
         {"prefill_tok_s", ids.size() / prefill_s},
         {"decode_tok_s", tokens.size() > 1 && decode_s > 0 ? nlohmann::json((tokens.size() - 1) / decode_s) : nlohmann::json()},

@@ -62,7 +62,7 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
                       std::optional<std::pair<int, int>> fail_at) {
   std::vector<Env> envs = chunk_feeds(s, ids);
   const int chunks = static_cast<int>(envs.size());
-  if (!s.has_profile && policy == Policy::kOoo) policy = Policy::kInorder;   // nothing to score with
+  if (!s.has_profile && uses_costs(policy)) policy = Policy::kInorder;   // nothing to score with
   std::vector<Task> tasks = expand(s, chunks);
   Scheduler sched(tasks, policy);
 

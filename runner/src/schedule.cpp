@@ -11,11 +11,12 @@ Policy parse_policy(const std::string& name) {
   if (name == "inorder") return Policy::kInorder;
   if (name == "overlap") return Policy::kOverlap;
   if (name == "ooo") return Policy::kOoo;
-  throw InputError("unknown policy '" + name + "': use one of inorder, overlap, ooo");
+  if (name == "cp") return Policy::kCp;
+  throw InputError("unknown policy '" + name + "': use one of inorder, overlap, ooo, cp");
 }
 
 const char* policy_name(Policy p) {
-  return p == Policy::kInorder ? "inorder" : p == Policy::kOverlap ? "overlap" : "ooo";
+  return p == Policy::kInorder ? "inorder" : p == Policy::kOverlap ? "overlap" : p == Policy::kOoo ? "ooo" : "cp";
 }
 
 std::vector<Task> expand(const Sidecar& s, int chunks) {
@@ -62,6 +63,14 @@ Scheduler::Scheduler(const std::vector<Task>& tasks, Policy policy) : tasks_(tas
     return std::make_pair(tasks[a].chunk, tasks[a].step) < std::make_pair(tasks[b].chunk, tasks[b].step);
   });
   for (int i : order_) queues_[tasks[i].processor].push_back(i);
+  if (policy == Policy::kCp) {   // tasks come in a topological order: users after their deps
+    rank_.assign(tasks.size(), 0.0);
+    for (auto t = tasks.rbegin(); t != tasks.rend(); ++t) {
+      double longest = 0.0;
+      for (int u : t->users) longest = std::max(longest, rank_[u]);
+      rank_[t->id] = t->cost + longest;
+    }
+  }
 }
 
 double Scheduler::score(int i) const {
@@ -76,7 +85,7 @@ double Scheduler::score(int i) const {
 }
 
 bool Scheduler::better(int a, int b) const {
-  double sa = score(a), sb = score(b);
+  double sa = key(a), sb = key(b);
   if (sa != sb) return sa > sb;
   if (tasks_[a].chunk != tasks_[b].chunk) return tasks_[a].chunk < tasks_[b].chunk;
   return tasks_[a].step < tasks_[b].step;

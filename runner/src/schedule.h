@@ -21,7 +21,9 @@ struct Task {
   double cost = 0.0;   // profiled seconds on its processor
 };
 
-enum class Policy { kInorder, kOverlap, kOoo };
+enum class Policy { kInorder, kOverlap, kOoo, kCp };
+// The policies that read the profiled task costs (without a profile they run in order).
+inline bool uses_costs(Policy p) { return p == Policy::kOoo || p == Policy::kCp; }
 Policy parse_policy(const std::string& name);   // throws InputError
 const char* policy_name(Policy p);
 
@@ -39,6 +41,7 @@ class Scheduler {
  private:
   bool better(int a, int b) const;   // is a's (score, -chunk, -step) larger than b's
   double score(int i) const;
+  double key(int i) const { return policy_ == Policy::kCp ? rank_[i] : score(i); }
   const std::vector<Task>& tasks_;
   Policy policy_;
   std::vector<int> missing_;
@@ -49,6 +52,7 @@ class Scheduler {
   size_t cursor_ = 0;              // inorder
   std::vector<int> queues_[2];     // overlap
   size_t heads_[2] = {0, 0};
+  std::vector<double> rank_;       // cp: cost + the longest chain of costs after the task
 };
 
 struct Record {

@@ -1,0 +1,146 @@
+"""How long a subgraph takes on a phone: work counted from the FX graph, priced by a device profile.
+
+Work comes from the shapes of the partitioned chunk step's nodes at a given past length (no
+per-model formulas): FLOPs of linears and attention, bytes read and written by every other op,
+INT8 weight bytes of the NPU's GEMMs, and for a shadow product the outlier share of its input from
+the quantization plan. Float tensors are priced at the device's float width (FP16 on the phone,
+paper Table 4), whatever dtype the graph was traced in.
+
+- NPU graph: ``graph_launch + sum over GEMMs of max(flops / int8 rate, int8 weight bytes / weight
+  bandwidth) + activation bytes in and out / memory bandwidth``: the roofline fitted to Table 3,
+  applied GEMM by GEMM, plus the shared-memory traffic of the graph's inputs and outputs.
+- CPU: each op that does work costs ``op_launch + max(flops / float rate, bytes / memory
+  bandwidth)``; views and shape arithmetic are free.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..partitioner.regions import _ATTENTION_TARGETS, Subgraph, _node_flops, _shape, is_linear, shadow_delta
+from .device import Device
+
+# Ops that move no data: views, shape arithmetic, metadata.
+FREE_OPS = {"sym_size", "detach", "detach_", "unsqueeze", "squeeze", "view", "_unsafe_view", "transpose",
+            "expand", "slice", "reshape", "permute", "select", "getitem", "alias", "t", "arange",
+            "_assert_tensor_metadata", "lift_fresh_copy"}
+
+
+@dataclass
+class Work:
+    flops: float = 0.0
+    bytes: float = 0.0          # activations read + written (float at the device's width)
+    weight_bytes: float = 0.0   # INT8 weights streamed (NPU GEMMs)
+    ops: int = 0                # ops that do work (each pays a launch on the CPU)
+
+    def __iadd__(self, other: "Work") -> "Work":
+        self.flops += other.flops
+        self.bytes += other.bytes
+        self.weight_bytes += other.weight_bytes
+        self.ops += other.ops
+        return self
+
+
+def op_name(node: Node) -> str:
+    t = node.target
+    if t is operator.add or t is operator.getitem:
+        return t.__name__
+    name = getattr(t, "__name__", str(t))
+    return name.split(".")[0]
+
+
+def tensor_bytes(val, past: int, float_bytes: float) -> float:
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    n = math.prod(_size(d, past) for d in val.shape)
+    return n * (float_bytes if val.dtype.is_floating_point else val.dtype.itemsize)
+
+
+def _size(d, past: int) -> int:
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        return int(expr.subs({s: past for s in expr.free_symbols}))
+    return int(d)
+
+
+def _val_bytes(node, past: int, fb: float) -> float:
+    if not isinstance(node, Node):
+        return 0.0
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return sum(tensor_bytes(v, past, fb) for v in vals)
+
+
+def node_work(node: Node, past: int, float_bytes: float, outlier_rate: dict[str, float]) -> Work:
+    """The work of one node at past length ``past``."""
+    if node.op != "call_function":
+        return Work()
+    out_bytes = _val_bytes(node, past, float_bytes)
+    if node.target is shadow_delta:
+        x, name = node.args
+        xs = _shape(x, past)
+        k, n = xs[-1], _shape(node, past)[-1]
+        elements = math.prod(xs)
+        outliers = outlier_rate.get(name, 0.0) * elements
+        # threshold test over x, the outlier values times their weight rows, the [C, N] delta out
+        rows = min(k, outliers) * n * float_bytes
+        return Work(2.0 * outliers * n, elements * float_bytes + rows + out_bytes, 0.0, 1)
+    if op_name(node) in FREE_OPS:
+        return Work()
+    in_bytes = sum(_val_bytes(a, past, float_bytes) for a in node.all_input_nodes
+                   if a.op != "get_attr" and not (is_linear(node) and a is node.args[1]))
+    if is_linear(node):
+        k, n = _shape(node.args[0], past)[-1], _shape(node, past)[-1]
+        return Work(_node_flops(node, past), in_bytes + out_bytes, float(k * n), 1)
+    if node.target in _ATTENTION_TARGETS:
+        return Work(_node_flops(node, past), in_bytes + out_bytes, 0.0, 1)
+    if op_name(node) == "add" and not isinstance(node.meta.get("val"), torch.Tensor):
+        return Work()   # SymInt arithmetic
+    if op_name(node) == "embedding":
+        in_bytes = _val_bytes(node.args[1], past, float_bytes)   # the ids; only the rows read
+    return Work(0.0, in_bytes + out_bytes, 0.0, 1)
+
+
+def subgraph_work(sub: Subgraph, past: int, float_bytes: float, outlier_rate: dict[str, float]) -> Work:
+    total = Work()
+    for node in sub.nodes:
+        total += node_work(node, past, float_bytes, outlier_rate)
+    return total
+
+
+def npu_seconds(sub: Subgraph, past: int, device: Device) -> float:
+    fb = device["cpu.float_bytes"]
+    t = device["npu.graph_launch_s"]
+    io = 0.0
+    for node in sub.nodes:
+        if is_linear(node):
+            k, n = _shape(node.args[0], past)[-1], _shape(node, past)[-1]
+            t += max(_node_flops(node, past) / device["npu.int8_ops_per_s"], k * n / device["npu.weight_bytes_per_s"])
+        else:
+            io += node_work(node, past, fb, {}).bytes     # a norm folded into the region (norms="npu")
+    if sub.nodes:   # the graph's float inputs and outputs cross the shared memory
+        nodes = {n.name: n for n in sub.nodes[0].graph.nodes}
+        io += sum(_val_bytes(nodes[name], past, fb) for name in (*sub.inputs, *sub.outputs))
+    return t + io / device["npu.io_bytes_per_s"]
+
+
+def cpu_seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
+    fb = device["cpu.float_bytes"]
+    t = 0.0
+    for node in sub.nodes:
+        w = node_work(node, past, fb, outlier_rate)
+        if w.ops:
+            t += device["cpu.op_launch_s"] + max(w.flops / device["cpu.float_ops_per_s"],
+                                                (w.bytes + w.weight_bytes * fb) / device["cpu.memory_bytes_per_s"])
+    return t
+
+
+def seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
+    """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens."""
+    if sub.processor == "npu":
+        return npu_seconds(sub, past, device)
+    return cpu_seconds(sub, past, device, outlier_rate)

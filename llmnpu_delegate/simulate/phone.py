@@ -1,0 +1,221 @@
+"""A phone prefill, simulated: the real partition, the real shadow plan, the real scheduler, priced
+by a device profile.
+
+``Scenario`` is what a model and its quantization make: the partitioned chunk step and the outlier
+share of each shadowed linear. The embedded model (or any model loaded with its weights) gets its
+own calibrated plan; a shapes-only model (``random:<shape>``: the paper's 7B models do not fit in
+RAM here) gets the embedded model's plan carried over by depth and role (layer l of L takes the
+decision and outlier share of the embedded model's layer at the same relative depth, q/k/v from
+q/k/v, and so on): random weights have no outliers of their own.
+
+``simulate_prefill`` builds the task graph of a prompt with ``runtime.tasks`` and drives the very
+``Scheduler`` the threaded executor uses through ``runtime.executor.simulate``, each task taking the
+cost model's time. Energy integrates each processor's busy and idle power over the timeline.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from ..capture import export_chunk_step, kv_shape, max_context
+from ..errors import LlmNpuError
+from ..models import DEFAULT_MODEL, load_model, model_skeleton
+from ..partitioner.regions import Partition, partition_graph
+from ..quantize import QuantConfig, quantizable_linears
+from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, simulate
+from ..runtime.program import ChunkProgram, Step
+from ..runtime.tasks import build_tasks
+from ..runtime.trace import metrics, step_label, write_timeline, write_trace
+from . import cost
+from .device import Device, load_device
+
+QUANT_MODES = ("w8a8-shadow", "w8a8")   # the NPU runs INT8 graphs; float linears are not simulated
+
+
+@dataclass
+class Scenario:
+    model: str
+    partition: Partition
+    program: ChunkProgram
+    chunk: int
+    context: int
+    outlier_rate: dict[str, float]      # shadowed linear -> share of its input elements that are outliers
+    plan_source: str                    # where the shadow decisions come from
+    pruning_rate: float | None
+
+    @property
+    def shadowed(self) -> int:
+        return len(self.outlier_rate)
+
+
+def _role(name: str) -> str:
+    """A linear's role in its block, across families' names."""
+    leaf = name.rsplit(".", 1)[-1]
+    for role, names in (("qkv", ("q_proj", "k_proj", "v_proj", "qkv_proj")), ("o", ("o_proj", "dense")),
+                        ("up", ("gate_proj", "up_proj", "gate_up_proj", "fc1")), ("down", ("down_proj", "fc2"))):
+        if leaf in names:
+            return role
+    return leaf
+
+
+def _layer(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else 0
+
+
+def carry_over(source: dict[str, float], source_layers: int, target: list[str], target_layers: int) -> dict[str, float]:
+    """The shadow plan ``source`` (shadowed linear -> outlier share) of a ``source_layers``-block model,
+    carried to the linears ``target`` of a ``target_layers``-block one by relative depth and role."""
+    by_place: dict[tuple[int, str], list[float]] = {}
+    for name, rate in source.items():
+        by_place.setdefault((_layer(name), _role(name)), []).append(rate)
+    out = {}
+    for name in target:
+        layer = round(_layer(name) * (source_layers - 1) / max(target_layers - 1, 1))
+        rates = by_place.get((layer, _role(name)))
+        if rates:
+            out[name] = sum(rates) / len(rates)
+    return out
+
+
+_embedded: dict = {}
+
+
+def embedded_plan(quant: QuantConfig, progress: bool) -> tuple[dict[str, float], int]:
+    """The embedded model's shadow plan: shadowed linear -> calibrated outlier share; its block count.
+    Kept per quantization config for the process (a sweep asks for it many times)."""
+    key = repr(quant)
+    if key not in _embedded:
+        lm = _embedded.get("model") or load_model(DEFAULT_MODEL)
+        _embedded["model"] = lm
+        _embedded[key] = (model_plan(lm, quant, progress), lm.model.config.num_hidden_layers)
+    return _embedded[key]
+
+
+def model_plan(lm, quant: QuantConfig, progress: bool) -> dict[str, float]:
+    from ..prefill import default_calibration
+    from ..quantize import plan_linears
+
+    calib = default_calibration(lm, progress)
+    plans = plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
+    return {name: calib.layers[name].outlier_fraction(quant.clip_percentile)
+            for name, p in plans.items() if p.shadow}
+
+
+def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,
+            norms: str = "cpu", progress: bool = True, plan: dict[str, float] | None = None) -> Scenario:
+    """Partition ``model``'s chunk step and attach its shadow plan (``plan`` overrides it: tests)."""
+    from ..prefill import quant_config
+
+    if quant not in QUANT_MODES:
+        raise LlmNpuError(f"simulate runs INT8 NPU graphs: --quant must be one of {', '.join(QUANT_MODES)}, got '{quant}'")
+    config = quant_config(quant, pruning_rate)
+    lm = None
+    if model.startswith("random:") or Path(model).is_dir():
+        net: nn.Module = model_skeleton(model)
+    else:
+        lm = load_model(model)
+        net = lm.model
+    if config.outliers != "shadow":
+        rates, source = {}, "none (w8a8: no shadow paths)"
+    elif plan is not None:
+        rates, source = dict(plan), "given"
+    elif lm is not None:
+        rates, source = model_plan(lm, config, progress), f"{model}'s own calibration"
+    else:
+        base, base_layers = embedded_plan(config, progress)
+        rates = carry_over(base, base_layers, list(quantizable_linears(net)), net.config.num_hidden_layers)
+        source = f"{DEFAULT_MODEL}'s calibration, carried over by depth and role"
+    ep = export_chunk_step(net, chunk)
+    partition = partition_graph(ep.module(), quantizable_linears(net), shadowed=list(rates), norms=norms, prefix="model.")
+    rates = {k: v for k, v in rates.items() if k in partition.shadowed}
+    program = ChunkProgram([Step(s, None) for s in partition.subgraphs], partition.graph_outputs, chunk,
+                           kv_shape(net.config).layers)
+    return Scenario(model, partition, program, chunk, max_context(net.config), rates, source,
+                    config.pruning_rate if config.outliers == "shadow" else None)
+
+
+def step_costs(scn: Scenario, device: Device, chunks: int) -> dict:
+    """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones."""
+    costs: dict = {}
+    for j, step in enumerate(scn.program.steps):
+        if step.static:
+            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate)
+        else:
+            for i in range(chunks):
+                costs[(j, i)] = cost.seconds(step.sub, i * scn.chunk, device, scn.outlier_rate)
+    return costs
+
+
+def energy(stats: RunStats, device: Device) -> dict:
+    """Joules per processor: busy power while it runs a task, idle power for the rest of the wall time."""
+    m = metrics(stats)
+    out = {}
+    for p in PROCESSORS:
+        busy = m[f"{p}_busy_s"]
+        out[p] = device[f"{p}.power_busy_w"] * busy + device[f"{p}.power_idle_w"] * max(stats.wall_s - busy, 0.0)
+    out["total"] = sum(out[p] for p in PROCESSORS)
+    return out
+
+
+def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES,
+                     trace_dir: Path | None = None) -> dict:
+    """Predicted prefill of a ``prompt_len``-token prompt on ``soc``, per policy."""
+    device = load_device(soc)
+    if not isinstance(prompt_len, int) or not 0 < prompt_len <= scn.context:
+        raise LlmNpuError(f"prompt length must be in 1..{scn.context} (the model's context), got {prompt_len}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise LlmNpuError(f"unknown policies {unknown}: use {', '.join(POLICIES)}")
+    chunks = math.ceil(prompt_len / scn.chunk)
+    costs = step_costs(scn, device, chunks)
+    out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "chunk": scn.chunk,
+           "chunks": chunks, "pruning_rate": scn.pruning_rate, "shadowed_linears": scn.shadowed,
+           "plan_source": scn.plan_source, "subgraphs": len(scn.program.steps), "policies": {}}
+    names = {i: step_label(s.sub) for i, s in enumerate(scn.program.steps)}
+    for policy in policies:
+        tasks = build_tasks(scn.program, chunks)
+        assign_costs(tasks, costs)
+        stats = simulate(tasks, policy)
+        m = metrics(stats)
+        e = energy(stats, device)
+        row = {"tok_s": prompt_len / stats.wall_s, "wall_s": stats.wall_s,
+               "npu_busy_s": m["npu_busy_s"], "cpu_busy_s": m["cpu_busy_s"],
+               "npu_bubble_rate": m["npu_bubble_rate"], "bound_s": m["bound_s"],
+               "bound_tok_s": prompt_len / m["bound_s"], "energy_j": e["total"],
+               "energy_npu_j": e["npu"], "energy_cpu_j": e["cpu"], "tokens_per_j": prompt_len / e["total"]}
+        if trace_dir is not None:
+            title = f"{scn.model} on {soc} (simulated), {prompt_len} tokens, chunk {scn.chunk}, {policy}"
+            row["trace"] = str(write_trace(stats, Path(trace_dir) / f"{policy}.trace.json", names))
+            row["png"] = str(write_timeline(stats, Path(trace_dir) / f"{policy}.png", title))
+        out["policies"][policy] = row
+    return out
+
+
+SWEEP_CHUNKS = (64, 128, 256, 512)
+
+
+def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, progress: bool = True) -> list[dict]:
+    """Predicted ooo prefill speed for each chunk length and pruning rate, with the embedded model's
+    measured perplexity at that pruning rate (the paper's Figure 16 form)."""
+    from ..evaluate import eval_windows, read_text, run_quantized, tokenize
+    from ..prefill import default_calibration, quant_config
+
+    lm = _embedded.get("model") or load_model(DEFAULT_MODEL)
+    _embedded["model"] = lm
+    windows = eval_windows(tokenize(lm, read_text(None, "eval")), 512, 2048)
+    calib = default_calibration(lm, progress)
+    rows = []
+    for rate in rates:
+        ppl = run_quantized(lm, windows, calib, quant_config("w8a8-shadow", rate), f"ppl at pruning {rate}",
+                            progress)["ppl"]
+        for chunk in chunks:
+            scn = prepare(model, chunk, pruning_rate=rate, progress=progress)
+            r = simulate_prefill(scn, soc, prompt_len, ("ooo",))["policies"]["ooo"]
+            rows.append({"chunk": chunk, "pruning_rate": rate, "tok_s": r["tok_s"], "energy_j": r["energy_j"],
+                         "shadowed_linears": scn.shadowed, "embedded_ppl": ppl})
+    return rows
