@@ -54,7 +54,9 @@ def load_device(soc: str) -> Device:
         if not isinstance(source, str) or len(source.strip()) < 8:
             raise LlmNpuError(f"{path.name}: parameter {name} has no source")
         if "scale_of" in entry:
-            value = load_device(entry["scale_of"])[name] * float(entry["by"])
+            base = load_device(entry["scale_of"])
+            value = base[name] * float(entry["by"])
+            source = f"{source} (x {float(entry['by']):.4g} of {base.soc}, whose source: {base.sources[name]})"
         else:
             value = float(entry["value"])
         if not math.isfinite(value) or value <= 0:

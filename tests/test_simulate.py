@@ -1,0 +1,220 @@
+"""`llmnpu simulate`: the cost model against hand counts, the simulated schedule against a hand-worked
+one, the real Scheduler under simulated time, device profiles and their sources, bad input."""
+import math
+from dataclasses import replace
+
+import pytest
+
+from llmnpu_delegate.cli import main
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.runtime import executor
+from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
+from llmnpu_delegate.runtime.tasks import expand
+from llmnpu_delegate.runtime.trace import metrics
+from llmnpu_delegate.simulate import cost
+from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device, socs
+from llmnpu_delegate.simulate.fit import fit_roofline, table3_rows
+from llmnpu_delegate.simulate.phone import carry_over, energy, prepare, simulate_prefill
+
+C = 8   # chunk length of the tiny scenarios
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """random:tiny-llama, shapes only, with q/k/v of layer 0 shadowed at a 1 % outlier share."""
+    plan = {f"model.layers.0.self_attn.{p}_proj": 0.01 for p in "qkv"}
+    return prepare("random:tiny-llama", C, pruning_rate=0.5, progress=False, plan=plan)
+
+
+def toy_device(**overrides) -> Device:
+    params = {p: 1.0 for p in PARAMETERS}
+    params.update({"npu.int8_ops_per_s": 1e9, "npu.weight_bytes_per_s": 1e8, "npu.graph_launch_s": 1e-4,
+                   "npu.io_bytes_per_s": 1e9, "cpu.float_ops_per_s": 1e8, "cpu.memory_bytes_per_s": 1e9,
+                   "cpu.op_launch_s": 1e-6, "cpu.float_bytes": 2.0})
+    params.update(overrides)
+    return Device("TOY", "toy", params, {p: "test" for p in params}, None)
+
+
+# ------------------------------------------------------------------ cost model against hand counts
+def _qkv_region(scn):
+    return next(s for s in scn.partition.subgraphs
+                if s.kind == "npu" and any(n.endswith("q_proj") for n in s.linears) and s.layer == 0)
+
+
+def test_flops_and_bytes_of_a_linear_region_match_a_hand_count(tiny):
+    # tiny-llama: hidden 64, 4 heads of 16, 2 KV heads: q is 64 -> 64, k and v 64 -> 32 each
+    sub = _qkv_region(tiny)
+    w = cost.subgraph_work(sub, past=3 * C, float_bytes=2, outlier_rate={})
+    n_out = 64 + 32 + 32
+    assert w.flops == 2 * C * 64 * n_out
+    assert w.weight_bytes == 64 * n_out                   # INT8: one byte per weight
+    # three linears read the same [1, C, 64] input and write their outputs, at 2 bytes per float
+    assert w.bytes == 3 * C * 64 * 2 + C * n_out * 2
+    # the NPU graph: launch + per-GEMM roofline + its float inputs and outputs through memory
+    dev = toy_device()
+    gemms = sum(max(2 * C * 64 * n / 1e9, 64 * n / 1e8) for n in (64, 32, 32))
+    io = (C * 64 + C * n_out) * 2
+    assert cost.npu_seconds(sub, 3 * C, dev) == pytest.approx(1e-4 + gemms + io / 1e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("past", [0, C, 5 * C])
+def test_attention_work_grows_with_the_keys_it_reads(tiny, past):
+    att = next(s for s in tiny.partition.subgraphs if not s.static and s.layer == 0)
+    node = next(n for n in att.nodes if n.target in cost._ATTENTION_TARGETS)
+    w = cost.node_work(node, past, 2, {})
+    heads, d, keys = 4, 16, past + C
+    assert w.flops == 2 * 2 * heads * C * keys * d                 # QK^T and PV
+    # reads q [4, C, d], k and v [2, keys, d] (grouped) and the boolean [C, keys] mask, writes [4, C, d]
+    assert w.bytes == 2 * (heads * C * d + 2 * 2 * keys * d + heads * C * d) + C * keys
+
+
+def test_shadow_cost_is_proportional_to_its_outliers(tiny):
+    sub = next(s for s in tiny.partition.subgraphs if s.kind == "shadow" and s.layer == 0)
+    none = cost.subgraph_work(sub, 0, 2, {})
+    rates = dict(tiny.outlier_rate)
+    some = cost.subgraph_work(sub, 0, 2, rates)
+    double = cost.subgraph_work(sub, 0, 2, {k: 2 * v for k, v in rates.items()})
+    # each outlier element multiplies one weight row of its linear's N outputs: 2 * (0.01 * C * 64) * N
+    assert some.flops == pytest.approx(sum(2 * 0.01 * C * 64 * n for n in (64, 32, 32)))
+    assert none.flops == 0 and double.flops == pytest.approx(2 * some.flops)
+
+
+# ------------------------------------------------------------------ the simulated schedule by hand
+# A -> B -> C per chunk; C of chunk i also needs C of chunk i-1 (its "past"). A, C on the CPU (1 s),
+# B on the NPU (2 s).
+TABLE = {"after": [[], [0], [1]], "after_previous": [[], [], [2]], "needed_kv": [0, 1, 2],
+         "needed_final": [0, 1, 2], "processors": ["cpu", "npu", "cpu"]}
+COSTS = {0: 1.0, 1: 2.0, 2: 1.0}
+
+
+def _schedule(policy):
+    tasks = expand(TABLE, 2)
+    assign_costs(tasks, COSTS)
+    return simulate(tasks, policy)
+
+
+def test_inorder_schedule_matches_the_hand_worked_one():
+    stats = _schedule("inorder")
+    got = [(r.chunk, r.step, r.processor, r.start, r.end) for r in stats.records]
+    assert got == [(0, 0, "cpu", 0, 1), (0, 1, "npu", 1, 3), (0, 2, "cpu", 3, 4),
+                   (1, 0, "cpu", 4, 5), (1, 1, "npu", 5, 7), (1, 2, "cpu", 7, 8)]
+    m = metrics(stats)
+    assert stats.wall_s == 8 and m["npu_busy_s"] == 4 and m["npu_bubble_rate"] == pytest.approx(1 - 4 / 6)
+
+
+def test_ooo_schedule_matches_the_hand_worked_one():
+    # t=0 the CPU may run A0 or A1 (both feed 2 s of NPU work): the earlier chunk wins the tie.
+    # t=1 the NPU takes B0 while the CPU runs A1; t=3 B1 and C0 start; t=5 C1.
+    stats = _schedule("ooo")
+    got = sorted((r.start, r.chunk, r.step, r.processor, r.end) for r in stats.records)
+    assert got == [(0, 0, 0, "cpu", 1), (1, 0, 1, "npu", 3), (1, 1, 0, "cpu", 2),
+                   (3, 0, 2, "cpu", 4), (3, 1, 1, "npu", 5), (5, 1, 2, "cpu", 6)]
+    m = metrics(stats)
+    assert stats.wall_s == 6 and m["npu_bubble_rate"] == 0.0 and m["bound_s"] == 4
+
+
+def test_the_policies_run_unchanged_under_simulated_time(tiny, monkeypatch):
+    """simulate_prefill drives runtime.executor's Scheduler (the threaded executor's object), never a copy."""
+    calls = {p: 0 for p in POLICIES}
+    real = executor.Scheduler.pick
+
+    def spy(self, processor):
+        calls[self.policy] += 1
+        return real(self, processor)
+
+    monkeypatch.setattr(executor.Scheduler, "pick", spy)
+    r = simulate_prefill(tiny, "SM8650", 5 * C - 3)
+    assert all(calls[p] > 0 for p in POLICIES) and set(r["policies"]) == set(POLICIES)
+    walls = {p: r["policies"][p]["wall_s"] for p in POLICIES}
+    assert walls["inorder"] >= max(walls["ooo"], walls["cp"], walls["overlap"])
+    ooo = r["policies"]["ooo"]
+    assert ooo["wall_s"] >= ooo["bound_s"] and ooo["tok_s"] == pytest.approx((5 * C - 3) / ooo["wall_s"])
+
+
+def test_energy_integrates_busy_and_idle_power():
+    dev = toy_device(**{"npu.power_busy_w": 2.0, "npu.power_idle_w": 0.5, "cpu.power_busy_w": 5.0,
+                        "cpu.power_idle_w": 0.25})
+    stats = _schedule("inorder")          # wall 8, NPU busy 4, CPU busy 4
+    e = energy(stats, dev)
+    assert e["npu"] == 2.0 * 4 + 0.5 * 4 and e["cpu"] == 5.0 * 4 + 0.25 * 4 and e["total"] == e["npu"] + e["cpu"]
+
+
+# ------------------------------------------------------------------ device profiles
+@pytest.mark.parametrize("soc", ["SM8550", "SM8650", "SM8750"])
+def test_device_profiles_load_with_a_source_for_every_number(soc):
+    dev = load_device(soc)
+    assert set(PARAMETERS) <= set(dev.params)
+    for name, value in dev.params.items():
+        assert math.isfinite(value) and value > 0, name
+        assert len(dev.sources[name]) > 20, name
+
+
+def test_the_phone_profile_is_the_fit_of_table_3():
+    """SM8650's NPU and CPU rates are what fit.py gets from Table 3 (and nothing else)."""
+    dev = load_device("SM8650")
+    npu = fit_roofline(table3_rows(dev, "npu_int8_ms"))
+    cpu = fit_roofline(table3_rows(dev, "cpu_int8_ms"))
+    assert dev["npu.int8_ops_per_s"] == pytest.approx(npu["ops_per_s"], rel=0.01)
+    assert dev["npu.weight_bytes_per_s"] == pytest.approx(npu["bytes_per_s"], rel=0.01)
+    assert dev["npu.graph_launch_s"] == pytest.approx(npu["launch_s"], rel=0.01)
+    assert dev["cpu.float_ops_per_s"] == pytest.approx(0.5 * cpu["ops_per_s"], rel=0.01)
+    assert max(abs(e) for e in npu["row_errors"]) < 0.2      # the roofline explains every row within 20 %
+    # the other SoCs are published ratios of this one
+    assert load_device("SM8550")["npu.int8_ops_per_s"] == pytest.approx(dev["npu.int8_ops_per_s"] / 1.98)
+    assert load_device("SM8750")["npu.int8_ops_per_s"] == pytest.approx(dev["npu.int8_ops_per_s"] * 1.45)
+
+
+def test_a_faster_npu_gives_a_faster_prefill(tiny):
+    fast = simulate_prefill(tiny, "SM8750", 4 * C, ("ooo",))["policies"]["ooo"]
+    slow = simulate_prefill(tiny, "SM8550", 4 * C, ("ooo",))["policies"]["ooo"]
+    assert fast["npu_busy_s"] < slow["npu_busy_s"]
+
+
+def test_a_plan_is_carried_over_by_depth_and_role():
+    source = {"model.layers.0.self_attn.q_proj": 0.01, "model.layers.3.mlp.down_proj": 0.02}
+    target = [f"model.layers.{i}.{n}" for i in range(8) for n in ("self_attn.q_proj", "self_attn.dense", "mlp.fc2")]
+    out = carry_over(source, 4, target, 8)
+    # target layer i sits at source depth round(i * 3 / 7): 0, 0, 1, 1, 2, 2, 3, 3
+    assert out == {"model.layers.0.self_attn.q_proj": 0.01, "model.layers.1.self_attn.q_proj": 0.01,
+                   "model.layers.6.mlp.fc2": 0.02, "model.layers.7.mlp.fc2": 0.02}
+
+
+# ------------------------------------------------------------------ bad input
+def test_an_unknown_soc_names_the_known_ones(capsys):
+    with pytest.raises(LlmNpuError, match="unknown SoC 'SM0000': choose one of SM8550, SM8650, SM8750"):
+        load_device("SM0000")
+    assert main(["simulate", "--soc", "SM0000", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "SM8650" in err[0]
+
+
+def test_a_prompt_past_the_context_is_refused(tiny):
+    with pytest.raises(LlmNpuError, match=r"prompt length must be in 1\.\.4096"):
+        simulate_prefill(tiny, "SM8650", 4097)
+    with pytest.raises(LlmNpuError, match="unknown policies"):
+        simulate_prefill(tiny, "SM8650", 16, ("fifo",))
+
+
+def test_float_linears_are_not_simulated():
+    with pytest.raises(LlmNpuError, match="--quant must be one of w8a8-shadow, w8a8"):
+        prepare("random:tiny-llama", C, quant="fp32")
+
+
+def test_a_7b_shape_is_simulated_without_its_weights():
+    scn = prepare("random:llama-2-7b", 256, quant="w8a8", progress=False)
+    r = simulate_prefill(scn, "SM8650", 512, ("ooo",))
+    # 32 blocks of q, k, v, o, gate, up, down at 4096 x 4096 / 4096 x 11008: 2 * 256 * 6.48e6 FLOPs per block
+    per_block = 4 * 4096 * 4096 + 3 * 4096 * 11008
+    npu = sum(cost.subgraph_work(s, 0, 2, {}).flops for s in scn.partition.subgraphs if s.kind == "npu")
+    assert npu == 2 * 256 * 32 * per_block
+    assert r["policies"]["ooo"]["npu_busy_s"] > 0
+    with pytest.raises(LlmNpuError, match="use it with `llmnpu simulate`"):
+        from llmnpu_delegate.models import load_model
+        load_model("random:phi-2")
+
+
+def test_fp16_width_is_the_profiles(tiny):
+    sub = _qkv_region(tiny)
+    a = cost.npu_seconds(sub, 0, toy_device())
+    b = cost.npu_seconds(sub, 0, replace(toy_device(), params={**toy_device().params, "cpu.float_bytes": 4.0}))
+    assert b > a
