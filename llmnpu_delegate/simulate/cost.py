@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..partitioner.regions import _ATTENTION_TARGETS, Subgraph, _node_flops, _shape, is_linear, shadow_delta
+from ..partitioner.regions import _ATTENTION_TARGETS, Subgraph, _node_flops, _shape, _size, is_linear, shadow_delta
 from .device import Device
 
 # Ops that move no data: views, shape arithmetic, metadata.
@@ -58,13 +58,6 @@ def tensor_bytes(val, past: int, float_bytes: float) -> float:
         return 0.0
     n = math.prod(_size(d, past) for d in val.shape)
     return n * (float_bytes if val.dtype.is_floating_point else val.dtype.itemsize)
-
-
-def _size(d, past: int) -> int:
-    if isinstance(d, torch.SymInt):
-        expr = d.node.expr
-        return int(expr.subs({s: past for s in expr.free_symbols}))
-    return int(d)
 
 
 def _val_bytes(node, past: int, fb: float) -> float:
