@@ -19,14 +19,20 @@ def ref_int_linear(q_x, x_scale, w_q, w_scale, bias):
     return out if bias is None else out + bias.double()
 
 
-@given(m=st.integers(1, 40), k=st.integers(1, 70), scale=st.floats(1e-3, 10.0))
+@given(m=st.integers(1, 40), k=st.integers(1, 70), scale=st.floats(1e-3, 10.0), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=40, deadline=None)
-def test_quantize_matches_reference(m, k, scale):
-    x = torch.randn(m, k) * 200
+def test_quantize_matches_reference(m, k, scale, seed):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 200   # reproducible by hypothesis
     q = K.quantize(x, scale)
     assert q.dtype == torch.int8
     assert q.min() >= -127  # symmetric: -128 never appears
-    assert torch.equal(q.double(), ref_quantize(x, scale))
+    ref = ref_quantize(x, scale)
+    # The kernel divides in float32: where x / scale lies within float32's rounding of a .5 tie it may
+    # round to the other neighbour (seen once in CI). Everywhere else it is exact; at a tie, one step.
+    exact = x.double() / scale
+    tie = (exact - exact.floor() - 0.5).abs() <= 1e-6 * exact.abs().clamp(min=1)
+    assert torch.equal(q.double()[~tie], ref[~tie])
+    assert bool(((q.double()[tie] - ref[tie]).abs() <= 1).all())
 
 
 def test_quantize_saturates_at_threshold():
