@@ -175,3 +175,127 @@ def _ablation(lm: LoadedModel, ids, chunk: int, quant, out: dict, workers: Worke
         "+ out-of-order": out.get("ooo_tok_s"),
     }
     return {"tok_s": steps, "prepare_s": prepare}
+
+
+# --------------------------------------------------------------------------- end to end (--e2e)
+class _TokenClock:
+    """A ``generate`` streamer that records when each new token arrives (the prompt's echo skipped)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if self._prompt_seen:
+            self.times.extend([time.perf_counter()] * value.numel())
+        self._prompt_seen = True
+
+    def end(self):
+        pass
+
+
+def _timed_generate(generate, ids: torch.Tensor, new_tokens: int) -> dict:
+    """TTFT and decode speed of one greedy ``generate`` of exactly ``new_tokens`` tokens (EOS ignored,
+    so every variant decodes as many)."""
+    clock = _TokenClock()
+    start = time.perf_counter()
+    generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new_tokens,
+             min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
+    return _clocked(start, clock.times)
+
+
+def _clocked(start: float, times: list[float]) -> dict:
+    decode_s = times[-1] - times[0]
+    return {"ttft_s": times[0] - start, "decode_tok_s": (len(times) - 1) / decode_s if decode_s > 0 else None}
+
+
+def llamacpp_generate(lm: LoadedModel, threads: int):
+    """A function ``ids, new_tokens -> timings`` of llama.cpp greedy generation on the same GGUF, or
+    (None, reason) when unavailable."""
+    if lm.spec != "smollm2-135m" and not lm.spec.endswith(".gguf"):
+        return None, "the model is not a GGUF file"
+    try:
+        from cyllama.llama import llama_cpp as cy
+    except ImportError:
+        return None, "cyllama is not installed (pip install -e '.[bench]')"
+    path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == "smollm2-135m" else Path(lm.spec)
+    cy.disable_logging()
+    cy.ggml_backend_load_all()
+    model = cy.LlamaModel(str(path), cy.LlamaModelParams())
+
+    def generate(ids: torch.Tensor, new_tokens: int) -> dict:
+        tokens = [int(t) for t in ids]
+        params = cy.LlamaContextParams()
+        params.n_ctx = len(tokens) + new_tokens
+        params.n_batch = params.n_ubatch = len(tokens)
+        params.n_threads = params.n_threads_batch = threads
+        ctx = cy.LlamaContext(model, params)
+        sampler = cy.LlamaSampler(cy.LlamaSamplerChainParams())
+        sampler.add_greedy()
+        times = []
+        start = time.perf_counter()
+        ctx.decode(cy.llama_batch_get_one(tokens))
+        token = sampler.sample(ctx, -1)
+        times.append(time.perf_counter())
+        for i in range(new_tokens - 1):
+            ctx.decode(cy.llama_batch_get_one([token], len(tokens) + i))
+            token = sampler.sample(ctx, -1)
+            times.append(time.perf_counter())
+        del ctx
+        return _clocked(start, times)
+
+    return generate, None
+
+
+def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, repeats: int = 3,
+              quant="w8a8-shadow", progress: bool = True) -> dict:
+    """What a user waits for: time to first token and decode tok/s of one prompt, for Hugging Face eager
+    ``generate``, the wrapper with float and with INT8 decode, and llama.cpp on the same GGUF;
+    interleaved, medians of ``repeats``, ratios against Hugging Face."""
+    from .hf import LlmNpuForCausalLM
+
+    if new_tokens < 2:
+        raise LlmNpuError(f"--max-new-tokens must be at least 2 to time decode, got {new_tokens}")
+    if repeats < 1:
+        raise LlmNpuError(f"repeats must be at least 1, got {repeats}")
+    tune_malloc()
+    threads = Workers.auto().threads * 2
+    wrappers = {mode: LlmNpuForCausalLM(lm, chunk_len=chunk, quant=quant, decode=mode, progress=progress)
+                for mode in ("fp32", "int8")}
+    if wrappers["int8"].decode_mode != "int8":
+        del wrappers["int8"]          # a family the INT8 decoder does not cover: nothing to time
+
+    def hf(ids, n):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                return _timed_generate(lm.model.generate, ids, n)
+        finally:
+            torch.set_num_threads(saved)
+
+    variants = {"hf_eager": hf}
+    variants.update({f"wrapper_{mode}_decode": (lambda ids, n, w=w: _timed_generate(w.generate, ids, n))
+                     for mode, w in wrappers.items()})
+    llama, reason = llamacpp_generate(lm, threads)
+    if llama is not None:
+        variants["llamacpp"] = llama
+    runs = {name: [] for name in variants}
+    for name, fn in variants.items():            # warm-up
+        fn(ids, 2)
+    for _ in tqdm(range(repeats), desc="bench --e2e", disable=not progress, leave=False):
+        for name, fn in variants.items():
+            runs[name].append(fn(ids, new_tokens))
+    out = {"model": lm.spec, "prompt_tokens": int(ids.numel()), "new_tokens": new_tokens, "chunk": chunk,
+           "quant": quant if isinstance(quant, str) else "custom", "threads": threads, "repeats": repeats,
+           "variants": {}}
+    for name, rs in runs.items():
+        out["variants"][name] = {"ttft_s": _median([r["ttft_s"] for r in rs]),
+                                 "decode_tok_s": _median([r["decode_tok_s"] for r in rs])}
+    base = out["variants"]["hf_eager"]
+    for v in out["variants"].values():
+        v["ttft_vs_hf"] = base["ttft_s"] / v["ttft_s"]
+        v["decode_vs_hf"] = v["decode_tok_s"] / base["decode_tok_s"]
+    if reason:
+        out["llamacpp_reason"] = reason
+    return out

@@ -58,12 +58,12 @@ def _setup(args):
 
 
 def cmd_calibrate(args) -> dict:
-    from .evaluate import read_text, tokenize
+    from .evaluate import calibration_ids
     from .quantize import load_or_calibrate
     from .quantize.importance import ratio_importance
 
     lm, calib_config = _setup(args)
-    ids = tokenize(lm, read_text(args.calib_text_file, "calib"))
+    ids = calibration_ids(lm, args.calib_text_file)
     calib = load_or_calibrate(lm.model, ids, lm.fingerprint, calib_config, path=args.out,
                               progress=not args.no_progress)
     p = args.clip_percentile
@@ -78,11 +78,11 @@ def cmd_calibrate(args) -> dict:
 
 
 def cmd_eval(args) -> dict:
-    from .evaluate import MODES, evaluate, read_text, sweep, tokenize
+    from .evaluate import MODES, calibration_ids, evaluate, read_text, sweep, tokenize
 
     lm, calib_config = _setup(args)
     eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
-    calib_ids = tokenize(lm, read_text(args.calib_text_file, "calib"))
+    calib_ids = calibration_ids(lm, args.calib_text_file)
     overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
                                    ("pruning_rate", args.pruning_rate),
                                    ("importance", args.importance)) if v is not None}
@@ -113,15 +113,36 @@ def cmd_partition(args) -> dict:
     return {"model": lm.spec, "quant": args.quant, **summary}
 
 
+def _read_prompt(args) -> str:
+    from .errors import LlmNpuError
+
+    if args.prompt_file is None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise LlmNpuError(f"prompt file {path} does not exist")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def cmd_bench(args) -> dict:
-    from .bench import bench
+    from .bench import bench, bench_e2e
+    from .errors import LlmNpuError
     from .models import load_model
+    from .run import prompt_ids
 
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if args.e2e != (args.prompt_file is not None or args.prompt is not None):
+        raise LlmNpuError("--e2e times one prompt: give --e2e with --prompt or --prompt-file (and only with --e2e)")
     lm = load_model(args.model)
+    if args.e2e:
+        ids = prompt_ids(lm.tokenizer, lm.spec, _read_prompt(args), args.chat)[0]
+        result = bench_e2e(lm, ids, args.max_new_tokens, args.chunk, args.repeats, args.quant,
+                           progress=not args.no_progress)
+        args.text = _format_e2e(result)
+        return result
     result = bench(lm, args.prompt_len, args.chunk, tuple(args.policies), args.ablation, args.trace_dir,
                    args.repeats, args.quant, progress=not args.no_progress)
     args.text = _format_bench(result)
@@ -182,13 +203,7 @@ def cmd_run(args) -> dict:
     from .models import load_model
     from .run import format_summary, run
 
-    if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise LlmNpuError(f"prompt file {path} does not exist")
-        prompt = path.read_text(encoding="utf-8", errors="replace")
-    else:
-        prompt = args.prompt
+    prompt = _read_prompt(args)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
@@ -203,7 +218,8 @@ def cmd_run(args) -> dict:
 
     wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or BACKENDS[0], quant=args.quant or "w8a8-shadow",
-                                pruning_rate=args.pruning_rate, policy=args.policy, progress=not args.no_progress)
+                                pruning_rate=args.pruning_rate, policy=args.policy, decode=args.decode,
+                                progress=not args.no_progress)
     sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
                 if args.temperature is not None else {"do_sample": False})
     if args.seed is not None:
@@ -235,7 +251,7 @@ def _run_pte(args, prompt: str) -> dict:
 
 
 def cmd_export(args) -> dict:
-    from .evaluate import read_text, tokenize
+    from .evaluate import calibration_ids
     from .lower.pte import export_engine, export_pte
     from .prefill import quant_config
 
@@ -245,7 +261,7 @@ def cmd_export(args) -> dict:
 
         check_soc(args.soc)              # before the model is loaded and planned
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
-    calib_ids = tokenize(lm, read_text(None, "calib"))
+    calib_ids = calibration_ids(lm, None)
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
                          shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer)
@@ -354,6 +370,20 @@ def _format_bench(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _format_e2e(r: dict) -> str:
+    names = {"hf_eager": "HF eager generate", "wrapper_fp32_decode": "llmnpu, float decode",
+             "wrapper_int8_decode": "llmnpu, INT8 decode", "llamacpp": "llama.cpp (same GGUF)"}
+    lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, {r['threads']} threads, "
+             f"median of {r['repeats']}",
+             f"{'':<26}{'TTFT':>9}{'vs hf':>8}{'decode':>12}{'vs hf':>8}"]
+    for name, v in r["variants"].items():
+        lines.append(f"{names.get(name, name):<26}{1e3 * v['ttft_s']:>7.0f}ms{v['ttft_vs_hf']:>7.2f}x"
+                     f"{v['decode_tok_s']:>8.1f}tok/s{v['decode_vs_hf']:>7.2f}x")
+    if r.get("llamacpp_reason"):
+        lines.append(f"llama.cpp: not measured ({r['llamacpp_reason']})")
+    return "\n".join(lines)
+
+
 def _print_eval(result: dict) -> None:
     print(f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}")
     base = result["results"].get("fp32", {}).get("ppl")
@@ -381,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="generate from a prompt: NPU-path prefill, CPU decode, streamed, with a summary",
                        description="Prefill the prompt through the NPU path (chunks, shadow outliers, out-of-order "
-                                   "schedule), decode on the CPU in float, stream the tokens, then print time to "
+                                   "schedule), decode on the CPU (INT8 by default), stream the tokens, then print time to "
                                    "first token, prefill and decode speed, chunks and outlier share. The first use "
                                    "of a model calibrates, compiles and profiles its subgraphs for the out-of-order "
                                    "schedule (a few minutes, all cached); later starts take seconds.")
@@ -408,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
     p.add_argument("--chunk", type=int, default=None, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", choices=list(POLICIES), default="ooo", help="prefill schedule (default ooo)")
+    p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto",
+                   help="decode after the prompt: int8 (INT8 linears, static K/V cache), fp32 (Hugging Face's own "
+                        "float forward, token for token) or auto (default: int8 where the family allows it)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="write the prefill's Chrome/Perfetto trace and timeline PNG into DIR")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -466,6 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablation", action="store_true",
                    help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")
+    p.add_argument("--e2e", action="store_true",
+                   help="instead: time to first token and decode speed of one prompt (--prompt/--prompt-file) for HF "
+                        "eager generate, the wrapper with float and INT8 decode, and llama.cpp")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="with --e2e: prompt text")
+    src.add_argument("--prompt-file", help="with --e2e: read the prompt from this text file")
+    p.add_argument("--chat", action="store_true", help="with --e2e: wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="with --e2e: tokens to generate (default 64)")
     _add_output_args(p)
     p.set_defaults(func=cmd_bench)
 

@@ -51,6 +51,25 @@ def tokenize(lm: LoadedModel, text: str) -> Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def calibration_ids(lm: LoadedModel, path: Path | None = None) -> Tensor:
+    """The calibration token stream: the text of ``path``, or the shipped calibration text in which, when
+    the tokenizer has a chat template, every other paragraph is wrapped in it as a user turn (chat is
+    the main job, and its special tokens and role headers shape the activations too)."""
+    text = read_text(path, "calib")
+    tok = lm.tokenizer
+    if path is not None or tok is None or not getattr(tok, "chat_template", None):
+        return tokenize(lm, text)
+    parts = []
+    for i, paragraph in enumerate(p for p in text.split("\n") if p.strip()):
+        if i % 2:
+            parts.append(torch.tensor(tok.apply_chat_template([{"role": "user", "content": paragraph}],
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"], dtype=torch.int64))
+        else:
+            parts.append(tokenize(lm, paragraph + "\n"))
+    return torch.cat(parts)
+
+
 def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
     """[n, window] non-overlapping windows; each predicts window-1 tokens; n*(window-1) >= max_tokens when possible."""
     if window < 2:

@@ -1,14 +1,17 @@
 """Hugging Face door: ``LlmNpuForCausalLM`` — load, prepare, ``generate()``.
 
 The prompt runs through the NPU path (chunk graphs, shadow outliers, out-of-order executor) and the
-tokens after it are decoded by the model's own ``transformers`` forward on the CPU, in float, from
-the KV cache the prefill produced: the paper's split (prefill on the NPU, decode on the CPU).
+tokens after it are decoded on the CPU from the KV cache the prefill produced: the paper's split.
+Decode is ``runtime/decode.Int8Decoder`` (INT8 linears with per-token dynamic scales, the K/V in a
+static cache written in place) for the llama-style families, or the model's own float ``transformers``
+forward (``decode="fp32"``, and the families the INT8 decoder does not cover).
 
 ``generate`` is ``transformers``' own, with every argument it takes (sampling, streamers, stopping
-criteria, logits processors). Only its prefill step is replaced, for the duration of the call.
-Several wrappers may share one model and generate from several threads at once: the model's prefill
-is routed, per thread, to the wrapper whose ``generate`` is running (a plain ``model.generate``
-keeps Hugging Face's own), and the model is left as it was when the last call ends.
+criteria, logits processors). Only its prefill step (and, with INT8 decode, its decode forward) is
+replaced, for the duration of the call. Several wrappers may share one model and generate from
+several threads at once: the model's prefill and forward are routed, per thread, to the wrapper whose
+``generate`` is running (a plain ``model.generate`` keeps Hugging Face's own), and the model is left
+as it was when the last call ends.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
 from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
 from .quantize import Calibration, QuantConfig
+from .runtime.decode import DecodeCache, Int8Decoder, unsupported
+
+DECODE_MODES = ("auto", "int8", "fp32")
 
 
 _routes = threading.local()       # this thread's running wrapper, per model id
@@ -43,6 +49,21 @@ def _route_prefill(model: nn.Module):
     return prefill
 
 
+def _route_forward(model: nn.Module):
+    """The ``forward`` installed on a model while some wrapper generates with it: a decode step on an
+    INT8 wrapper's own cache goes to its decoder, everything else to the model's forward."""
+    original = type(model).forward.__get__(model)
+
+    def forward(*args, **kwargs):
+        wrapper = getattr(_routes, "by_model", {}).get(id(model))
+        cache = kwargs.get("past_key_values")
+        if wrapper is not None and wrapper.decoder is not None and isinstance(cache, DecodeCache):
+            return wrapper._decode(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return forward
+
+
 def fill_cache(cache, result) -> None:
     """Put a prefill's K/V into a transformers cache (its layers crop sliding windows as HF does)."""
     for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
@@ -57,6 +78,9 @@ class LlmNpuForCausalLM:
         tokenizer: the model's tokenizer (taken from a ``LoadedModel`` when not given).
         chunk_len, backend, quant, calibration, policy: as for ``Prefiller``.
         pruning_rate, clip_percentile: the shadow outlier knobs (default 0.85 and the 99.5th percentile).
+        decode: ``"int8"`` (``runtime/decode.Int8Decoder``), ``"fp32"`` (the model's own float forward,
+            token for token Hugging Face's decode) or ``"auto"`` (default: INT8 where the family allows
+            it and the prefill is quantized, else fp32).
 
     Calibration artefacts and compiled graphs are cached on disk, so a second start is fast.
     """
@@ -64,7 +88,10 @@ class LlmNpuForCausalLM:
     def __init__(self, model: LoadedModel | nn.Module, tokenizer=None, *, chunk_len: int = DEFAULT_CHUNK,
                  backend: str = "cpu-int8", quant: QuantConfig | str | None = "w8a8-shadow",
                  pruning_rate: float | None = None, clip_percentile: float | None = None,
-                 calibration: Calibration | None = None, policy: str = "ooo", progress: bool = True):
+                 calibration: Calibration | None = None, policy: str = "ooo", decode: str = "auto",
+                 progress: bool = True):
+        if decode not in DECODE_MODES:
+            raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(DECODE_MODES)}")
         if not isinstance(model, LoadedModel):
             if not (isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "generate")):
                 raise LlmNpuError(f"expected a transformers causal LM or load_model(...), got {type(model).__name__}")
@@ -76,8 +103,22 @@ class LlmNpuForCausalLM:
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.engine = Prefiller(model, chunk_len, backend, quant_config(quant, pruning_rate, clip_percentile),
                                 calibration, progress=progress, policy=policy)
+        self.decoder = self._make_decoder(decode)
         self.last_prefill: dict = {}
         self._lock = threading.Lock()
+
+    def _make_decoder(self, decode: str) -> Int8Decoder | None:
+        reason = unsupported(self.model.config)
+        if decode == "fp32" or (decode == "auto" and (reason or self.engine.quant is None)):
+            return None
+        if reason:
+            raise LlmNpuError(f"INT8 decode does not support {reason}: use decode='fp32'")
+        return Int8Decoder(self.model, "int8")
+
+    @property
+    def decode_mode(self) -> str:
+        """``"int8"`` or ``"fp32"``: how tokens after the prompt are computed."""
+        return "fp32" if self.decoder is None else "int8"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, **kwargs) -> "LlmNpuForCausalLM":
@@ -105,6 +146,9 @@ class LlmNpuForCausalLM:
     @torch.inference_mode()
     def generate(self, *args, **kwargs):
         """``transformers``' ``generate`` with the prompt prefilled by the NPU path (batch 1, no padding)."""
+        if self.decoder is not None and kwargs.get("past_key_values") is not None:
+            raise LlmNpuError("INT8 decode keeps the K/V in its own static cache: drop past_key_values, "
+                              "or use decode='fp32'")
         with self._lock, self._npu_prefill():
             return self.model.generate(*args, **kwargs)
 
@@ -114,6 +158,7 @@ class LlmNpuForCausalLM:
         with _patch_lock:
             if _patched.get(key, 0) == 0:
                 model._prefill = _route_prefill(model)   # an instance attribute shadows GenerationMixin._prefill
+                model.forward = _route_forward(model)    # ... and the class's forward (nn.Module calls self.forward)
             _patched[key] = _patched.get(key, 0) + 1
         routes = _routes.__dict__.setdefault("by_model", {})
         outer = routes.get(key)
@@ -130,6 +175,7 @@ class LlmNpuForCausalLM:
                 if _patched[key] == 0:
                     del _patched[key]
                     del model._prefill
+                    del model.forward
 
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration: bool = True):
         cache = model_kwargs.get("past_key_values")
@@ -149,10 +195,21 @@ class LlmNpuForCausalLM:
                           f"{self.engine.chunk_len} (chunk_len)", stacklevel=2)
         t = time.perf_counter()
         result = self.engine(input_ids)
+        if self.decoder is not None:      # the decoder's static cache, sized for the whole generation
+            cache = DecodeCache(self.model.config, max(generation_config.max_length, result.tokens + 1))
+            model_kwargs["past_key_values"] = cache
         fill_cache(cache, result)
         self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
         return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)
+
+    def _decode(self, input_ids=None, past_key_values=None, **_):
+        """One INT8 decode step in place of the model's forward (generate's other arguments — attention
+        mask, positions — follow from the cache's own length)."""
+        if input_ids is None or input_ids.shape != (1, 1):
+            raise LlmNpuError("INT8 decode takes one new token id per step (batch 1)")
+        logits = self.decoder.step(input_ids, past_key_values)
+        return CausalLMOutputWithPast(logits=logits[None], past_key_values=past_key_values)
 
 
 @torch.inference_mode()
@@ -161,14 +218,16 @@ def greedy_agreement(wrapper: LlmNpuForCausalLM, prompts: list[torch.Tensor], ma
 
     ``free_running``: share of positions where the two greedy continuations agree (one early miss
     changes everything after it). ``teacher_forced``: share of the float continuation's tokens the
-    wrapper predicts when fed the float continuation itself (its prefill, then float decode from
-    that KV cache): the per-token agreement, free of that cascade. ``first_token``: prompts whose
-    first generated token agrees.
+    wrapper's prefill predicts when fed the float continuation itself (its prefill, then float decode
+    from that KV cache): the per-token agreement, free of that cascade. ``first_token``: prompts whose
+    first generated token agrees. With INT8 decode, ``decode_teacher_forced``: from the same prefill
+    and fed the same continuation, the share of steps where INT8 decode's greedy token is float
+    decode's: the decoder's own agreement.
     """
     from transformers import DynamicCache
 
     model = wrapper.model
-    forced = free = total = first = ref_tokens = 0
+    forced = free = total = first = ref_tokens = decode_same = decode_steps = 0
     for ids in prompts:
         ref = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:]
         got = wrapper.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:]
@@ -182,7 +241,17 @@ def greedy_agreement(wrapper: LlmNpuForCausalLM, prompts: list[torch.Tensor], ma
         fill_cache(cache, result)
         pred = [result.logits.argmax().reshape(1)]
         if len(ref) > 1:
-            pred.append(model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1))
+            float_steps = model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
+            pred.append(float_steps)
+            if wrapper.decoder is not None:
+                static = DecodeCache(model.config, result.tokens + len(ref))
+                fill_cache(static, result)
+                int8_steps = torch.stack([wrapper.decoder.step(t.reshape(1, 1), static)[0].argmax() for t in ref[:-1]])
+                decode_same += int((int8_steps == float_steps).sum())
+                decode_steps += len(ref) - 1
         forced += int((torch.cat(pred) == ref).sum())
-    return {"prompts": len(prompts), "teacher_forced": forced / ref_tokens, "free_running": free / total,
-            "first_token": first / len(prompts)}
+    out = {"prompts": len(prompts), "teacher_forced": forced / ref_tokens, "free_running": free / total,
+           "first_token": first / len(prompts)}
+    if decode_steps:
+        out["decode_teacher_forced"] = decode_same / decode_steps
+    return out

@@ -242,12 +242,12 @@ class Prefiller:
 def default_calibration(lm: LoadedModel | None, progress: bool = True, config: CalibConfig = CalibConfig(),
                         text_file=None) -> Calibration:
     """The cached calibration of ``lm`` on the shipped calibration text (or ``text_file``)."""
-    from .evaluate import read_text, tokenize
+    from .evaluate import calibration_ids
 
     if lm is None:
         raise LlmNpuError("a quantized prefill needs a calibration: pass calibration=..., or a LoadedModel "
                           "(load_model(...)) so the shipped calibration text can be tokenized")
-    ids = tokenize(lm, read_text(text_file, "calib"))
+    ids = calibration_ids(lm, text_file)
     return load_or_calibrate(lm.model, ids, lm.fingerprint, config, progress=progress)
 
 

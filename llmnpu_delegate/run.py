@@ -76,7 +76,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "prefill_tok_s": round(pre["tokens"] / pre["prefill_s"], 1),
         "decode_tok_s": round((len(times) - 1) / decode_s, 1) if decode_s > 0 else None,
         "outlier_share": round(pre["outlier_share"], 6),
-        "decode_mode": "float, CPU",
+        "decode_mode": "INT8, CPU" if wrapper.decode_mode == "int8" else "float (Hugging Face forward), CPU",
         "policy": wrapper.engine.last_run.policy if wrapper.engine.last_run else None,
         "text": wrapper.tokenizer.decode(new, skip_special_tokens=True),
     }

@@ -8,10 +8,13 @@ from .attention import causal_mask, chunk_attention  # noqa: F401
 from .ops import (  # noqa: F401
     QMAX,
     dequantize,
+    dynamic_linear,
+    dynamic_linear_reference,
     int8_linear,
     outlier_compensate,
     outlier_extract,
     outlier_product,
+    prepack_dynamic,
     quantize,
     quantize_u8,
     w8a8_linear,

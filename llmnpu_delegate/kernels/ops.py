@@ -226,3 +226,32 @@ def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
 @outlier_compensate.register_fake
 def _(y, residue, w_rows):
     return torch.empty_like(y)
+
+
+# --------------------------------------------------------------------------- decode: dynamic INT8 linear
+def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
+    """An INT8 weight [N, K] with per-output-channel scales, packed once for ``dynamic_linear``
+    (fbgemm's layout: VNNI u8 x s8 with int32 accumulation on this CPU)."""
+    with warnings.catch_warnings():   # qint8 tensor creation is deprecated; the packed weight is what we keep
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(w_q, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.int64), 0)
+        return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+
+
+def dynamic_linear(x: Tensor, packed) -> Tensor:
+    """float [M, K] -> per-row-block dynamic INT8 (each call's own range, asymmetric u8) x packed INT8
+    weight -> int32 -> float [M, N]: one fused call, no float weight read. Decode calls it with M = 1,
+    so the activation scale is the token's own."""
+    return torch.ops.quantized.linear_dynamic(x, packed, False)
+
+
+def dynamic_linear_reference(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """What ``dynamic_linear`` computes, in plain integer arithmetic (for parity tests): x quantized to
+    u8 over [min(x, 0), max(x, 0)] with a zero point, exact int64 products, dequantized."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = (hi - lo) / 255 or 1.0
+    zero = int(min(max(round(-lo / scale), 0), 255))
+    x_q = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.int64)
+    acc = (x_q - zero) @ w_q.to(torch.int64).t()
+    out = acc.to(torch.float64) * (scale * w_scale.double())
+    return (out if bias is None else out + bias.double()).float()

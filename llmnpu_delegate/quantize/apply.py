@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import LlmNpuError
 from ..kernels import QMAX
+from . import auto
 from .calibrate import Calibration, quantizable_linears
 from .config import QuantConfig
 from .importance import (
@@ -83,12 +84,14 @@ def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fing
     calib.check_model(fingerprint)
     linears = quantizable_linears(model)
     calib.check_linears(linears)
-    if config.prunes and config.importance == "output" and importance_key(config) not in calib.importance:
+    needs_profile = config.prunes and config.importance == "output" and importance_key(config) not in calib.importance
+    if needs_profile or (config.prunes and config.pruning_rate == "auto" and auto.chosen(calib, config) is None):
         try:
             quantize_(model, calib, config, fingerprint, progress)
         finally:
             for name, lin in linears.items():
                 _set_submodule(model, name, lin)
+    config = auto.resolve(config, calib)
     pruned: set[str] = set()
     if config.prunes:
         importance = (ratio_importance(calib, config.clip_percentile) if config.importance == "ratio"
@@ -144,6 +147,14 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
                 if calib.path is not None:
                     calib.save()
             importance = calib.importance[key]
+        if config.pruning_rate == "auto" and auto.chosen(calib, config) is None:
+            if config.importance != "output":
+                raise LlmNpuError("pruning_rate='auto' ranks layers by measured output effect: use importance='output'")
+            calib.importance[auto.auto_key(config)] = auto.choose_rate(model, layers, calib, config)
+            if calib.path is not None:
+                calib.save()
+        config = auto.resolve(config, calib)
+        report.config = config
         pruned = layers_to_prune(importance, config.pruning_rate)
     for name, q in layers.items():
         q.pruned = name in pruned

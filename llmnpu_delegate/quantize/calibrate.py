@@ -22,7 +22,7 @@ from ..models import decoder_layers
 from ..paths import DamagedFile, cache_dir, load_checked, save_checked
 from .config import CalibConfig
 
-CALIB_VERSION = 2     # 2: a checked file (header with a checksum); structure validated on load
+CALIB_VERSION = 3     # 2: a checked file (header with a checksum); 3: held-apart windows (held_ids)
 KIND = "calibration"
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class Calibration:
     layers: dict[str, LayerStats]
     probe_ids: Tensor                        # [n, L] token ids for output-effect profiling
     importance: dict[str, dict[str, float]] = field(default_factory=dict)
+    # [n, L] windows of the calibration text that no calibration sample touches: the automatic pruning
+    # rate is checked on them (quantize/auto.py)
+    held_ids: Tensor | None = None
     version: int = CALIB_VERSION
     path: Path | None = None                 # where it was loaded from / saved to
 
@@ -91,7 +94,7 @@ class Calibration:
         payload = {"version": self.version, "model_fingerprint": self.model_fingerprint,
                    "config": self.config.to_dict(), "text_sha": self.text_sha,
                    "layers": {n: s.to_dict() for n, s in self.layers.items()},
-                   "probe_ids": self.probe_ids, "importance": self.importance}
+                   "probe_ids": self.probe_ids, "importance": self.importance, "held_ids": self.held_ids}
         save_checked(payload, path, KIND)
         self.path = path
         return path
@@ -140,8 +143,11 @@ class Calibration:
             raise TypeError("probe_ids is not a [n, L] int64 tensor")
         importance = {key: {n: _typed(v, float, f"importance[{key}]") for n, v in _typed(table, dict, key).items()}
                       for key, table in _typed(d["importance"], dict, "importance").items()}
+        held = d["held_ids"]
+        if held is not None and (not isinstance(held, Tensor) or held.dim() != 2 or held.dtype != torch.int64):
+            raise TypeError("held_ids is not a [n, L] int64 tensor")
         return cls(_typed(d["model_fingerprint"], str, "model_fingerprint"), config,
-                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, d["version"], path)
+                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, held, d["version"], path)
 
 
 def _typed(value, kind, what: str):
@@ -159,6 +165,22 @@ def default_calibration_path(fingerprint: str, text_sha: str, config: CalibConfi
 
 def text_sha(ids: Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()
+
+
+HELD_WINDOWS, HELD_TOKENS = 4, 256
+
+
+def held_apart_windows(ids: Tensor, config: CalibConfig) -> Tensor | None:
+    """Up to ``HELD_WINDOWS`` windows of ``HELD_TOKENS`` from the middle of the gaps between
+    calibration samples (``calibration_samples``): text of the same kind that calibration never saw.
+    None when the samples leave no such gap."""
+    stride = (ids.numel() - config.tokens) // max(config.samples - 1, 1)
+    gap = stride - config.tokens
+    if config.samples < 2 or gap < HELD_TOKENS:
+        return None
+    starts = [i * stride + config.tokens + (gap - HELD_TOKENS) // 2 for i in range(config.samples - 1)]
+    step = max(len(starts) // HELD_WINDOWS, 1)
+    return torch.stack([ids[s: s + HELD_TOKENS] for s in starts[::step][:HELD_WINDOWS]])
 
 
 def calibration_samples(ids: Tensor, config: CalibConfig) -> Tensor:
@@ -259,7 +281,8 @@ def calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConf
     # The probe: the first calibration sequences, n x L = probe_tokens (L <= tokens per sample).
     length = min(config.tokens, config.probe_tokens)
     probe = samples[: min(len(samples), math.ceil(config.probe_tokens / length)), :length].clone()
-    return Calibration(fingerprint, config, text_sha(ids), rec.stats(), probe)
+    return Calibration(fingerprint, config, text_sha(ids), rec.stats(), probe,
+                       held_ids=held_apart_windows(ids, config))
 
 
 def load_or_calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConfig = CalibConfig(),

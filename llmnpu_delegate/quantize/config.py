@@ -62,6 +62,9 @@ class QuantConfig:
         clip_percentile: percentile of |x| used as the clipping threshold in "shadow" mode.
         pruning_rate: share of linear layers whose shadow path is removed ("shadow" mode); a
             pruned layer quantizes with its full-range scale, so nothing is silently clipped.
+            "auto" (default): the highest rate whose measured cost on held-apart calibration text
+            stays within ``pruning_budget`` (``quantize/auto.py``).
+        pruning_budget: for "auto", the allowed perplexity increase over no pruning (0.01: 1 %).
         importance: how layers are ranked for pruning: "output" (measured effect of removing the
             layer's shadow path on the model's output distribution) or "ratio" (the paper's
             largest outlier / quantization scale).
@@ -71,7 +74,8 @@ class QuantConfig:
     outliers: str = "shadow"
     weights: str = "channel"
     clip_percentile: float = 99.5
-    pruning_rate: float = 0.85
+    pruning_rate: float | str = "auto"
+    pruning_budget: float = 0.01
     importance: str = "output"
     hot_coverage: float = 0.8
     smooth_alpha: float = 0.5
@@ -84,8 +88,11 @@ class QuantConfig:
             raise LlmNpuError(f"weights must be one of {WEIGHT_GRANULARITIES}, got '{self.weights}'")
         if self.importance not in IMPORTANCE_MEASURES:
             raise LlmNpuError(f"importance must be one of {IMPORTANCE_MEASURES}, got '{self.importance}'")
-        if not 0.0 <= self.pruning_rate <= 1.0:
-            raise LlmNpuError(f"pruning_rate must lie in [0, 1], got {self.pruning_rate}")
+        if self.pruning_rate != "auto" and not (isinstance(self.pruning_rate, (int, float))
+                                                and 0.0 <= self.pruning_rate <= 1.0):
+            raise LlmNpuError(f"pruning_rate must be 'auto' or lie in [0, 1], got {self.pruning_rate!r}")
+        if not 0.0 <= self.pruning_budget < 1.0:
+            raise LlmNpuError(f"pruning_budget must lie in [0, 1), got {self.pruning_budget}")
         if not 0.0 <= self.hot_coverage <= 1.0:
             raise LlmNpuError(f"hot_coverage must lie in [0, 1], got {self.hot_coverage}")
         if not 0.0 < self.smooth_alpha < 1.0:
@@ -93,7 +100,7 @@ class QuantConfig:
 
     @property
     def prunes(self) -> bool:
-        return self.outliers == "shadow" and self.pruning_rate > 0
+        return self.outliers == "shadow" and (self.pruning_rate == "auto" or self.pruning_rate > 0)
 
     to_dict = asdict
 

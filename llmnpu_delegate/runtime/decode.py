@@ -1,0 +1,184 @@
+"""CPU decode for the Hugging Face wrapper: one token per step, INT8 linears, the prefill's K/V in place.
+
+After the NPU prefill, the paper decodes on the CPU. Hugging Face's eager forward spends most of a
+step outside arithmetic (module calls, masks, cache bookkeeping) and reads every weight in fp32:
+~45 ms a token on the embedded model. ``Int8Decoder`` runs the same step as a short loop:
+
+- every linear of a block is an INT8 GEMM (per-output-channel weights, packed once) with the token's
+  own dynamic activation scale (``kernels.dynamic_linear``); the linears that read one activation
+  (q/k/v, gate/up) are one GEMM. The token's few largest inputs to each linear go through float
+  weight rows instead (the shadow idea, per token), and the lm_head runs in bf16: both measured
+  against float decode on calibration text (``benchmarks/decode_accuracy.py``);
+- the K/V live in a transformers ``StaticCache``, written once by the prefill; a step writes its one
+  row in place and attends over a view of the filled rows: nothing is copied per step;
+- torch runs it with every core.
+
+Supported: the llama-style families (``llama``, ``qwen2``, ``mistral`` without a sliding window). Others
+decode with the model's own forward (``decode="fp32"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import StaticCache
+
+from .. import kernels as K
+from ..errors import LlmNpuError
+from ..quantize.linear import quantize_weight
+
+FAMILIES = ("llama", "qwen2", "mistral")
+MODES = ("int8", "fp32")
+OUTLIERS = 8
+
+
+def unsupported(config) -> str | None:
+    """Why ``Int8Decoder`` cannot run this model (None when it can)."""
+    if config.model_type not in FAMILIES:
+        return f"the {config.model_type} family (INT8 decode runs {', '.join(FAMILIES)})"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding-window attention"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        return f"the {config.hidden_act} activation"
+    return None
+
+
+class _Linear:
+    """One (possibly stacked) linear of the decode step, from its float weight ``w`` [N, K] and bias.
+
+    ``int8``: INT8 weights (per output channel, packed once) and the token's own dynamic activation
+    scale. One token's few largest inputs would set that scale and leave ordinary values a handful of
+    codes, so the ``outliers`` largest-magnitude inputs are taken out before quantizing and added back
+    through their weight rows (W^T rows kept in bf16): the prefill's shadow path, per token.
+    ``bf16``: bf16 weights (used for the lm_head, whose INT8 form costs the most agreement for the
+    same speed). ``fp32``: the float reference.
+    """
+
+    def __init__(self, w: Tensor, b: Tensor | None, kind: str, outliers: int = 0):
+        self.kind, self.bias = kind, b
+        self.outliers = min(outliers, w.shape[1]) if kind == "int8" else 0
+        if kind == "int8":
+            w_q, w_scale = quantize_weight(w, "channel")
+            self.packed = K.prepack_dynamic(w_q, w_scale, b)
+            self.rows = w.t().to(torch.bfloat16).contiguous() if self.outliers else None
+            self.bytes = w_q.numel()
+        else:
+            self.weight = w.to(torch.bfloat16 if kind == "bf16" else torch.float32).contiguous()
+            self.bytes = self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.kind == "fp32":
+            return F.linear(x, self.weight, self.bias)
+        if self.kind == "bf16":
+            y = F.linear(x.to(torch.bfloat16), self.weight).float()
+            return y if self.bias is None else y.add_(self.bias)
+        if not self.outliers:
+            return K.dynamic_linear(x, self.packed)
+        top = x[0].abs().topk(self.outliers).indices
+        y = K.dynamic_linear(x.index_fill(1, top, 0.0), self.packed)
+        return y.addmm_(x.index_select(1, top), self.rows.index_select(0, top).float())
+
+
+def _stack(mods: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    w = torch.cat([m.weight.detach().float() for m in mods])
+    if all(m.bias is None for m in mods):
+        return w, None
+    return w, torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features) for m in mods])
+
+
+@dataclass
+class _Block:
+    norm1: Tensor          # RMSNorm weights
+    qkv: _Linear
+    o: _Linear
+    norm2: Tensor
+    gate_up: _Linear
+    down: _Linear
+
+
+class Int8Decoder:
+    """The decode step of a llama-style ``transformers`` model, INT8 (``mode="int8"``) or float
+    (``mode="fp32"``, the same loop with float weights: the parity reference of the loop itself).
+
+    Args:
+        model: the float ``*ForCausalLM`` (left unchanged; its embedding and rotary module are used).
+        mode: ``"int8"`` or ``"fp32"``.
+        outliers: per token and linear, how many of the largest inputs go through the float rows
+            (``_Linear``); measured on calibration text (``benchmarks/decode_accuracy.py``).
+    """
+
+    def __init__(self, model: nn.Module, mode: str = "int8", outliers: int = OUTLIERS):
+        reason = unsupported(model.config)
+        if reason:
+            raise LlmNpuError(f"INT8 decode does not support {reason}: use decode='fp32'")
+        if mode not in MODES:
+            raise LlmNpuError(f"unknown decode mode '{mode}': use one of {', '.join(MODES)}")
+        cfg = model.config
+        self.mode = mode
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = cfg.hidden_size
+        self.act = F.silu if cfg.hidden_act == "silu" else (
+            lambda x: F.gelu(x, approximate="tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"))
+        base = model.model
+        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.eps = base.norm.variance_epsilon
+        kind = "int8" if mode == "int8" else "fp32"
+
+        def linear(*mods: nn.Linear) -> _Linear:
+            return _Linear(*_stack(list(mods)), kind, outliers)
+
+        self.blocks = [_Block(blk.input_layernorm.weight.detach().float(),
+                              linear(blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj),
+                              linear(blk.self_attn.o_proj), blk.post_attention_layernorm.weight.detach().float(),
+                              linear(blk.mlp.gate_proj, blk.mlp.up_proj), linear(blk.mlp.down_proj))
+                       for blk in base.layers]
+        self.final_norm = base.norm.weight.detach().float()
+        self.lm_head = _Linear(*_stack([model.lm_head]), "bf16" if mode == "int8" else "fp32")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weight bytes one step reads (the embedding row aside)."""
+        return self.lm_head.bytes + sum(lin.bytes for b in self.blocks for lin in (b.qkv, b.o, b.gate_up, b.down))
+
+    @torch.inference_mode()
+    def step(self, token: Tensor, cache) -> Tensor:
+        """Logits [1, V] of the token after ``token`` ([1, 1] ids) at position ``cache.get_seq_length()``;
+        the token's K/V are written into ``cache`` (a transformers ``StaticCache``) in place."""
+        pos = int(cache.get_seq_length())
+        size = cache.layers[0].max_cache_len
+        if pos >= size:
+            raise LlmNpuError(f"the decode cache holds {size} tokens and is full: "
+                              "generate fewer tokens (max_new_tokens)")
+        h = self.embed(token.reshape(1, 1))                                  # [1, 1, H]
+        cos, sin = self.rotary(h, torch.tensor([[pos]]))                     # [1, 1, d]
+        cos, sin = cos[0], sin[0]
+        nq, nkv, d = self.heads, self.kv_heads, self.head_dim
+        h = h.reshape(1, self.hidden)
+        for i, b in enumerate(self.blocks):
+            q, k, v = b.qkv(F.rms_norm(h, b.norm1.shape, b.norm1, self.eps)).split([nq * d, nkv * d, nkv * d], dim=-1)
+            qk = _rope(torch.cat([q, k], -1).view(nq + nkv, d), cos, sin)
+            q, k = qk[:nq].view(1, nq, 1, d), qk[nq:].view(1, nkv, 1, d)
+            keys, values = cache.layers[i].update(k, v.view(1, nkv, 1, d))
+            a = F.scaled_dot_product_attention(q, keys[:, :, :pos + 1], values[:, :, :pos + 1], enable_gqa=True)
+            h = h + b.o(a.view(1, nq * d))
+            gate, up = b.gate_up(F.rms_norm(h, b.norm2.shape, b.norm2, self.eps)).chunk(2, dim=-1)
+            h = h + b.down(self.act(gate).mul_(up))
+        return self.lm_head(F.rms_norm(h, self.final_norm.shape, self.final_norm, self.eps))
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``x`` [n, d] with HF's half-split layout (``rotate_half``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[:, half:], x[:, :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecodeCache(StaticCache):
+    """The decoder's K/V: a transformers ``StaticCache`` (one [1, KVH, size, d] buffer per layer, written
+    in place), typed so the wrapper knows a decode step on it is the decoder's."""
+
+    def __init__(self, config, size: int):
+        super().__init__(config=config, max_cache_len=size)
