@@ -30,7 +30,8 @@ lm = load_model(args.model)
 model = lm.model
 text = tokenize(lm, read_text(None, "calib"))
 decoders = {k: Int8Decoder(model, "int8", outliers=k) for k in args.outliers}
-stats = {k: {"same": 0, "steps": 0, "err": 0.0, "ref": 0.0, "times": []} for k in args.outliers}
+decoders["bf16"] = Int8Decoder(model, "bf16")
+stats = {k: {"same": 0, "steps": 0, "err": 0.0, "ref": 0.0, "times": []} for k in decoders}
 with torch.inference_mode():
     for w in range(args.windows):
         start = 4000 + 4000 * w

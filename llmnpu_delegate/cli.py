@@ -213,6 +213,9 @@ def cmd_run(args) -> dict:
     if args.native and args.pte is None:
         raise LlmNpuError("--native runs an exported program: give it with --pte FILE (llmnpu export writes one)")
     if args.pte is not None:
+        if args.decode != "auto":
+            raise LlmNpuError("--decode chooses the wrapper's decoder; an exported program decodes with its own "
+                              "method (set at export: llmnpu export --decode)")
         return _run_pte(args, prompt)
     from .prefill import BACKENDS, DEFAULT_CHUNK
 

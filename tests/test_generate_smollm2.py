@@ -9,6 +9,10 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain photosynthesis in one sentence.", "Give me a tip for learning Python."]
 
 
+GATE_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
+                  "Explain photosynthesis in one sentence.", "What is 12 times 7?", "Give me a tip for learning Python."]
+
+
 def _chat(tok, question):
     return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                    return_tensors="pt", return_dict=True)["input_ids"]
@@ -24,13 +28,16 @@ def test_float_generate_equals_hf_on_the_embedded_model(smollm2):
 
 
 def test_shadow_generate_agrees_with_float(smollm2):
-    """Default W8A8 + shadow (85 % pruning, calibration on the shipped news text)."""
+    """Default W8A8 + shadow (automatic pruning rate, calibration on the shipped news text with chat
+    samples) and INT8 decode, on benchmarks/greedy_agreement.py's six prompts."""
     wrapper = LlmNpuForCausalLM(smollm2, progress=False)
-    prompts = [_chat(smollm2.tokenizer, q) for q in QUESTIONS]
+    prompts = [_chat(smollm2.tokenizer, q) for q in GATE_QUESTIONS]
     agreement = greedy_agreement(wrapper, prompts, max_new_tokens=24)
     print("greedy agreement with float:", agreement)
     # measured 0.825 here (0.85 over six prompts; naive W8A8 at the absolute-maximum scale: 0.70)
     assert agreement["teacher_forced"] >= 0.75
+    # INT8 decode against float decode from the same prefill, fed the same tokens: the issue's gate
+    assert agreement["decode_teacher_forced"] >= 0.97
     naive = LlmNpuForCausalLM(smollm2, quant="w8a8", progress=False)
     assert greedy_agreement(naive, prompts, max_new_tokens=24)["teacher_forced"] < agreement["teacher_forced"]
 

@@ -107,7 +107,7 @@ def test_unsupported_inputs_are_refused_clearly(llama):
 
 
 def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
-    """W8A8+shadow: generate's first token and the decode steps use the engine's logits and K/V."""
+    """W8A8+shadow: generate's first token and the (float) decode steps use the engine's logits and K/V."""
     from conftest import inject_outliers
 
     lm = load_model("random:tiny-llama")
@@ -116,7 +116,7 @@ def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
 
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint, CalibConfig(samples=4, tokens=128,
                                                                                              probe_tokens=128))
-    wrapper = LlmNpuForCausalLM(lm, chunk_len=16, calibration=calib, progress=False)
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=16, calibration=calib, decode="fp32", progress=False)
     ids = torch.randint(0, 1000, (1, 50))
     out = wrapper.generate(ids, max_new_tokens=6, do_sample=False)[0, 50:]
     # reference: the engine's prefill, then the float model decoding from that cache by hand

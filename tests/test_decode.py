@@ -1,0 +1,132 @@
+"""INT8 decode (runtime/decode.py): the kernel against integer arithmetic, the decode loop against
+Hugging Face's own decode step, the per-token outlier path against its definition, and the wrapper's
+use of it (static cache written in place, generate's arguments, clear refusals)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from llmnpu_delegate import kernels as K
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.quantize.linear import quantize_weight
+from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear
+
+
+def _sqnr(ref, got):
+    return float(10 * torch.log10(ref.pow(2).mean() / (got - ref).pow(2).mean()))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (1, 1536, 576), (3, 64, 40)])
+def test_dynamic_linear_is_integer_arithmetic(m, k, n):
+    """fbgemm's dynamic INT8 linear equals exact integer arithmetic on the same quantized operands, far
+    closer than either is to the float product (a float matmul posing as INT8 would be the reverse)."""
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(m, k) * 3
+    x[0, 5] = 40.0                                     # an outlier sets the token's range
+    w_q, w_scale = quantize_weight(w, "channel")
+    got = K.dynamic_linear(x, K.prepack_dynamic(w_q, w_scale, b))
+    ref = K.dynamic_linear_reference(x, w_q, w_scale, b)
+    quant_error = (ref - F.linear(x, w, b)).abs().max()
+    assert (got - ref).abs().max() < quant_error / 100
+    assert quant_error > 1e-2
+
+
+def test_outlier_path_is_int8_of_the_rest_plus_float_rows():
+    """``_Linear`` with outliers: the top-|x| inputs through float rows, the rest through INT8."""
+    w = torch.randn(96, 128)
+    x = torch.randn(1, 128)
+    x[0, [7, 90]] = torch.tensor([60.0, -45.0])
+    lin = _Linear(w, None, "int8", outliers=2)
+    rest = x.clone()
+    rest[0, [7, 90]] = 0
+    w_q, w_scale = quantize_weight(w, "channel")
+    want = K.dynamic_linear_reference(rest, w_q, w_scale) + x[:, [7, 90]] @ w.t()[[7, 90]].bfloat16().float()
+    assert torch.allclose(lin(x), want, atol=1e-4)
+    plain = _Linear(w, None, "int8")(x)
+    exact = x @ w.t()
+    assert _sqnr(exact, lin(x)) > _sqnr(exact, plain) + 6     # the outliers cost the plain form its range
+
+
+def _prefilled(lm, ids):
+    """The float model's prefill of ``ids``, as the wrapper hands it over (per-layer K/V lists)."""
+    with torch.inference_mode():
+        out = lm.model(ids, use_cache=True)
+
+    class Result:
+        past_k = [layer.keys for layer in out.past_key_values.layers]
+        past_v = [layer.values for layer in out.past_key_values.layers]
+        tokens = ids.shape[1]
+    return out, Result()
+
+
+@pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-qwen2"])
+def test_float_decode_loop_equals_hf_decode_steps(spec):
+    """The loop itself (fp32 mode): logits of 5 steps at positions 40..44 equal HF's, and each step
+    writes one cache row in place (the buffer never moves)."""
+    lm = load_model(spec)
+    ids = torch.randint(0, 1000, (1, 45))
+    out, pre = _prefilled(lm, ids[:, :40])
+    with torch.inference_mode():
+        ref = lm.model(ids[:, 40:], past_key_values=out.past_key_values).logits[0]
+    dec = Int8Decoder(lm.model, "fp32")
+    cache = DecodeCache(lm.model.config, 64)
+    fill_cache(cache, pre)
+    buffer = cache.layers[0].keys.data_ptr()
+    got = torch.stack([dec.step(ids[:, 40 + i:41 + i], cache)[0] for i in range(5)])
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert int(cache.get_seq_length()) == 45 and cache.layers[0].keys.data_ptr() == buffer
+    int8 = Int8Decoder(lm.model, "int8")
+    cache = DecodeCache(lm.model.config, 64)
+    fill_cache(cache, pre)
+    q = torch.stack([int8.step(ids[:, 40 + i:41 + i], cache)[0] for i in range(5)])
+    assert 15 < _sqnr(ref, q) < 60                   # quantized, and close to float
+    with pytest.raises(LlmNpuError, match="full"):
+        small = DecodeCache(lm.model.config, 40)
+        fill_cache(small, pre)
+        int8.step(ids[:, 40:41], small)
+
+
+def test_wrapper_decodes_in_int8_through_generate():
+    """The default wrapper of a llama-style model decodes with the INT8 decoder; generate's own
+    arguments (sampling with a seed, streamer) still work, and decode='fp32' is HF's forward."""
+    lm = load_model("random:tiny-llama")
+    ids = torch.randint(0, 1000, (1, 30))
+    int8 = LlmNpuForCausalLM(lm, chunk_len=16, quant="fp32", decode="int8", progress=False)
+    assert int8.decode_mode == "int8"
+    calls = []
+    step = int8.decoder.step
+    int8.decoder.step = lambda *a: calls.append(1) or step(*a)
+    out = int8.generate(ids, max_new_tokens=6, do_sample=False)[0, 30:]
+    assert len(calls) == 5                                   # every token after the first
+    # reference: the same prefill (float here), then the decoder by hand
+    res = int8.engine(ids)
+    cache = DecodeCache(lm.model.config, 36)
+    fill_cache(cache, res)
+    tokens = [int(res.logits.argmax())]
+    for _ in range(5):
+        tokens.append(int(step(torch.tensor([[tokens[-1]]]), cache).argmax()))
+    assert out.tolist() == tokens
+    torch.manual_seed(3)
+    a = int8.generate(ids, max_new_tokens=5, do_sample=True, temperature=0.8)
+    torch.manual_seed(3)
+    assert int8.generate(ids, max_new_tokens=5, do_sample=True, temperature=0.8).tolist() == a.tolist()
+    assert "forward" not in vars(lm.model) and "_prefill" not in vars(lm.model)
+    fp32 = LlmNpuForCausalLM(lm, chunk_len=16, quant="fp32", progress=False)
+    assert fp32.decode_mode == "fp32"      # auto: a float prefill keeps the float reference decode
+    assert fp32.generate(ids, max_new_tokens=6, do_sample=False).tolist() == \
+        lm.model.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_decode_refusals_are_one_line():
+    lm = load_model("random:tiny-llama")
+    with pytest.raises(LlmNpuError, match="unknown decode mode 'int4'"):
+        LlmNpuForCausalLM(lm, quant="fp32", decode="int4", progress=False)
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=16, quant="fp32", decode="int8", progress=False)
+    with pytest.raises(LlmNpuError, match="drop past_key_values"):
+        wrapper.generate(torch.ones(1, 4, dtype=torch.long), past_key_values=DynamicCache(), max_new_tokens=2)
+    gemma = load_model("random:tiny-gemma2")
+    with pytest.raises(LlmNpuError, match="INT8 decode does not support .*decode='fp32'"):
+        LlmNpuForCausalLM(gemma, chunk_len=16, quant="fp32", decode="int8", progress=False)
+    assert LlmNpuForCausalLM(gemma, chunk_len=16, quant="fp32", progress=False).decode_mode == "fp32"
