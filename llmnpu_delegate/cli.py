@@ -113,6 +113,16 @@ def cmd_partition(args) -> dict:
     return {"model": lm.spec, "quant": args.quant, **summary}
 
 
+def pruning_rate(value: str):
+    """``--pruning-rate``: "auto" or a share in [0, 1]."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1], got '{value}'") from None
+
+
 def _read_prompt(args) -> str:
     from .errors import LlmNpuError
 
@@ -437,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=list(BACKENDS), default=None, help=f"prefill backend (default {BACKENDS[0]})")
     p.add_argument("--quant", choices=list(QUANT_MODES), default=None,
                    help="quantization of the prefill (default w8a8-shadow)")
-    p.add_argument("--pruning-rate", type=float, default=None,
-                   help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None,
+                   help="share of layers without a shadow path (w8a8-shadow): auto (default) or a share in [0, 1]")
     p.add_argument("--chunk", type=int, default=None, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", choices=list(POLICIES), default="ooo", help="prefill schedule (default ooo)")
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto",
@@ -466,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
     p.add_argument("--clip-percentile", type=float, default=None, help="shadow clipping percentile (default 99.5)")
-    p.add_argument("--pruning-rate", type=float, default=None, help="pruning rate of pruned modes (default 0.85)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="pruning rate of pruned modes: auto (default: the highest within 1 %% perplexity on "
+                        "held-apart calibration text) or a share in [0, 1]")
     p.add_argument("--importance", choices=["output", "ratio"], default=None,
                    help="layer ranking for pruning (default: output)")
     p.add_argument("--sweep", action="store_true",
@@ -528,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--quant", choices=list(SIM_QUANT), default="w8a8-shadow", help="default w8a8-shadow")
-    p.add_argument("--pruning-rate", type=float, default=None, help="share of linears without a shadow path (default 0.85)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
     p.add_argument("--norms", choices=["cpu", "npu"], default="cpu", help="where norms run (default cpu)")
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
                    help="scheduling policies (default: all)")
@@ -559,8 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=None, help="keep the first N decoder blocks (a quick check)")
     p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"], default="w8a8-shadow",
                    help="quantization (default w8a8-shadow)")
-    p.add_argument("--pruning-rate", type=float, default=None,
-                   help="share of layers without a shadow path (w8a8-shadow; default 0.85)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None,
+                   help="share of layers without a shadow path (w8a8-shadow): auto (default) or a share in [0, 1]")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
                    help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
                         "in a file read when hit) or dense (the whole linear on the residue: a reference)")

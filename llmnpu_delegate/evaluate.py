@@ -111,7 +111,7 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, 
         entry["hot_rows_mib"] = round(report.hot_rows_bytes / 2**20, 2)
         entry["all_rows_mib"] = round(report.float_rows_bytes / 2**20, 2)
         if config.prunes:
-            entry["pruning_rate"] = config.pruning_rate
+            entry["pruning_rate"] = report.config.pruning_rate      # "auto" resolved to the rate it chose
             entry["importance"] = config.importance
     return entry
 
