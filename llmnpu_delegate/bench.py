@@ -58,8 +58,8 @@ def _hf_once(model, ids: torch.Tensor, threads: int) -> float:
         torch.set_num_threads(saved)
 
 
-def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: int) -> tuple[float | None, str | None]:
-    """(tokens/s of llama.cpp prompt processing of ``ids`` with ``threads`` threads, reason when unavailable)."""
+def _llamacpp(lm: LoadedModel):
+    """(llama.cpp's module, the model's GGUF loaded in it), or (None, why not)."""
     if lm.spec != "smollm2-135m" and not lm.spec.endswith(".gguf"):
         return None, "the model is not a GGUF file"
     try:
@@ -69,7 +69,14 @@ def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: 
     path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == "smollm2-135m" else Path(lm.spec)
     cy.disable_logging()
     cy.ggml_backend_load_all()
-    model = cy.LlamaModel(str(path), cy.LlamaModelParams())
+    return cy, cy.LlamaModel(str(path), cy.LlamaModelParams())
+
+
+def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: int) -> tuple[float | None, str | None]:
+    """(tokens/s of llama.cpp prompt processing of ``ids`` with ``threads`` threads, reason when unavailable)."""
+    cy, model = _llamacpp(lm)
+    if cy is None:
+        return None, model
     tokens = [int(t) for t in ids]          # the very same token ids (same tokenizer, same GGUF)
     times = []
     for _ in range(repeats + 1):            # the first pass warms up
@@ -212,16 +219,9 @@ def _clocked(start: float, times: list[float]) -> dict:
 def llamacpp_generate(lm: LoadedModel, threads: int):
     """A function ``ids, new_tokens -> timings`` of llama.cpp greedy generation on the same GGUF, or
     (None, reason) when unavailable."""
-    if lm.spec != "smollm2-135m" and not lm.spec.endswith(".gguf"):
-        return None, "the model is not a GGUF file"
-    try:
-        from cyllama.llama import llama_cpp as cy
-    except ImportError:
-        return None, "cyllama is not installed (pip install -e '.[bench]')"
-    path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == "smollm2-135m" else Path(lm.spec)
-    cy.disable_logging()
-    cy.ggml_backend_load_all()
-    model = cy.LlamaModel(str(path), cy.LlamaModelParams())
+    cy, model = _llamacpp(lm)
+    if cy is None:
+        return None, model
 
     def generate(ids: torch.Tensor, new_tokens: int) -> dict:
         tokens = [int(t) for t in ids]

@@ -130,3 +130,11 @@ def test_decode_refusals_are_one_line():
     with pytest.raises(LlmNpuError, match="INT8 decode does not support .*decode='fp32'"):
         LlmNpuForCausalLM(gemma, chunk_len=16, quant="fp32", decode="int8", progress=False)
     assert LlmNpuForCausalLM(gemma, chunk_len=16, quant="fp32", progress=False).decode_mode == "fp32"
+
+
+def test_bench_e2e_needs_one_prompt(capsys):
+    from llmnpu_delegate.cli import main
+
+    assert main(["bench", "--e2e", "--model", "random:tiny-llama"]) == 2
+    assert main(["bench", "--model", "random:tiny-llama", "--prompt", "hi"]) == 2
+    assert "--e2e times one prompt" in capsys.readouterr().err
