@@ -116,7 +116,7 @@ def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
 
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint, CalibConfig(samples=4, tokens=128,
                                                                                              probe_tokens=128))
-    wrapper = LlmNpuForCausalLM(lm, chunk_len=16, calibration=calib, decode="fp32", progress=False)
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=16, calibration=calib, pruning_rate=0.5, decode="fp32", progress=False)
     ids = torch.randint(0, 1000, (1, 50))
     out = wrapper.generate(ids, max_new_tokens=6, do_sample=False)[0, 50:]
     # reference: the engine's prefill, then the float model decoding from that cache by hand

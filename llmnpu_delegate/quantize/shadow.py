@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -103,8 +104,25 @@ class ShadowWeights:
         self.hot_rows = torch.from_numpy(np.ascontiguousarray(self._disk[self.hot.numpy()]))  # [h, N]
         self._slot = torch.full((k,), -1, dtype=torch.int64)
         self._slot[self.hot] = torch.arange(self.hot.numel())
+        self._table: Tensor | None = None
         self.cold_fetches = 0    # rows read from disk
         self.hot_hits = 0        # rows served from RAM
+
+    def table(self) -> Tensor:
+        """All of W^T [K, N] as a tensor over the memory-mapped file, without reading it: a sparse
+        product reads only the rows of the channels it hits (hot ones stay in the page cache).
+        Read-only: never write to it."""
+        if self._table is None:
+            with warnings.catch_warnings():        # the mapping is read-only, and so is every use of it
+                warnings.simplefilter("ignore", UserWarning)
+                self._table = torch.from_numpy(self._disk)
+        return self._table
+
+    def count(self, channels: Tensor) -> None:
+        """Count ``channels`` (input channels a product used) as hot hits or cold fetches."""
+        hot = int((self._slot[channels] >= 0).sum())
+        self.hot_hits += hot
+        self.cold_fetches += channels.numel() - hot
 
     @property
     def resident_bytes(self) -> int:
