@@ -28,7 +28,7 @@ def tiny_engine(quant="w8a8-shadow"):
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
                       lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
     # a fixed pruning rate: on random-token text the automatic one prunes every shadow path
-    quant = quant_config(quant, pruning_rate=0.5) if quant == "w8a8-shadow" else quant
+    quant = quant_config(quant, pruning_rate=0.85) if quant == "w8a8-shadow" else quant
     return Prefiller(lm, chunk_len=CHUNK, quant=quant, calibration=calib, progress=False)
 
 

@@ -148,9 +148,7 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
                     calib.save()
             importance = calib.importance[key]
         if config.pruning_rate == "auto" and auto.chosen(calib, config) is None:
-            if config.importance != "output":
-                raise LlmNpuError("pruning_rate='auto' ranks layers by measured output effect: use importance='output'")
-            calib.importance[auto.auto_key(config)] = auto.choose_rate(model, layers, calib, config)
+            calib.importance[auto.auto_key(config)] = auto.choose_rate(model, layers, calib, config, importance)
             if calib.path is not None:
                 calib.save()
         config = auto.resolve(config, calib)

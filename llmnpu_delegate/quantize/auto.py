@@ -26,7 +26,8 @@ GRID = tuple(i / 20 for i in range(21))       # 0, 5 %, ..., 100 %
 
 
 def auto_key(config: QuantConfig) -> str:
-    return f"auto/{importance_key(config)}/budget{config.pruning_budget}"
+    ranking = importance_key(config) if config.importance == "output" else f"ratio/p{config.clip_percentile}"
+    return f"auto/{ranking}/budget{config.pruning_budget}"
 
 
 def chosen(calib: Calibration, config: QuantConfig) -> dict | None:
@@ -41,14 +42,14 @@ def mean_loss(model: nn.Module, ids: Tensor) -> float:
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
 
 
-def choose_rate(model: nn.Module, layers: dict, calib: Calibration, config: QuantConfig) -> dict:
+def choose_rate(model: nn.Module, layers: dict, calib: Calibration, config: QuantConfig,
+                importance: dict[str, float]) -> dict:
     """Pick the rate for ``model``, whose linears are the quantized ``layers`` (QuantLinear, shadow
-    paths built); ``calib.importance`` holds the ranking. Leaves every layer unpruned."""
+    paths built), pruning in the order of ``importance``. Leaves every layer unpruned."""
     if calib.held_ids is None:
         raise LlmNpuError("pruning_rate='auto' needs held-apart calibration text, and this calibration has none "
                           "(its text is too short for the gaps between samples): give a longer calibration text "
                           "or a pruning rate in [0, 1]")
-    importance = calib.importance[importance_key(config)]
     losses: dict[float, float] = {}
 
     def loss(rate: float) -> float:
