@@ -77,7 +77,8 @@ class LlmNpuForCausalLM:
         model: a ``LoadedModel`` (``load_model(...)``) or a ``transformers`` causal LM.
         tokenizer: the model's tokenizer (taken from a ``LoadedModel`` when not given).
         chunk_len, backend, quant, calibration, policy: as for ``Prefiller``.
-        pruning_rate, clip_percentile: the shadow outlier knobs (default 0.85 and the 99.5th percentile).
+        pruning_rate, clip_percentile: the shadow outlier knobs (default "auto": quantize/auto.py, and the
+            99.5th percentile).
         decode: ``"int8"`` (``runtime/decode.Int8Decoder``), ``"fp32"`` (the model's own float forward,
             token for token Hugging Face's decode) or ``"auto"`` (default: INT8 where the family allows
             it and the prefill is quantized, else fp32).

@@ -11,7 +11,8 @@ step outside arithmetic (module calls, masks, cache bookkeeping) and reads every
   against float decode on calibration text (``benchmarks/decode_accuracy.py``);
 - the K/V live in a transformers ``StaticCache``, written once by the prefill; a step writes its one
   row in place and attends over a view of the filled rows: nothing is copied per step;
-- torch runs it with every core.
+- it runs with torch's threads, but a one-row GEMM does not split across them (fbgemm), so a second
+  core gains nothing measurable.
 
 Supported: the llama-style families (``llama``, ``qwen2``, ``mistral`` without a sliding window). Others
 decode with the model's own forward (``decode="fp32"``).
@@ -104,7 +105,8 @@ class Int8Decoder:
 
     Args:
         model: the float ``*ForCausalLM`` (left unchanged; its embedding and rotary module are used).
-        mode: ``"int8"`` or ``"fp32"``.
+        mode: ``"int8"``; ``"bf16"`` (every linear in bf16: the accuracy reference of
+            ``benchmarks/decode_accuracy.py``) or ``"fp32"``.
         outliers: per token and linear, how many of the largest inputs go through the float rows
             (``_Linear``); measured on calibration text (``benchmarks/decode_accuracy.py``).
     """
