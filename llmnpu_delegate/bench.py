@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 from .errors import LlmNpuError
 from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
 from .prefill import Prefiller
+from .run import TokenClock
 from .runtime.allocator import tune_malloc, tuned
 from .runtime.executor import POLICIES, Workers
 from .runtime.graph_cache import GraphCache
@@ -46,16 +48,23 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-@torch.inference_mode()
-def _hf_once(model, ids: torch.Tensor, threads: int) -> float:
+@contextmanager
+def _torch_threads(threads: int):
+    """torch's intra-op thread count set to ``threads`` for a baseline, then restored."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@torch.inference_mode()
+def _hf_once(model, ids: torch.Tensor, threads: int) -> float:
+    with _torch_threads(threads):
         t = time.perf_counter()
         model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
         return time.perf_counter() - t
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _llamacpp(lm: LoadedModel):
@@ -185,26 +194,10 @@ def _ablation(lm: LoadedModel, ids, chunk: int, quant, out: dict, workers: Worke
 
 
 # --------------------------------------------------------------------------- end to end (--e2e)
-class _TokenClock:
-    """A ``generate`` streamer that records when each new token arrives (the prompt's echo skipped)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value):
-        if self._prompt_seen:
-            self.times.extend([time.perf_counter()] * value.numel())
-        self._prompt_seen = True
-
-    def end(self):
-        pass
-
-
 def _timed_generate(generate, ids: torch.Tensor, new_tokens: int) -> dict:
     """TTFT and decode speed of one greedy ``generate`` of exactly ``new_tokens`` tokens (EOS ignored,
     so every variant decodes as many)."""
-    clock = _TokenClock()
+    clock = TokenClock()
     start = time.perf_counter()
     generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new_tokens,
              min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
@@ -266,13 +259,8 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
         del wrappers["int8"]          # a family the INT8 decoder does not cover: nothing to time
 
     def hf(ids, n):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.inference_mode():
-                return _timed_generate(lm.model.generate, ids, n)
-        finally:
-            torch.set_num_threads(saved)
+        with _torch_threads(threads), torch.inference_mode():
+            return _timed_generate(lm.model.generate, ids, n)
 
     variants = {"hf_eager": hf}
     variants.update({f"wrapper_{mode}_decode": (lambda ids, n, w=w: _timed_generate(w.generate, ids, n))

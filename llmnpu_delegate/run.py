@@ -14,7 +14,7 @@ from .errors import LlmNpuError
 from .hf import LlmNpuForCausalLM
 
 
-class _Clock(BaseStreamer):
+class TokenClock(BaseStreamer):
     """Records when each generated token arrives; forwards to an optional printing streamer."""
 
     def __init__(self, inner: BaseStreamer | None = None):
@@ -52,7 +52,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         raise LlmNpuError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     ids = prompt_ids(wrapper.tokenizer, wrapper.loaded.spec, prompt, chat)
     printer = TextStreamer(wrapper.tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    clock = _Clock(printer)
+    clock = TokenClock(printer)
     start = time.perf_counter()
     out = wrapper.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                            streamer=clock, pad_token_id=wrapper.tokenizer.eos_token_id, **generate_kwargs)

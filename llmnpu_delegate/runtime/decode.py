@@ -64,10 +64,8 @@ class _Linear:
             w_q, w_scale = quantize_weight(w, "channel")
             self.packed = K.prepack_dynamic(w_q, w_scale, b)
             self.rows = w.t().to(torch.bfloat16).contiguous() if self.outliers else None
-            self.bytes = w_q.numel()
         else:
             self.weight = w.to(torch.bfloat16 if kind == "bf16" else torch.float32).contiguous()
-            self.bytes = self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.kind == "fp32":
@@ -118,7 +116,6 @@ class Int8Decoder:
         if mode not in MODES:
             raise LlmNpuError(f"unknown decode mode '{mode}': use one of {', '.join(MODES)}")
         cfg = model.config
-        self.mode = mode
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden = cfg.hidden_size
@@ -141,11 +138,6 @@ class Int8Decoder:
                        for blk in base.layers]
         self.final_norm = base.norm.weight.detach().float()
         self.lm_head = _Linear(*_stack([model.lm_head]), "bf16" if mode == "int8" else mode)
-
-    @property
-    def weight_bytes(self) -> int:
-        """Weight bytes one step reads (the embedding row aside)."""
-        return self.lm_head.bytes + sum(lin.bytes for b in self.blocks for lin in (b.qkv, b.o, b.gate_up, b.down))
 
     @torch.inference_mode()
     def step(self, token: Tensor, cache) -> Tensor:
