@@ -337,3 +337,22 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
                        capture_output=True, text=True, timeout=60)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
     assert r.returncode == 0 or (r.returncode == 2 and len(errors) == 1), (path, r.returncode, r.stderr[-1500:])
+
+
+@pytest.mark.parametrize("static", [-1, {"x": 0.1}, {"-3": 0.1}, [0.1]])
+def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path, static):
+    """Found by the property test above: a profile whose step table is not a table of step numbers
+    once escaped as a bare `stoi` from the native runner (exit 1)."""
+    from llmnpu_delegate.lower.pte import sidecar_digest
+    from llmnpu_delegate.runtime.native import find_runner
+
+    pte, side = _program_copy(exported[0], tmp_path / "program")
+    meta = json.loads(side.read_text())
+    assert meta["profile"] is not None, "the fixture should carry a profile for this test to mean anything"
+    meta["profile"]["static"] = static
+    meta["sidecar_sha256"] = sidecar_digest(meta)
+    side.write_text(json.dumps(meta))
+    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
+                       capture_output=True, text=True, timeout=60)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
+    assert r.returncode == 2 and len(errors) == 1 and "profile" in errors[0], r.stderr

@@ -52,6 +52,20 @@ Subgraph read_subgraph(const json& e) {
   return s;
 }
 
+// The profile maps step numbers (JSON object keys) to seconds.
+const json& object_at(const json& parent, const char* key, const std::string& path) {
+  const json& v = parent.at(key);
+  if (!v.is_object())
+    throw InputError("sidecar " + path + " has a profile." + key + " that is not a table of steps: export the program again");
+  return v;
+}
+
+int step_key(const std::string& k, const std::string& path) {
+  bool digits = !k.empty() && k.size() < 9 && k.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits) throw InputError("sidecar " + path + " has a profile entry for step '" + k + "', not a step number: export the program again");
+  return std::stoi(k);
+}
+
 void check_tasks(const Sidecar& s) {
   const size_t n = s.subgraphs.size();
   const auto& t = s.tasks;
@@ -133,9 +147,10 @@ Sidecar read_sidecar(const std::string& pte) {
     }
     if (!m.at("profile").is_null()) {
       s.has_profile = true;
-      for (const auto& [k, v] : m["profile"].at("static").items()) s.profile_static[std::stoi(k)] = v.get<double>();
-      for (const auto& [k, v] : m["profile"].at("dynamic").items())
-        s.profile_dynamic[std::stoi(k)] = v.get<std::vector<double>>();
+      const auto& st = object_at(m["profile"], "static", s.path);
+      const auto& dy = object_at(m["profile"], "dynamic", s.path);
+      for (const auto& [k, v] : st.items()) s.profile_static[step_key(k, s.path)] = v.get<double>();
+      for (const auto& [k, v] : dy.items()) s.profile_dynamic[step_key(k, s.path)] = v.get<std::vector<double>>();
     }
     s.decode_method = m.at("decode").at("method").get<std::string>();
     if (!m.at("tokenizer").is_null()) s.eos_ids = m["tokenizer"].at("eos_ids").get<std::vector<int64_t>>();
