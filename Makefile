@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install data runner clean
+.PHONY: demo test install data runner kernels clean
 
 # The native runner (runner/): C++ against the executorch wheel's SDK, with the virtualenv's CMake
 # (the SDK's config needs >= 3.28) and nlohmann-json headers (both pip packages in pyproject.toml).
@@ -16,10 +16,10 @@ RUNNER_SRC  := runner/CMakeLists.txt $(wildcard runner/src/*.cpp runner/src/*.h)
 SDK_CMAKE    = $$($(BIN)/python -c "import executorch, os; print(os.path.join(executorch.__path__[0], 'share', 'cmake'))")
 JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join(nlohmann_json.__path__[0], 'include'))")
 
-demo: install data runner
+demo: install data runner kernels
 	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
-test: install data runner $(RUNNER_ASAN)
+test: install data runner kernels $(RUNNER_ASAN)
 	$(BIN)/python -m pytest -q -ra
 
 runner: $(RUNNER)
@@ -34,6 +34,19 @@ $(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
 	$(BIN)/cmake -S runner -B runner/build-asan -DCMAKE_BUILD_TYPE=Debug -DLLMNPU_SANITIZE=ON \
 	  -DEXECUTORCH_CMAKE_DIR="$(SDK_CMAKE)" -DNLOHMANN_JSON_INCLUDE="$(JSON_INCLUDE)" > /dev/null
 	$(BIN)/cmake --build runner/build-asan -j 2
+
+# The CPU kernels torch ops cannot do at the right cost (llmnpu_delegate/kernels/native/), against
+# the torch wheel's C++ API; Python loads the library from its build folder.
+KERNELS     := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
+KERNELS_SRC := llmnpu_delegate/kernels/native/CMakeLists.txt $(wildcard llmnpu_delegate/kernels/native/*.cpp)
+TORCH_CMAKE  = $$($(BIN)/python -c "import torch, os; print(os.path.join(torch.__path__[0], 'share', 'cmake'))")
+
+kernels: $(KERNELS)
+
+$(KERNELS): $(STAMP) $(KERNELS_SRC)
+	$(BIN)/cmake -S llmnpu_delegate/kernels/native -B llmnpu_delegate/kernels/native/build \
+	  -DCMAKE_BUILD_TYPE=Release -DTORCH_CMAKE_DIR="$(TORCH_CMAKE)" > /dev/null
+	$(BIN)/cmake --build llmnpu_delegate/kernels/native/build -j 2
 
 install: $(STAMP)
 
@@ -58,4 +71,4 @@ $(TEXT_STAMP): llmnpu_delegate/text.py | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache runner/build runner/build-asan
+	rm -rf $(VENV) .cache runner/build runner/build-asan llmnpu_delegate/kernels/native/build

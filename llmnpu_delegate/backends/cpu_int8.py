@@ -10,13 +10,13 @@ With ``plans=None`` the same subgraphs run as float linears: the float reference
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels as K
+from ..kernels.native_ops import shadow_product
 from ..errors import LlmNpuError
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
@@ -67,10 +67,9 @@ class ShadowDelta(nn.Module):
     """One linear's shadow product ``(x - clip(x)) @ W^T`` (a [.., N] float tensor), or a scalar zero
     when no element crossed the threshold.
 
-    Its cost follows the outliers: the residue of the hit channels becomes a sparse (CSR) matrix that
-    multiplies W^T where it lies (memory-mapped), so only the hit rows are read, and only at their
-    nonzeros. A chunk's outliers spread over hundreds of channels, ~4 each: copying those rows out
-    first and multiplying a mostly-zero block cost ~3x more (1.3 ms a call on the embedded model)."""
+    Its cost follows the outliers: ``kernels.native_ops.shadow_product`` scans ``x`` once and adds one
+    row of W^T (memory-mapped: only hit rows are read) per outlier element. A chunk's outliers spread
+    over hundreds of channels, ~4 each, so a dense block of the hit columns is mostly zeros."""
 
     def __init__(self, name: str, clip: float, rows: ShadowWeights, out_features: int):
         super().__init__()
@@ -81,17 +80,10 @@ class ShadowDelta(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         self.seen_elements += x2.numel()
-        channels, residue = K.outlier_extract(x2, self.clip)        # [k], [M, k]: the hit columns only
-        if channels.numel() == 0:
+        y, channels, outliers = shadow_product(x2, self.clip, self.rows.table())
+        if outliers == 0:
             return x.new_zeros(())
-        with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
-            warnings.simplefilter("ignore", UserWarning)
-            local = residue.to_sparse_csr()
-            # the same nonzeros, their columns renamed to input channels: a [M, K] matrix over all of W^T
-            sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
-                                             (x2.shape[0], x2.shape[1]), check_invariants=False)
-            y = torch.sparse.mm(sparse, self.rows.table())
-        self.outlier_elements += local.values().numel()
+        self.outlier_elements += outliers
         self.rows.count(channels)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -1,0 +1,68 @@
+"""Kernels compiled from ``kernels/native/`` (C++ against the torch wheel, ``make kernels``), for the
+work torch ops cannot do at the right cost. Each has a torch-ops twin here with the same contract:
+the reference of its parity test, and what runs when the library is not built.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import LlmNpuError
+
+log = logging.getLogger(__name__)
+
+LIBRARY = Path(__file__).resolve().parent / "native" / "build" / "libllmnpu_kernels.so"
+_state: dict = {}
+
+
+def native_available() -> bool:
+    """Whether ``libllmnpu_kernels.so`` is loaded (``$LLMNPU_KERNELS`` names another build;
+    ``LLMNPU_KERNELS=off`` keeps the torch-ops twins, e.g. to compare)."""
+    if "loaded" not in _state:
+        given = os.environ.get("LLMNPU_KERNELS")
+        if given == "off":
+            _state["loaded"] = False
+        else:
+            path = Path(given) if given else LIBRARY
+            if given and not path.is_file():
+                raise LlmNpuError(f"LLMNPU_KERNELS names {given}, which does not exist: build it with "
+                                  "`make kernels`, or set LLMNPU_KERNELS=off")
+            if path.is_file():
+                torch.ops.load_library(str(path))
+                _state["loaded"] = True
+            else:
+                log.warning("native kernels not built (%s): the shadow product runs on torch ops, ~3x "
+                            "slower; build them with `make kernels`", path)
+                _state["loaded"] = False
+    return _state["loaded"]
+
+
+def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The shadow branch of one linear: ``(x - clamp(x, -t, t)) @ table`` for ``x`` [M, K] and
+    ``table`` = W^T [K, N] (float, e.g. memory-mapped: only the rows of hit channels are read).
+    Returns the product [M, N], the hit input channels (sorted) and the number of outlier elements.
+    Native: one scan of ``x`` and one row of W^T per outlier."""
+    if native_available():
+        return torch.ops.llmnpu_native.shadow_product(x, threshold, table)
+    return shadow_product_reference(x, threshold, table)
+
+
+def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``shadow_product`` on torch ops: the hit columns compacted, their residue as a sparse (CSR)
+    matrix with its columns renamed to input channels, times W^T where it lies."""
+    from .ops import outlier_extract
+
+    channels, residue = outlier_extract(x, threshold)          # [k], [M, k]: the hit columns only
+    if channels.numel() == 0:
+        return x.new_zeros((x.shape[0], table.shape[1])), channels, 0
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
+        warnings.simplefilter("ignore", UserWarning)
+        local = residue.to_sparse_csr()
+        sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
+                                         tuple(x.shape), check_invariants=False)
+        return torch.sparse.mm(sparse, table), channels, local.values().numel()

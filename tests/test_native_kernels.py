@@ -1,0 +1,50 @@
+"""The compiled kernels (llmnpu_delegate/kernels/native/) against their torch-ops twins and a dense
+float reference."""
+import pytest
+import torch
+
+from llmnpu_delegate.kernels.native_ops import native_available, shadow_product, shadow_product_reference
+
+
+def _activations(m, k, rate, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    hits = torch.rand(m, k, generator=g) < rate
+    return torch.where(hits, x.sign() * (4 + 20 * torch.rand(m, k, generator=g)), x)
+
+
+def test_the_library_is_built_and_loaded():
+    """`make test` builds it first: without it the shadow product silently runs ~3x slower."""
+    assert native_available()
+
+
+@pytest.mark.parametrize("m,k,n,rate", [(256, 576, 1536, 0.01), (1, 64, 7, 0.1), (33, 100, 17, 0.5), (8, 16, 3, 0.0)])
+def test_shadow_product_is_the_residue_times_w_rows(m, k, n, rate):
+    x = _activations(m, k, rate, seed=m + k)
+    table = torch.randn(k, n, generator=torch.Generator().manual_seed(1))
+    t = 3.0
+    residue = x - x.clamp(-t, t)
+    dense = residue.double() @ table.double()
+    y, channels, outliers = torch.ops.llmnpu_native.shadow_product(x, t, table)
+    y_ref, channels_ref, outliers_ref = shadow_product_reference(x, t, table)
+    assert outliers == outliers_ref == int((residue != 0).sum())
+    assert channels.tolist() == channels_ref.tolist() == torch.nonzero((residue != 0).any(0)).flatten().tolist()
+    # fp32 sums in another order: errors of a few ulps of the largest partial sums
+    scale = (residue.abs().double() @ table.abs().double()).max().item() + 1e-30
+    assert (y.double() - dense).abs().max().item() <= 1e-5 * scale
+    assert (y.double() - y_ref.double()).abs().max().item() <= 1e-5 * scale
+
+
+def test_shadow_product_at_threshold_zero_is_the_whole_product_and_takes_views():
+    x = torch.randn(40, 24).t()                 # a non-contiguous [24, 40] view
+    table = torch.randn(40, 9)
+    y, channels, outliers = shadow_product(x, 0.0, table)
+    torch.testing.assert_close(y, x @ table, rtol=1e-5, atol=1e-5)
+    assert outliers == x.numel() and channels.tolist() == list(range(40))
+
+
+def test_shadow_product_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError, match="table must be"):
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, torch.randn(7, 3))
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8).double(), 1.0, torch.randn(8, 3))
