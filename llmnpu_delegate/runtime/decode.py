@@ -28,6 +28,7 @@ from transformers import StaticCache
 
 from .. import kernels as K
 from ..errors import LlmNpuError
+from ..kernels.native_ops import native_available
 from ..quantize.linear import quantize_weight
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -106,9 +107,12 @@ class Int8Decoder:
             ``benchmarks/decode_accuracy.py``) or ``"fp32"``.
         outliers: per token and linear, how many of the largest inputs go through the float rows
             (``_Linear``); measured on calibration text (``benchmarks/decode_accuracy.py``).
+        native: run the INT8 step as one C++ call (``kernels/native/decode_step.cpp``: the same ops
+            in the same order, without a Python round trip per op); default: when the library is
+            built. The Python loop is its reference.
     """
 
-    def __init__(self, model: nn.Module, mode: str = "int8", outliers: int = OUTLIERS):
+    def __init__(self, model: nn.Module, mode: str = "int8", outliers: int = OUTLIERS, native: bool | None = None):
         reason = unsupported(model.config)
         if reason:
             raise LlmNpuError(f"INT8 decode does not support {reason}: use decode='fp32'")
@@ -140,6 +144,25 @@ class Int8Decoder:
         # gate's prompts (0.964 both) and costs ~1 ms a token less (mkldnn's one-row bf16 GEMM is
         # compute-bound: 2.3 ms for the 49152 x 576 table)
         self.lm_head = _Linear(*_stack([model.lm_head]), mode, outliers)
+        if native is None:
+            native = mode == "int8" and native_available()
+        if native and mode != "int8":
+            raise LlmNpuError(f"the native decode step runs INT8 linears only, not mode '{mode}'")
+        if native and not native_available():
+            raise LlmNpuError("the native decode step needs the native kernels: build them with `make kernels`")
+        self.native = self._native_step(cfg.hidden_act) if native else None
+
+    def _native_step(self, hidden_act: str):
+        act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}[hidden_act]
+        step = torch.classes.llmnpu_native.DecodeStep(self.heads, self.kv_heads, self.head_dim, self.eps, act)
+
+        def parts(lin: _Linear) -> tuple:
+            return lin.packed, lin.rows if lin.rows is not None else torch.empty(0), lin.outliers
+
+        for b in self.blocks:
+            step.add_block(b.norm1, b.norm2, *parts(b.qkv), *parts(b.o), *parts(b.gate_up), *parts(b.down))
+        step.set_head(self.final_norm, *parts(self.lm_head))
+        return step
 
     @torch.inference_mode()
     def step(self, token: Tensor, cache) -> Tensor:
@@ -153,6 +176,8 @@ class Int8Decoder:
         h = self.embed(token.reshape(1, 1))                                  # [1, 1, H]
         cos, sin = self.rotary(h, torch.tensor([[pos]]))                     # [1, 1, d]
         cos, sin = cos[0], sin[0]
+        if self.native is not None:
+            return self.native.step(h.reshape(1, self.hidden), cos, sin, pos, *cache.buffers)
         nq, nkv, d = self.heads, self.kv_heads, self.head_dim
         h = h.reshape(1, self.hidden)
         for i, b in enumerate(self.blocks):
@@ -187,3 +212,5 @@ class DecodeCache(StaticCache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # allocated now, so a step can write its row straight into the buffers
         self.early_initialization(1, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+        self.buffers = ([layer.keys for layer in self.layers], [layer.values for layer in self.layers],
+                        [layer.cumulative_length for layer in self.layers])

@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
 
 }  // namespace
 
-TORCH_LIBRARY(llmnpu_native, m) {
+TORCH_LIBRARY_FRAGMENT(llmnpu_native, m) {
   m.def("shadow_product(Tensor x, float threshold, Tensor table) -> (Tensor, Tensor, int)");
 }
 
