@@ -9,6 +9,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -16,16 +20,41 @@ namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 struct Linear {
   Packed packed;
   at::Tensor rows;       // W^T in bf16 [K, N] for the per-token outliers (undefined: none)
   int64_t outliers = 0;
 
+  // x [1, K] contiguous float: the `outliers` largest |x| go through their W^T rows, the rest through
+  // the INT8 GEMM with the token's own scale (runtime/decode.py _Linear, in loops instead of ops)
   at::Tensor operator()(const at::Tensor& x) const {
     if (outliers == 0) return packed->apply_dynamic(x, false);
-    const at::Tensor top = std::get<1>(x[0].abs().topk(outliers));
-    at::Tensor y = packed->apply_dynamic(x.index_fill(1, top, 0.0), false);
-    return y.addmm_(x.index_select(1, top), rows.index_select(0, top).to(at::kFloat));
+    const int64_t K = x.size(1);
+    const float* xp = x.const_data_ptr<float>();
+    std::vector<int32_t> top(K);
+    std::iota(top.begin(), top.end(), 0);
+    std::nth_element(top.begin(), top.begin() + outliers, top.end(),
+                     [xp](int32_t a, int32_t b) { return std::fabs(xp[a]) > std::fabs(xp[b]); });
+    at::Tensor rest = x.clone();
+    float* rp = rest.data_ptr<float>();
+    for (int64_t j = 0; j < outliers; ++j) rp[top[j]] = 0.0f;
+    at::Tensor y = packed->apply_dynamic(rest, false);
+    float* yp = y.data_ptr<float>();
+    const int64_t N = y.size(1);
+    const auto* w = reinterpret_cast<const uint16_t*>(rows.const_data_ptr<at::BFloat16>());
+    for (int64_t j = 0; j < outliers; ++j) {
+      const float v = xp[top[j]];
+      const uint16_t* row = w + static_cast<int64_t>(top[j]) * N;
+      for (int64_t n = 0; n < N; ++n) yp[n] += v * bf16_to_float(row[n]);
+    }
+    return y;
   }
 };
 
@@ -66,15 +95,39 @@ struct DecodeStep : torch::CustomClassHolder {
     head = make_linear(packed, rows, outliers);
   }
 
-  at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
-    const int64_t half = x.size(-1) / 2;
-    at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
-    return x * cos + rotated * sin;
+  // RMSNorm of a [1, H] row
+  at::Tensor norm(const at::Tensor& h, const at::Tensor& weight) const {
+    const int64_t n = h.size(1);
+    at::Tensor out = at::empty_like(h);
+    const float* x = h.const_data_ptr<float>();
+    const float* g = weight.const_data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    float squares = 0.0f;
+    for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+    const float r = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * g[i];
+    return out;
   }
 
-  at::Tensor act(const at::Tensor& x) const {
-    if (activation == "silu") return at::silu(x);
-    return at::gelu(x, activation == "gelu_tanh" ? "tanh" : "none");
+  // HF's rotate-half RoPE of one head's row x[d] into out[d]
+  static void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] - x[j + half] * sin[j];
+    for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
+  }
+
+  // act(gate) * up for gu = [gate | up] [1, 2F]
+  at::Tensor gated(const at::Tensor& gu) const {
+    const int64_t f = gu.size(1) / 2;
+    if (activation != "silu") {
+      at::Tensor gate = gu.narrow(1, 0, f);
+      return at::gelu(gate, activation == "gelu_tanh" ? "tanh" : "none").mul_(gu.narrow(1, f, f));
+    }
+    at::Tensor out = at::empty({1, f}, gu.options());
+    const float* g = gu.const_data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    for (int64_t j = 0; j < f; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * g[f + j];
+    return out;
   }
 
   // h [1, H]: the token's embedding; cos/sin [1, d]; writes row `pos` of every layer's K/V buffer
@@ -84,26 +137,35 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(head.packed, "DecodeStep: set_head was never called");
     TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size() && lengths.size() == blocks.size(),
                 "DecodeStep: one K, V and length per layer");
+    TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat, "DecodeStep: h must be float [1, H]");
     const int64_t nq = heads, nkv = kv_heads, d = head_dim;
-    const std::vector<int64_t> width{h.size(-1)};
+    h = h.contiguous().clone();   // the residual stream, updated in place
+    const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+    const float* cp = c.const_data_ptr<float>();
+    const float* sp = s.const_data_ptr<float>();
+    at::Tensor q = at::empty({1, nq, 1, d}, h.options());
     for (size_t i = 0; i < blocks.size(); ++i) {
       const Block& b = blocks[i];
-      TORCH_CHECK(pos < keys[i].size(2), "DecodeStep: the cache is full");
-      at::Tensor qkv = b.qkv(at::rms_norm(h, width, b.norm1, eps));
-      at::Tensor q = qkv.narrow(1, 0, nq * d), k = qkv.narrow(1, nq * d, nkv * d), v = qkv.narrow(1, (nq + nkv) * d, nkv * d);
-      at::Tensor qk = rope(at::cat({q, k}, -1).view({nq + nkv, d}), cos, sin);
-      at::Tensor ks = keys[i].narrow(2, 0, pos + 1), vs = values[i].narrow(2, 0, pos + 1);
-      ks.select(2, pos).copy_(qk.narrow(0, nq, nkv).view({1, nkv, d}));
-      vs.select(2, pos).copy_(v.view({1, nkv, d}));
-      at::Tensor a = at::scaled_dot_product_attention(qk.narrow(0, 0, nq).view({1, nq, 1, d}), ks, vs, {}, 0.0, false,
-                                                      {}, true);
-      h = h + b.o(a.view({1, nq * d}));
-      at::Tensor gu = b.gate_up(at::rms_norm(h, width, b.norm2, eps));
-      const int64_t f = gu.size(1) / 2;
-      h = h + b.down(act(gu.narrow(1, 0, f)).mul_(gu.narrow(1, f, f)));
+      const int64_t size = keys[i].size(2);
+      TORCH_CHECK(pos >= 0 && pos < size, "DecodeStep: the cache is full");
+      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(1) == nkv,
+                  "DecodeStep: K/V buffers must be contiguous [1, KVH, size, d]");
+      const at::Tensor qkv = b.qkv(norm(h, b.norm1));
+      const float* y = qkv.const_data_ptr<float>();
+      float* kp = keys[i].data_ptr<float>();
+      float* vp = values[i].data_ptr<float>();
+      for (int64_t j = 0; j < nq; ++j) rope(y + j * d, cp, sp, d, q.data_ptr<float>() + j * d);
+      for (int64_t j = 0; j < nkv; ++j) {
+        rope(y + (nq + j) * d, cp, sp, d, kp + (j * size + pos) * d);
+        std::memcpy(vp + (j * size + pos) * d, y + (nq + nkv + j) * d, d * sizeof(float));
+      }
+      const at::Tensor a = at::scaled_dot_product_attention(q, keys[i].narrow(2, 0, pos + 1),
+                                                            values[i].narrow(2, 0, pos + 1), {}, 0.0, false, {}, true);
+      h.add_(b.o(a.view({1, nq * d})));
+      h.add_(b.down(gated(b.gate_up(norm(h, b.norm2)))));
       lengths[i].add_(1);
     }
-    return head(at::rms_norm(h, width, final_norm, eps));
+    return head(norm(h, final_norm));
   }
 };
 
