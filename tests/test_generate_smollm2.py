@@ -32,18 +32,17 @@ def test_shadow_generate_agrees_with_float(smollm2):
     samples) and INT8 decode, on benchmarks/greedy_agreement.py's six prompts."""
     wrapper = LlmNpuForCausalLM(smollm2, progress=False)
     prompts = [_chat(smollm2.tokenizer, q) for q in GATE_QUESTIONS]
-    agreement = greedy_agreement(wrapper, prompts, max_new_tokens=24)
+    agreement = greedy_agreement(wrapper, prompts, max_new_tokens=64)
     print("greedy agreement with float:", agreement)
-    # measured 0.825 here (0.85 over six prompts; naive W8A8 at the absolute-maximum scale: 0.70)
+    # measured 0.936 here (0.915 at 24 tokens; naive W8A8 at the absolute-maximum scale: 0.70 at 24)
     assert agreement["teacher_forced"] >= 0.75
-    # INT8 decode against float decode, from the same prefill and fed the same tokens (111 steps).
-    # The issue asks for 0.97. Measured: 0.982 before the CSR shadow product reordered the prefill's
-    # sums, 0.964 after it; a decoder with every linear in bf16 scores 0.991 here, while on
-    # calibration-side chat prompts (276 steps) INT8 and bf16 score alike (0.984, 0.980). Without the
-    # per-token outlier rows INT8 decode agrees 0.94 on calibration text. The gate here is 0.95, not 0.97.
-    assert agreement["decode_teacher_forced"] >= 0.95
+    # INT8 decode against float decode, from the same prefill and fed the same tokens (the issue's
+    # gate). 64 tokens a prompt, not 24, so that one step is not a third of the margin: measured
+    # 0.976 with the native step (0.972 with the Python loop, 0.976 with every linear in bf16; at 24
+    # tokens 0.973 / 0.973 / 0.982 over 111 steps). Without the per-token outlier rows: 0.94.
+    assert agreement["decode_teacher_forced"] >= 0.97
     naive = LlmNpuForCausalLM(smollm2, quant="w8a8", progress=False)
-    assert greedy_agreement(naive, prompts, max_new_tokens=24)["teacher_forced"] < agreement["teacher_forced"]
+    assert greedy_agreement(naive, prompts, max_new_tokens=64)["teacher_forced"] < agreement["teacher_forced"]
 
 
 def test_run_command_summary(capsys):
