@@ -179,6 +179,17 @@ def test_a_plan_is_carried_over_by_depth_and_role():
                    "model.layers.6.mlp.fc2": 0.02, "model.layers.7.mlp.fc2": 0.02}
 
 
+
+def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
+    """A random-weight model takes the embedded model's plan, and with it the rate that plan was
+    chosen at (the embedded calibration is cached by the tests before this file)."""
+    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.quantize.auto import GRID
+
+    assert quant_config("w8a8-shadow", None).pruning_rate == "auto"
+    scn = prepare("random:tiny-llama", C, progress=False)
+    assert isinstance(scn.pruning_rate, float) and scn.pruning_rate in GRID
+
 # ------------------------------------------------------------------ bad input
 def test_an_unknown_soc_names_the_known_ones(capsys):
     with pytest.raises(LlmNpuError, match="unknown SoC 'SM0000': choose one of SM8550, SM8650, SM8750"):

@@ -85,25 +85,27 @@ def carry_over(source: dict[str, float], source_layers: int, target: list[str], 
 _embedded: dict = {}
 
 
-def embedded_plan(quant: QuantConfig, progress: bool) -> tuple[dict[str, float], int]:
-    """The embedded model's shadow plan: shadowed linear -> calibrated outlier share; its block count.
-    Kept per quantization config for the process (a sweep asks for it many times)."""
+def embedded_plan(quant: QuantConfig, progress: bool) -> tuple[dict[str, float], float | None, int]:
+    """The embedded model's shadow plan (``model_plan``) and its block count. Kept per quantization
+    config for the process (a sweep asks for it many times)."""
     key = repr(quant)
     if key not in _embedded:
         lm = _embedded.get("model") or load_model(DEFAULT_MODEL)
         _embedded["model"] = lm
-        _embedded[key] = (model_plan(lm, quant, progress), lm.model.config.num_hidden_layers)
+        _embedded[key] = (*model_plan(lm, quant, progress), lm.model.config.num_hidden_layers)
     return _embedded[key]
 
 
-def model_plan(lm, quant: QuantConfig, progress: bool) -> dict[str, float]:
+def model_plan(lm, quant: QuantConfig, progress: bool) -> tuple[dict[str, float], float | None]:
+    """Shadowed linear -> calibrated outlier share, and the pruning rate that chose them (an
+    automatic rate resolved to the one it picked)."""
     from ..prefill import default_calibration
-    from ..quantize import plan_linears
+    from ..quantize import auto, plan_linears
 
     calib = default_calibration(lm, progress)
     plans = plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
-    return {name: calib.layers[name].outlier_fraction(quant.clip_percentile)
-            for name, p in plans.items() if p.shadow}
+    rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
+    return rates, auto.resolve(quant, calib).pruning_rate
 
 
 def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,
@@ -120,14 +122,15 @@ def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: fl
     else:
         lm = load_model(model)
         net = lm.model
+    rate = config.pruning_rate if config.outliers == "shadow" else None
     if config.outliers != "shadow":
         rates, source = {}, "none (w8a8: no shadow paths)"
     elif plan is not None:
         rates, source = dict(plan), "given"
     elif lm is not None:
-        rates, source = model_plan(lm, config, progress), f"{model}'s own calibration"
+        (rates, rate), source = model_plan(lm, config, progress), f"{model}'s own calibration"
     else:
-        base, base_layers = embedded_plan(config, progress)
+        base, rate, base_layers = embedded_plan(config, progress)
         rates = carry_over(base, base_layers, list(quantizable_linears(net)), net.config.num_hidden_layers)
         source = f"{DEFAULT_MODEL}'s calibration, carried over by depth and role"
     ep = export_chunk_step(net, chunk)
@@ -135,8 +138,7 @@ def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: fl
     rates = {k: v for k, v in rates.items() if k in partition.shadowed}
     program = ChunkProgram([Step(s, None) for s in partition.subgraphs], partition.graph_outputs, chunk,
                            kv_shape(net.config).layers)
-    return Scenario(model, partition, program, chunk, max_context(net.config), rates, source,
-                    config.pruning_rate if config.outliers == "shadow" else None)
+    return Scenario(model, partition, program, chunk, max_context(net.config), rates, source, rate)
 
 
 def step_costs(scn: Scenario, device: Device, chunks: int) -> dict:
