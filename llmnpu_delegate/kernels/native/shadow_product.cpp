@@ -1,11 +1,11 @@
-// llmnpu::shadow_product: the shadow outlier branch of one linear in a single pass.
+// llmnpu_native::shadow_product: the shadow outlier branch of one linear in a single pass.
 //
 // For x [M, K] and a threshold t, the elements with |x| > t lose (|x| - t) to saturation on the
 // NPU; the branch adds back residue @ W^T, where residue = x - clamp(x, -t, t). Outliers are ~1 % of
 // the elements, so the product is done per outlier: y[m, :] += residue[m, k] * W^T[k, :]. Work is
 // one scan of x plus one row of W^T per outlier, and only hit rows of the (memory-mapped) W^T are
-// read. Torch ops need a compaction, a CSR build and a sparse GEMM for the same (~0.8 ms a call
-// on the embedded model against ~0.1 ms here).
+// read. Torch ops need a compaction, a CSR build and a sparse GEMM for the same (~0.6 ms a call on
+// the embedded model's shapes against ~0.2 ms here; kernels/native_ops.py keeps that version).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
