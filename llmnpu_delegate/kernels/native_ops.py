@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from .ops import outlier_extract
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,6 @@ def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, 
 def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
     """``shadow_product`` on torch ops: the hit columns compacted, their residue as a sparse (CSR)
     matrix with its columns renamed to input channels, times W^T where it lies."""
-    from .ops import outlier_extract
-
     channels, residue = outlier_extract(x, threshold)          # [k], [M, k]: the hit columns only
     if channels.numel() == 0:
         return x.new_zeros((x.shape[0], table.shape[1])), channels, 0

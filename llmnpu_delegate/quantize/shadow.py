@@ -130,15 +130,12 @@ class ShadowWeights:
 
     def rows(self, channels: Tensor) -> Tensor:
         """W^T[channels] as a [k, N] float tensor."""
+        self.count(channels)
         slot = self._slot[channels]
         is_hot = slot >= 0
-        n_hot = int(is_hot.sum())
-        self.hot_hits += n_hot
-        if n_hot == channels.numel():
+        if bool(is_hot.all()):
             return self.hot_rows[slot]
         out = torch.empty(channels.numel(), self._disk.shape[1])
         out[is_hot] = self.hot_rows[slot[is_hot]]
-        cold = channels[~is_hot].numpy()
-        out[~is_hot] = torch.from_numpy(np.ascontiguousarray(self._disk[cold]))
-        self.cold_fetches += cold.size
+        out[~is_hot] = torch.from_numpy(np.ascontiguousarray(self._disk[channels[~is_hot].numpy()]))
         return out
