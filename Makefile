@@ -38,7 +38,7 @@ $(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
 # The CPU kernels torch ops cannot do at the right cost (llmnpu_delegate/kernels/native/), against
 # the torch wheel's C++ API; Python loads the library from its build folder.
 KERNELS     := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
-KERNELS_SRC := llmnpu_delegate/kernels/native/CMakeLists.txt $(wildcard llmnpu_delegate/kernels/native/*.cpp)
+KERNELS_SRC := llmnpu_delegate/kernels/native/CMakeLists.txt $(wildcard llmnpu_delegate/kernels/native/*.cpp llmnpu_delegate/kernels/native/*.h)
 TORCH_CMAKE  = $$($(BIN)/python -c "import torch, os; print(os.path.join(torch.__path__[0], 'share', 'cmake'))")
 
 kernels: $(KERNELS)

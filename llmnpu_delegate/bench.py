@@ -102,7 +102,8 @@ def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: 
 
 
 def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablation: bool = False,
-          trace_dir: Path | None = None, repeats: int = 3, quant="w8a8-shadow", progress: bool = True) -> dict:
+          trace_dir: Path | None = None, repeats: int = 3, quant="w8a8-shadow", progress: bool = True,
+          attention: str = "auto") -> dict:
     if prompt_len < 1:
         raise LlmNpuError(f"prompt length must be positive, got {prompt_len}")
     if repeats < 1:
@@ -121,7 +122,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
         _hf_once(lm.model, ids, threads)
         untuned = _median([_hf_once(lm.model, ids, threads) for _ in range(repeats)])
     tune_malloc()     # ...then every compared variant, the HF baseline included, runs with the tuned one
-    engine = Prefiller(lm, chunk, quant=quant, progress=progress, workers=workers)
+    engine = Prefiller(lm, chunk, quant=quant, progress=progress, workers=workers, attention=attention)
     engine(ids, policy="inorder")                 # warm-up; profiles the subgraphs on first use
     runs = {p: [] for p in policies}
     hf = []
@@ -132,7 +133,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
             engine(ids, policy=p)
             runs[p].append(engine.last_run)
     out = {"model": lm.spec, "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
-           "quant": quant if isinstance(quant, str) else "custom", "repeats": repeats,
+           "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention, "repeats": repeats,
            "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
     medians = {}

@@ -154,7 +154,7 @@ def cmd_bench(args) -> dict:
         args.text = _format_e2e(result)
         return result
     result = bench(lm, args.prompt_len, args.chunk, tuple(args.policies), args.ablation, args.trace_dir,
-                   args.repeats, args.quant, progress=not args.no_progress)
+                   args.repeats, args.quant, progress=not args.no_progress, attention=args.attention)
     args.text = _format_bench(result)
     return result
 
@@ -354,6 +354,7 @@ def _format_validate(r: dict) -> str:
 
 
 def _format_bench(r: dict) -> str:
+    from .kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
     from .runtime.executor import POLICIES
 
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
@@ -420,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     from .prefill import BACKENDS, DEFAULT_CHUNK, QUANT_MODES
+    from .kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
     from .runtime.executor import POLICIES
 
     p = sub.add_parser("run", help="generate from a prompt: NPU-path prefill, CPU decode, streamed, with a summary",
@@ -510,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"] + ["fp32"], default="w8a8-shadow",
                    help="quantization (default w8a8-shadow)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (default 3)")
+    p.add_argument("--attention", choices=list(ATTENTION_PRECISIONS), default="auto",
+                   help="precision of the float side's attention (default auto: bf16 operands with fp32 "
+                        "accumulation for the quantized modes where the CPU has AVX-512 BF16)")
     p.add_argument("--ablation", action="store_true",
                    help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")

@@ -23,6 +23,7 @@ from .backends.cpu_int8 import NAME as CPU_INT8
 from .backends.cpu_int8 import CpuInt8Backend
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
+from .kernels.attention import resolve_precision
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
 from .partitioner.regions import partition_graph
@@ -122,12 +123,15 @@ class Prefiller:
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
         workers: threads and cores of the two workers (default: half the cores each).
+        attention: precision of the float side's attention, ``"auto"`` (bf16 operands with fp32
+            accumulation and softmax for the quantized modes where the native kernel runs, fp32 for
+            the float reference), ``"fp32"`` or ``"bf16"``.
     """
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
                  norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
-                 policy: str = "ooo", workers: Workers | None = None):
+                 policy: str = "ooo", workers: Workers | None = None, attention: str = "auto"):
         lm = model if isinstance(model, LoadedModel) else None
         self.model = lm.model if lm else model
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
@@ -142,6 +146,7 @@ class Prefiller:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         self.chunk_len, self.backend_name, self.policy = chunk_len, backend, policy
         self.quant = resolve_quant(quant)
+        self.attention = resolve_precision(attention, self.quant is not None)
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
         CpuInt8Backend.check_policy(norms)       # before the slow steps
@@ -157,7 +162,8 @@ class Prefiller:
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
         self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
-        self.program = ChunkProgram.build(self.partition, self.backend, chunk_len, self.kv.layers, progress)
+        self.program = ChunkProgram.build(self.partition, self.backend, chunk_len, self.kv.layers, progress,
+                                          self.attention)
         self.timings["compile_s"] = time.perf_counter() - t
         self.executor = Executor(self.program, workers)
         if self.plans is not None:
@@ -227,7 +233,8 @@ class Prefiller:
     def _profile_path(self):
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
         key = entry_key({"profile": 1, "backend": self.backend_name, "model": self.fingerprint,
-                         "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads})
+                         "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
+                         "attention": self.attention})
         return self.cache.root / f"profile-{key}.json"
 
     # ------------------------------------------------------------------ accounting

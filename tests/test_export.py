@@ -29,7 +29,8 @@ def tiny_engine(quant="w8a8-shadow"):
                       lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
     # a fixed pruning rate: on random-token text the automatic one prunes every shadow path
     quant = quant_config(quant, pruning_rate=0.85) if quant == "w8a8-shadow" else quant
-    return Prefiller(lm, chunk_len=CHUNK, quant=quant, calibration=calib, progress=False)
+    # fp32 attention, as the exported program's CPU methods compute it
+    return Prefiller(lm, chunk_len=CHUNK, quant=quant, calibration=calib, progress=False, attention="fp32")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from llmnpu_delegate.runtime.tasks import build_tasks
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned
+# Chunked against unchunked: attention in fp32 on both sides, so that only chunking and quantization
+# are compared (bf16 attention has its own tests: test_attention_precision.py).
+FP32_ATTENTION = {"attention": "fp32"}
 
 
 def _hf(model, ids):
@@ -55,8 +58,8 @@ def float_engines(llama):
 @pytest.fixture(scope="module")
 def quant_engines(llama, llama_calib, tmp_path_factory):
     cache = GraphCache(tmp_path_factory.mktemp("graphs"))
-    return {c: Prefiller(llama, c, quant=QUANT, calibration=llama_calib, cache=cache, progress=False)
-            for c in (8, 24)}
+    return {c: Prefiller(llama, c, quant=QUANT, calibration=llama_calib, cache=cache, progress=False,
+                         **FP32_ATTENTION) for c in (8, 24)}
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +240,8 @@ def test_a_model_edited_in_a_middle_block_gets_its_own_artefacts(tmp_path):
         lm = LoadedModel("edited", model, None, fingerprint(model))
         calibs.append(load_or_calibrate(model, calib_ids, lm.fingerprint, cfg, progress=False))
         before = cache.stats.compilations
-        engine = Prefiller(lm, 8, quant=QUANT, calibration=calibs[-1], cache=cache, progress=False)
+        engine = Prefiller(lm, 8, quant=QUANT, calibration=calibs[-1], cache=cache, progress=False,
+                           **FP32_ATTENTION)
         assert cache.stats.compilations - before == len(engine.partition.by_kind("npu")), "served stale graphs"
         logits.append(engine(ids).logits)
     assert calibs[0].model_fingerprint != calibs[1].model_fingerprint and calibs[0].path != calibs[1].path
@@ -287,7 +291,8 @@ def test_shadow_prefill_equals_quantized_model_for_every_family(family):
     calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
                       CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     ids = torch.randint(0, 1000, (100,))
-    engine = Prefiller(lm, 32, quant=QUANT, calibration=calib, cache=GraphCache(), progress=False)
+    engine = Prefiller(lm, 32, quant=QUANT, calibration=calib, cache=GraphCache(), progress=False,
+                       **FP32_ATTENTION)
     assert engine.partition.by_kind("shadow")
     got = engine(ids).logits
     reference = copy.deepcopy(lm.model)

@@ -65,3 +65,27 @@ def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tupl
         sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
                                          tuple(x.shape), check_invariants=False)
         return torch.sparse.mm(sparse, table), channels, local.values().numel()
+
+
+def bf16_attention_available() -> bool:
+    """Whether ``chunk_attention_bf16`` can run: the library is loaded and this CPU (and the build) has
+    AVX-512 BF16."""
+    return native_available() and bool(torch.ops.llmnpu_native.bf16_attention_supported())
+
+
+def chunk_attention_bf16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """One chunk's attention with bf16 operands (q * scaling, k, v and the softmax numerators) and fp32
+    accumulation, scores and softmax: q [1, H, C, d], k/v [1, KV, L, d], ``mask`` one [C, L] matrix
+    (bool: attend, or additive float) -> [1, C, H, d]. Native only (``bf16_attention_available``)."""
+    return torch.ops.llmnpu_native.chunk_attention_bf16(q, k, v, mask, scaling)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` in fp32, the llama-family RMSNorm, as one op."""
+    if native_available():
+        return torch.ops.llmnpu_native.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))

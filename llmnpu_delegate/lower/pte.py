@@ -72,7 +72,8 @@ def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, p
     if blocks is not None:
         plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
         keep_first_blocks(lm, blocks)
-    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress)
+    # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
+    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32")
 
 
 def _check_args(engine, target: str, soc: str, context: int) -> None:

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
+from ..kernels import native_ops
+from ..kernels.attention import chunk_attention_bf16
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 
 
@@ -76,6 +78,61 @@ def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
     gm.recompile()
 
 
+def _bf16_attention(gm: fx.GraphModule) -> None:
+    """Attention nodes call the bf16-operand kernel instead of fp32 SDPA (same signature)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.llmnpu.chunk_attention.default:
+            node.target = chunk_attention_bf16
+    gm.recompile()
+
+
+_aten = torch.ops.aten
+
+
+def _only_user(node: fx.Node, target) -> fx.Node | None:
+    user = next(iter(node.users)) if len(node.users) == 1 else None
+    return user if user is not None and user.op == "call_function" and user.target == target else None
+
+
+def _fuse_rms_norm(gm: fx.GraphModule) -> None:
+    """The llama-family RMSNorm as exported, ``w * to(x * rsqrt(mean(x.pow(2), -1, keepdim) + eps))``
+    (seven aten ops, each a pass over the chunk and a trip through the interpreter), becomes one
+    ``native_ops.rms_norm`` call. Other norms (Gemma's ``1 + w``, layer norms) do not match and stay."""
+    for rsqrt in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.rsqrt.default]:
+        add = rsqrt.args[0]
+        if not (isinstance(add, fx.Node) and add.target == _aten.add.Tensor and isinstance(add.args[1], float)):
+            continue
+        mean = add.args[0]
+        if not (isinstance(mean, fx.Node) and mean.target == _aten.mean.dim and list(mean.args[1]) == [-1]
+                and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))):
+            continue
+        pow_ = mean.args[0]
+        if not (isinstance(pow_, fx.Node) and pow_.target == _aten.pow.Tensor_Scalar and pow_.args[1] == 2):
+            continue
+        x = pow_.args[0]
+        scaled = _only_user(rsqrt, _aten.mul.Tensor)
+        if scaled is None or set(scaled.args) != {x, rsqrt}:
+            continue
+        cast = _only_user(scaled, _aten.to.dtype)
+        if cast is not None and cast.args[1:] != (torch.float32,):
+            continue
+        final = _only_user(cast if cast is not None else scaled, _aten.mul.Tensor)
+        if final is None:
+            continue
+        weight = next((a for a in final.args if a is not (cast if cast is not None else scaled)), None)
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            continue
+        if any(len(n.users) != 1 for n in (pow_, mean, add)):
+            continue
+        with gm.graph.inserting_before(final):
+            fused = gm.graph.call_function(native_ops.rms_norm, (x, weight, add.args[1]))
+        final.replace_all_uses_with(fused)
+        for node in (final, cast, scaled, rsqrt, add, mean, pow_):
+            if node is not None:
+                gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
     """Inputs of ``sub`` that no other subgraph and no graph output reads."""
     members = set(sub.nodes)
@@ -83,9 +140,11 @@ def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
             if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
 
 
-def build_steps(partition: Partition, backend, progress: bool = False) -> tuple[list[Step], dict]:
+def build_steps(partition: Partition, backend, progress: bool = False,
+                attention: str = "fp32") -> tuple[list[Step], dict]:
     """One callable per subgraph, in order: NPU ones lowered by ``backend``, the others as float
-    GraphModules with their shadow paths bound. Returns the steps and the bound shadow modules."""
+    GraphModules with their shadow paths bound and their attention in ``attention`` precision
+    ("fp32" or "bf16", see ``kernels/attention.py``). Returns the steps and the bound shadow modules."""
     from tqdm.auto import tqdm
 
     shadow: dict[str, torch.nn.Module] = {}
@@ -98,6 +157,9 @@ def build_steps(partition: Partition, backend, progress: bool = False) -> tuple[
         gm = subgraph_module(partition, sub)
         _bind_shadow(gm, backend, shadow)
         _fuse_activation_mul(gm, _private_inputs(sub, by_name))
+        _fuse_rms_norm(gm)
+        if attention == "bf16":
+            _bf16_attention(gm)
         steps.append(Step(sub, gm))
     return steps, shadow
 
@@ -115,8 +177,9 @@ class ChunkProgram:
         self.needed_kv = self._needed([*self.out_k, *self.out_v])
 
     @classmethod
-    def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False) -> "ChunkProgram":
-        steps, shadow = build_steps(partition, backend, progress)
+    def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False,
+              attention: str = "fp32") -> "ChunkProgram":
+        steps, shadow = build_steps(partition, backend, progress, attention)
         return cls(steps, partition.graph_outputs, chunk_len, layers, shadow)
 
     def _needed(self, values: list[str]) -> list[int]:

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "rms_norm.h"
+
 namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
@@ -98,15 +100,9 @@ struct DecodeStep : torch::CustomClassHolder {
 
   // RMSNorm of a [1, H] row
   at::Tensor norm(const at::Tensor& h, const at::Tensor& weight) const {
-    const int64_t n = h.size(1);
     at::Tensor out = at::empty_like(h);
-    const float* x = h.const_data_ptr<float>();
-    const float* g = weight.const_data_ptr<float>();
-    float* y = out.data_ptr<float>();
-    float squares = 0.0f;
-    for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
-    const float r = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * g[i];
+    llmnpu::rms_norm_rows(h.const_data_ptr<float>(), weight.const_data_ptr<float>(), static_cast<float>(eps), 1,
+                          h.size(1), out.data_ptr<float>());
     return out;
   }
 

@@ -1,0 +1,185 @@
+"""bf16-operand attention (kernels/native/chunk_attention.cpp) against fp32 attention: the kernel's
+contract, its fallbacks, its place in the engine, and the accuracy gate on the embedded model; and
+the fused RMSNorm that the same engine pass brings."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.kernels import native_ops
+from llmnpu_delegate.kernels.attention import _attend, causal_mask, chunk_attention_bf16, resolve_precision
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.runtime.graph_cache import GraphCache
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    info = Path("/proc/cpuinfo")
+    return info.is_file() and "avx512_bf16" in info.read_text()
+
+
+needs_bf16 = pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
+
+
+def sqnr(got: torch.Tensor, want: torch.Tensor) -> float:
+    return 10 * math.log10(float(want.double().pow(2).sum() / (got.double() - want.double()).pow(2).sum()))
+
+
+def _emulated(q, k, v, mask, scale):
+    """The kernel's contract in float64: q * scale, k, v and the softmax numerators rounded to bf16;
+    products, maximum, sum and output exact."""
+    def bf16(x):
+        return x.to(torch.bfloat16).double()
+    g = q.shape[1] // k.shape[1]
+    s = bf16(q * scale) @ bf16(k).repeat_interleave(g, 1).transpose(-1, -2)
+    m = mask.reshape(s.shape[-2:])
+    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+    e = bf16((s - s.amax(-1, keepdim=True)).exp())
+    return ((e @ bf16(v).repeat_interleave(g, 1)) / e.sum(-1, keepdim=True)).transpose(1, 2).float()
+
+
+def test_the_kernel_runs_where_the_cpu_has_bf16():
+    """A machine with AVX-512 BF16 must not silently fall back to fp32 attention."""
+    assert native_ops.bf16_attention_available() == _cpu_has_avx512_bf16()
+
+
+CASES = [  # heads, kv heads, chunk, past, head dim, mask
+    (9, 3, 256, 0, 64, "causal"), (9, 3, 256, 768, 64, "causal"), (14, 2, 100, 37, 64, "causal"),
+    (4, 4, 33, 5, 16, "causal"), (8, 2, 64, 130, 128, "causal"), (9, 3, 96, 200, 64, "window"),
+    (9, 3, 96, 200, 64, "additive"),
+]
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads,kv_heads,chunk,past,dim,kind", CASES)
+def test_bf16_attention_is_its_contract_and_not_fp32(heads, kv_heads, chunk, past, dim, kind):
+    g = torch.Generator().manual_seed(heads * chunk + past)
+    length = past + chunk
+    q = 2 * torch.randn(1, heads, chunk, dim, generator=g)
+    k = 2 * torch.randn(1, kv_heads, length, dim, generator=g)
+    v = torch.randn(1, kv_heads, length, dim, generator=g)
+    mask = causal_mask(chunk, length)
+    if kind == "window":       # a sliding window of 40 keys: the kernel skips the tiles before it
+        mask = mask & (torch.arange(length)[None, :] > torch.arange(past, length)[:, None] - 40)
+    elif kind == "additive":
+        mask = torch.where(mask, 0.0, float("-inf"))
+    scale = dim ** -0.5
+    got = chunk_attention_bf16(q, k, v, mask, scale, 0.0)
+    fp32 = _attend(q, k, v, mask, scale, 0.0)
+    boolean = mask if mask.dtype == torch.bool else mask == 0
+    contract = _emulated(q, k, v, boolean, scale)
+    effect = sqnr(got, fp32)            # what bf16 operands change: ~45 dB measured
+    assert got.shape == fp32.shape == (1, chunk, heads, dim)
+    assert effect < 70, "as close to fp32 as fp32 itself: the bf16 path did not run"
+    # the kernel equals its contract to within a tenth of the bf16 effect (measured 87-141 dB)
+    assert sqnr(got, contract) >= effect + 20
+
+
+def test_bf16_attention_falls_back_to_fp32_where_the_kernel_does_not_apply():
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    mask = causal_mask(8, 8)
+    softcapped = chunk_attention_bf16(q, k, v, mask, 0.25, 30.0)
+    assert torch.equal(softcapped, _attend(q, k, v, mask, 0.25, 30.0))
+    per_head = mask.expand(1, 4, 8, 8).clone()
+    per_head[:, 1, :, 0] = False
+    assert torch.equal(chunk_attention_bf16(q, k, v, per_head, 0.25, 0.0), _attend(q, k, v, per_head, 0.25, 0.0))
+
+
+@needs_bf16
+def test_bf16_attention_refuses_what_it_cannot_compute():
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        native_ops.chunk_attention_bf16(q.double(), k.double(), k.double(), causal_mask(8, 8), 0.25)
+    with pytest.raises(RuntimeError, match="mask"):
+        native_ops.chunk_attention_bf16(q, k, k, causal_mask(8, 9), 0.25)
+
+
+def test_precision_choice():
+    assert resolve_precision("auto", quantized=False) == "fp32"     # the float reference stays fp32
+    assert resolve_precision("auto", quantized=True) == ("bf16" if native_ops.bf16_attention_available() else "fp32")
+    assert resolve_precision("fp32", quantized=True) == "fp32"
+    with pytest.raises(LlmNpuError, match="unknown attention precision"):
+        resolve_precision("fp8", quantized=True)
+
+
+def test_fused_rms_norm_is_the_decomposed_one():
+    x, w = 3 * torch.randn(2, 37, 100), torch.randn(100)
+    want = native_ops.rms_norm_reference(x.double(), w.double(), 1e-6)
+    got = native_ops.rms_norm(x, w, 1e-6)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+# ------------------------------------------------------------------------------------- in the engine
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny-llama")
+
+
+@needs_bf16
+def test_engine_attention_runs_in_bf16_within_its_effect(tiny):
+    """The float engine with bf16 attention against the same engine in fp32: close (the bf16 effect
+    only) but not equal (the kernel really runs); norms are fused in both."""
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(3))
+    ref = Prefiller(tiny, 16, quant=None, cache=GraphCache(), progress=False)
+    bf16 = Prefiller(tiny, 16, quant=None, cache=GraphCache(), progress=False, attention="bf16")
+    assert (ref.attention, bf16.attention) == ("fp32", "bf16")
+    targets = {n.target for s in bf16.program.steps if s.sub.kind != "npu" for n in s.fn.graph.nodes}
+    assert chunk_attention_bf16 in targets and native_ops.rms_norm in targets
+    assert torch.ops.aten.rsqrt.default not in targets          # every llama norm was fused
+    want, got = ref(ids), bf16(ids)
+    assert 40 <= sqnr(got.logits, want.logits) < 90
+    assert min(sqnr(a, b) for a, b in zip(got.past_k, want.past_k)) >= 40
+
+
+@needs_bf16
+def test_quantized_engines_choose_bf16_attention(tiny):
+    calib = calibrate(tiny.model, torch.randint(0, 1000, (256,)), tiny.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    engine = Prefiller(tiny, 16, quant=QuantConfig(pruning_rate=0.5), calibration=calib, cache=GraphCache(),
+                       progress=False)
+    assert engine.attention == "bf16"
+
+
+# ------------------------------------------------------------------------------ the accuracy gate
+def _bf16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **_):
+    mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
+    return chunk_attention_bf16(query, key, value, mask, float(scaling or query.shape[-1] ** -0.5),
+                                float(softcap or 0.0)), None
+
+
+AttentionInterface.register("llmnpu-bf16-test", _bf16_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register("llmnpu-bf16-test", sdpa_mask)
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_bf16_attention_keeps_the_embedded_model_within_40_db_and_its_perplexity(smollm2):
+    """The issue's gate: logits SQNR against fp32 attention >= 40 dB and perplexity within 0.1 %, on
+    two 1,024-token windows of evaluation text, the float model otherwise unchanged (measured:
+    48 dB, +0.02 %). In the INT8 engine the same change moves the logits by about the INT8 noise
+    itself (roundings flip), so the gate isolates what attention's precision does."""
+    from llmnpu_delegate.evaluate import read_text, tokenize
+
+    ids = tokenize(smollm2, read_text(None, "eval"))[:2048].view(2, 1024)
+    model, before = smollm2.model, smollm2.model.config._attn_implementation
+    results = {}
+    try:
+        for name in ("llmnpu", "llmnpu-bf16-test"):      # "llmnpu": the fp32 chunk attention op
+            model.config._attn_implementation = name
+            with torch.inference_mode():
+                logits = torch.cat([model(w[None], use_cache=False).logits[0] for w in ids])
+            nll = torch.nn.functional.cross_entropy(
+                logits.view(2, 1024, -1)[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            results[name] = logits, math.exp(float(nll))
+    finally:
+        model.config._attn_implementation = before
+    (ref, ppl_ref), (got, ppl) = results["llmnpu"], results["llmnpu-bf16-test"]
+    db = [sqnr(got[1024 * w:1024 * (w + 1)], ref[1024 * w:1024 * (w + 1)]) for w in range(2)]
+    print(f"bf16 attention: logits SQNR {db[0]:.1f} / {db[1]:.1f} dB, perplexity {ppl:.4f} vs {ppl_ref:.4f}")
+    assert all(40 <= d < 90 for d in db)
+    assert abs(ppl / ppl_ref - 1) <= 0.001, (ppl, ppl_ref)
