@@ -3,6 +3,7 @@ float reference."""
 import pytest
 import torch
 
+from llmnpu_delegate.kernels import native_ops
 from llmnpu_delegate.kernels.native_ops import native_available, shadow_product, shadow_product_reference
 
 
@@ -48,3 +49,21 @@ def test_shadow_product_refuses_what_it_cannot_multiply():
         torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, torch.randn(7, 3))
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8).double(), 1.0, torch.randn(8, 3))
+
+
+def test_fused_rms_norm_is_the_decomposed_one():
+    x, w = 3 * torch.randn(2, 37, 100), torch.randn(100)
+    want = native_ops.rms_norm_reference(x.double(), w.double(), 1e-6)
+    got = torch.ops.llmnpu_native.rms_norm(x, w, 1e-6)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_fused_silu_mul_is_silu_times_up_in_place():
+    gate, up = 6 * torch.randn(3, 1000 + 7), torch.randn(3, 1000 + 7)   # a tail past the last 16 lanes
+    gate[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])              # exp's clamps
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    out = torch.ops.llmnpu_native.silu_mul_(gate, up)
+    assert out.data_ptr() == gate.data_ptr()
+    assert (gate.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.llmnpu_native.silu_mul_(torch.randn(8, 4).t(), torch.randn(4, 8))

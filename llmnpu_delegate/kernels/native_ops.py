@@ -89,3 +89,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:
+    """``gate = silu(gate) * up`` in place (the gated MLP's activation), in one pass when native."""
+    if native_available() and gate.is_contiguous():
+        return torch.ops.llmnpu_native.silu_mul_(gate, up)
+    return torch.nn.functional.silu(gate, inplace=True).mul_(up)

@@ -57,7 +57,8 @@ _ACTIVATIONS = {torch.ops.aten.silu.default: torch.ops.aten.silu_.default,
 
 def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
     """``act(a) * b`` -> ``act_(a).mul_(b)`` when nothing else reads ``a`` or ``act(a)`` (the gate
-    projection's output, consumed once): no [C, ffn] temporaries in the gated MLP."""
+    projection's output, consumed once): no [C, ffn] temporaries in the gated MLP. SiLU, the common
+    case, becomes one in-place pass (``native_ops.silu_mul_``)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != torch.ops.aten.mul.Tensor:
             continue
@@ -69,6 +70,13 @@ def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
                 and src.name in private):
             continue   # only buffers no other subgraph reads, never a weight or a kept value
         if act.kwargs or len(act.args) != 1:
+            continue
+        if act.target == torch.ops.aten.silu.default:
+            with gm.graph.inserting_after(node):
+                fused = gm.graph.call_function(native_ops.silu_mul_, (src, other))
+            node.replace_all_uses_with(fused)
+            gm.graph.erase_node(node)
+            gm.graph.erase_node(act)
             continue
         act.target = _ACTIVATIONS[act.target]
         with gm.graph.inserting_after(node):

@@ -25,6 +25,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define LLMNPU_BF16_ATTENTION 1
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #endif
 
 namespace {
@@ -39,26 +41,8 @@ bool supported() {
 
 #ifdef LLMNPU_BF16_ATTENTION
 
-constexpr int64_t kTile = 64;   // keys per GEMM call: a handful of brgemm shapes serve every call
+constexpr int64_t kTile = 64;   // key ranges are whole tiles: few brgemm shapes, and rows without a tail
 constexpr int64_t kRows = 96;   // query rows (g heads x positions) per block: scores [96, L] stay in L2
-
-// exp(x) for x <= 0 (Cephes' expf polynomial after a Cody-Waite reduction; ~1 ulp). Inputs below
-// -87 give ~1e-38, not 0: masked scores are zeroed by the caller, never sent here as -inf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -89,7 +73,8 @@ float softmax_row(float* s, const uint8_t* keep, const float* add, int64_t w, ui
   for (int64_t j = 0; j < w; j += 16) {
     const __m512 x = _mm512_loadu_ps(s + j);
     const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, vm)));
+    // masked lanes are zeroed here: exp_ps gives ~1e-38 for them, not 0
+    const __m512 e = _mm512_maskz_mov_ps(live, llmnpu::exp_ps(_mm512_sub_ps(x, vm)));
     const __m256bh b = _mm512_cvtneps_pbh(e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)b);
     // the sum is of the rounded numerators, so that the probabilities used sum to one
@@ -161,17 +146,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       ke = round_up(ke, kTile);
       const int64_t w = ke - ks;
       const at::BFloat16* a = qd + (kh * C + r0) * g * d;
-      for (int64_t n0 = ks; n0 < ke; n0 += kTile)   // scores [M, w] = q_block @ k^T
-        brgemm(M, kTile, d, d, Lp, Lp, false, a, kd + (kh * (d / 2) * Lp + n0) * 2, scores.data() + (n0 - ks), true);
+      // scores [M, w] = q_block @ k^T over the visible key tiles, in one call
+      brgemm(M, w, d, d, Lp, Lp, false, a, kd + (kh * (d / 2) * Lp + ks) * 2, scores.data(), true);
       for (int64_t i = 0; i < M; ++i) {
         const int64_t r = r0 + i / g;
         const uint8_t* keep = boolean ? m2.data_ptr<uint8_t>() + r * Lp + ks : nullptr;
         const float* add = boolean ? nullptr : m2.data_ptr<float>() + r * Lp + ks;
         sums[i] = softmax_row(scores.data() + i * Lp, keep, add, w, probs.data() + i * Lp);
       }
-      for (int64_t n0 = ks; n0 < ke; n0 += kTile)   // o [M, d] = p @ v
-        brgemm(M, d, kTile, Lp, d, d, n0 > ks, reinterpret_cast<const at::BFloat16*>(probs.data()) + (n0 - ks),
-               vd + (kh * (Lp / 2) + n0 / 2) * d * 2, o.data(), true);
+      // o [M, d] = p @ v, reducing over the same keys
+      brgemm(M, d, w, Lp, d, d, false, reinterpret_cast<const at::BFloat16*>(probs.data()),
+             vd + (kh * (Lp / 2) + ks / 2) * d * 2, o.data(), true);
       for (int64_t i = 0; i < M; ++i) {
         const int64_t r = r0 + i / g, h = kh * g + i % g;
         const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
