@@ -41,7 +41,8 @@ bool supported() {
 
 #ifdef LLMNPU_BF16_ATTENTION
 
-constexpr int64_t kTile = 64;   // key ranges are whole tiles: few brgemm shapes, and rows without a tail
+constexpr int64_t kTile = 64;   // key ranges in whole tiles: GEMM widths in steps of 64 (brgemm
+                                // compiles each shape once per thread), softmax rows without a tail
 constexpr int64_t kRows = 96;   // query rows (g heads x positions) per block: scores [96, L] stay in L2
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
