@@ -354,7 +354,6 @@ def _format_validate(r: dict) -> str:
 
 
 def _format_bench(r: dict) -> str:
-    from .kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
     from .runtime.executor import POLICIES
 
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "

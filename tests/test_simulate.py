@@ -179,7 +179,6 @@ def test_a_plan_is_carried_over_by_depth_and_role():
                    "model.layers.6.mlp.fc2": 0.02, "model.layers.7.mlp.fc2": 0.02}
 
 
-
 def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
     """A random-weight model takes the embedded model's plan, and with it the rate that plan was
     chosen at (the embedded calibration is cached by the tests before this file)."""
@@ -189,6 +188,7 @@ def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
     assert quant_config("w8a8-shadow", None).pruning_rate == "auto"
     scn = prepare("random:tiny-llama", C, progress=False)
     assert isinstance(scn.pruning_rate, float) and scn.pruning_rate in GRID
+
 
 # ------------------------------------------------------------------ bad input
 def test_an_unknown_soc_names_the_known_ones(capsys):

@@ -37,8 +37,9 @@ def native_available() -> bool:
                 torch.ops.load_library(str(path))
                 _state["loaded"] = True
             else:
-                log.warning("native kernels not built (%s): the shadow product runs on torch ops, ~3x "
-                            "slower; build them with `make kernels`", path)
+                log.warning("native kernels not built (%s): the shadow product, norms and gated activation "
+                            "run on torch ops and attention in fp32, all slower; build them with `make kernels`",
+                            path)
                 _state["loaded"] = False
     return _state["loaded"]
 

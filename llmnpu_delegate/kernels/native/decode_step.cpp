@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "gated.h"
 #include "rms_norm.h"
 
 namespace {
@@ -122,8 +123,7 @@ struct DecodeStep : torch::CustomClassHolder {
     }
     at::Tensor out = at::empty({1, f}, gu.options());
     const float* g = gu.const_data_ptr<float>();
-    float* y = out.data_ptr<float>();
-    for (int64_t j = 0; j < f; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * g[f + j];
+    llmnpu::silu_mul(g, g + f, out.data_ptr<float>(), f);
     return out;
   }
 

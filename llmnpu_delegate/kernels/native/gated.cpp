@@ -4,9 +4,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include <cmath>
-
-#include "vec_exp.h"
+#include "gated.h"
 
 namespace {
 
@@ -15,19 +13,7 @@ at::Tensor& silu_mul_(at::Tensor& gate, const at::Tensor& up) {
               "silu_mul_: gate and up must be float32 tensors of one shape");
   TORCH_CHECK(gate.is_contiguous(), "silu_mul_: gate must be contiguous (it is written in place)");
   const at::Tensor u = up.contiguous();
-  float* g = gate.data_ptr<float>();
-  const float* v = u.const_data_ptr<float>();
-  const int64_t n = gate.numel();
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = llmnpu::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(v + i)));
-  }
-#endif
-  for (; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * v[i];
+  llmnpu::silu_mul(gate.data_ptr<float>(), u.const_data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
   return gate;
 }
 
