@@ -1,5 +1,6 @@
 import logging
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,9 +13,19 @@ if "LLMNPU_DATA_DIR" not in os.environ:
     from llmnpu_delegate.text import default_text_file
 
     os.environ["LLMNPU_DATA_DIR"] = str(default_text_file("calib").parent)
-os.environ.setdefault("LLMNPU_CACHE_DIR", tempfile.mkdtemp(prefix="llmnpu-test-cache-"))
+# A session's cache holds ~1.3 GB of calibrated weights; one made here is removed when the session
+# ends, or repeated runs fill the disk.
+_SESSION_CACHE = None
+if "LLMNPU_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="llmnpu-test-cache-")
+    os.environ["LLMNPU_CACHE_DIR"] = _SESSION_CACHE
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
