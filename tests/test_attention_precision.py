@@ -115,14 +115,16 @@ def tiny():
 
 @needs_bf16
 def test_engine_attention_runs_in_bf16_within_its_effect(tiny):
-    """The float engine with bf16 attention against the same engine in fp32: close (the bf16 effect
-    only) but not equal (the kernel really runs); norms and the gated activation are fused in both."""
+    """The float engine with bf16 attention and LM-head weights against the same engine in fp32: close
+    (the bf16 effect only) but not equal (the kernels really run); norms, RoPE and the gated
+    activation are fused in both."""
     ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(3))
     ref = Prefiller(tiny, 16, quant=None, cache=GraphCache(), progress=False)
     bf16 = Prefiller(tiny, 16, quant=None, cache=GraphCache(), progress=False, attention="bf16")
     assert (ref.attention, bf16.attention) == ("fp32", "bf16")
     targets = {n.target for s in bf16.program.steps if s.sub.kind != "npu" for n in s.fn.graph.nodes}
-    assert {chunk_attention_bf16, native_ops.rms_norm, native_ops.silu_mul_} <= targets
+    assert {chunk_attention_bf16, native_ops.rms_norm, native_ops.silu_mul_, native_ops.rope,
+            native_ops.linear_bf16w} <= targets                 # the head's weights too
     assert torch.ops.aten.rsqrt.default not in targets          # every llama norm was fused
     assert torch.ops.aten.silu.default not in targets
     want, got = ref(ids), bf16(ids)

@@ -67,3 +67,19 @@ def test_fused_silu_mul_is_silu_times_up_in_place():
     assert (gate.double() - want).abs().max() <= 1e-6 * want.abs().max()
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.llmnpu_native.silu_mul_(torch.randn(8, 4).t(), torch.randn(4, 8))
+
+
+def test_linear_bf16w_is_the_bf16_weights_in_fp32_arithmetic():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(3, 1, 207, generator=g), torch.randn(1000, 207, generator=g), torch.randn(1000, generator=g)
+    wb = w.to(torch.bfloat16)                       # K = 207: a tail past the last 32 lanes
+    got = torch.ops.llmnpu_native.linear_bf16w(x, wb, b)
+    want = torch.nn.functional.linear(x.double(), wb.double(), b.double())
+    scale = (x.abs().double() @ wb.double().abs().t()).max().item()
+    assert got.shape == (3, 1, 1000)
+    assert (got.double() - want).abs().max() <= 1e-6 * scale               # fp32 sums of exact products
+    # and the weights really are the bf16 ones: against fp32 weights the rounding shows, far above that
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert (got.double() - exact).abs().max() > 1e-4 * scale
+    with pytest.raises(RuntimeError, match="weight must be bf16"):
+        torch.ops.llmnpu_native.linear_bf16w(x, w, None)

@@ -37,8 +37,8 @@ def native_available() -> bool:
                 torch.ops.load_library(str(path))
                 _state["loaded"] = True
             else:
-                log.warning("native kernels not built (%s): the shadow product, norms and gated activation "
-                            "run on torch ops and attention in fp32, all slower; build them with `make kernels`",
+                log.warning("native kernels not built (%s): the shadow product, norms, rotary embedding and gated "
+                            "activation run on torch ops and attention in fp32, all slower; build them with `make kernels`",
                             path)
                 _state["loaded"] = False
     return _state["loaded"]
@@ -90,6 +90,31 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None = None) -> Tensor:
+    """The rotate-half rotary embedding ``x * cos + rotate_half(x) * sin`` of ``x`` [B, H, C, d] (any
+    strides), ``cos``/``sin`` holding one [d] row per position; with ``past`` [B, H, P, d] the result
+    is ``cat([past, rotated], -2)``. Contiguous [B, H, P + C, d], bit-identical to the torch ops."""
+    if native_available():
+        return torch.ops.llmnpu_native.rope(x, cos, sin, past)
+    return rope_reference(x, cos, sin, past)
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None = None) -> Tensor:
+    half = x.shape[-1] // 2
+    shape = (x.shape[-2], x.shape[-1])
+    rotated = x * cos.reshape(shape) + torch.cat([-x[..., half:], x[..., :half]], -1) * sin.reshape(shape)
+    return rotated.contiguous() if past is None else torch.cat([past, rotated], -2)
+
+
+def linear_bf16w(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight^T + bias`` for fp32 ``x`` and a bf16 ``weight`` [N, K], with fp32 products and
+    sums: the only difference from the fp32 linear is the weight's rounding to bf16. Native: made
+    for a few rows (the LM head on the prompt's last token), streaming half the bytes."""
+    if native_available():
+        return torch.ops.llmnpu_native.linear_bf16w(x, weight, bias)
+    return torch.nn.functional.linear(x, weight.float(), bias)
 
 
 def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:

@@ -14,9 +14,8 @@ import torch
 from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
-from ..kernels import native_ops
-from ..kernels.attention import chunk_attention_bf16
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
+from .fuse import fuse_cpu_subgraph
 
 
 def past_name(kind: str, layer: int) -> str:
@@ -51,96 +50,6 @@ def _bind_shadow(gm: fx.GraphModule, backend, bound: dict) -> None:
     gm.recompile()
 
 
-_ACTIVATIONS = {torch.ops.aten.silu.default: torch.ops.aten.silu_.default,
-                torch.ops.aten.gelu.default: torch.ops.aten.gelu_.default}
-
-
-def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
-    """``act(a) * b`` -> ``act_(a).mul_(b)`` when nothing else reads ``a`` or ``act(a)`` (the gate
-    projection's output, consumed once): no [C, ffn] temporaries in the gated MLP. SiLU, the common
-    case, becomes one in-place pass (``native_ops.silu_mul_``)."""
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != torch.ops.aten.mul.Tensor:
-            continue
-        act, other = node.args
-        if not (isinstance(act, fx.Node) and act.target in _ACTIVATIONS and len(act.users) == 1):
-            continue
-        src = act.args[0]
-        if not (isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "placeholder"
-                and src.name in private):
-            continue   # only buffers no other subgraph reads, never a weight or a kept value
-        if act.kwargs or len(act.args) != 1:
-            continue
-        if act.target == torch.ops.aten.silu.default:
-            with gm.graph.inserting_after(node):
-                fused = gm.graph.call_function(native_ops.silu_mul_, (src, other))
-            node.replace_all_uses_with(fused)
-            gm.graph.erase_node(node)
-            gm.graph.erase_node(act)
-            continue
-        act.target = _ACTIVATIONS[act.target]
-        with gm.graph.inserting_after(node):
-            fused = gm.graph.call_function(torch.ops.aten.mul_.Tensor, (act, other))
-        node.replace_all_uses_with(fused)
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _bf16_attention(gm: fx.GraphModule) -> None:
-    """Attention nodes call the bf16-operand kernel instead of fp32 SDPA (same signature)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.llmnpu.chunk_attention.default:
-            node.target = chunk_attention_bf16
-    gm.recompile()
-
-
-_aten = torch.ops.aten
-
-
-def _only_user(node: fx.Node, target) -> fx.Node | None:
-    user = next(iter(node.users)) if len(node.users) == 1 else None
-    return user if user is not None and user.op == "call_function" and user.target == target else None
-
-
-def _fuse_rms_norm(gm: fx.GraphModule) -> None:
-    """The llama-family RMSNorm as exported, ``w * to(x * rsqrt(mean(x.pow(2), -1, keepdim) + eps))``
-    (seven aten ops, each a pass over the chunk and a trip through the interpreter), becomes one
-    ``native_ops.rms_norm`` call. Other norms (Gemma's ``1 + w``, layer norms) do not match and stay."""
-    for rsqrt in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.rsqrt.default]:
-        add = rsqrt.args[0]
-        if not (isinstance(add, fx.Node) and add.target == _aten.add.Tensor and isinstance(add.args[1], float)):
-            continue
-        mean = add.args[0]
-        if not (isinstance(mean, fx.Node) and mean.target == _aten.mean.dim and list(mean.args[1]) == [-1]
-                and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))):
-            continue
-        pow_ = mean.args[0]
-        if not (isinstance(pow_, fx.Node) and pow_.target == _aten.pow.Tensor_Scalar and pow_.args[1] == 2):
-            continue
-        x = pow_.args[0]
-        scaled = _only_user(rsqrt, _aten.mul.Tensor)
-        if scaled is None or set(scaled.args) != {x, rsqrt}:
-            continue
-        cast = _only_user(scaled, _aten.to.dtype)
-        if cast is not None and cast.args[1:] != (torch.float32,):
-            continue
-        final = _only_user(cast if cast is not None else scaled, _aten.mul.Tensor)
-        if final is None:
-            continue
-        weight = next((a for a in final.args if a is not (cast if cast is not None else scaled)), None)
-        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
-            continue
-        if any(len(n.users) != 1 for n in (pow_, mean, add)):
-            continue
-        with gm.graph.inserting_before(final):
-            fused = gm.graph.call_function(native_ops.rms_norm, (x, weight, add.args[1]))
-        final.replace_all_uses_with(fused)
-        for node in (final, cast, scaled, rsqrt, add, mean, pow_):
-            if node is not None:
-                gm.graph.erase_node(node)
-    gm.recompile()
-
-
 def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
     """Inputs of ``sub`` that no other subgraph and no graph output reads."""
     members = set(sub.nodes)
@@ -164,10 +73,7 @@ def build_steps(partition: Partition, backend, progress: bool = False,
             continue
         gm = subgraph_module(partition, sub)
         _bind_shadow(gm, backend, shadow)
-        _fuse_activation_mul(gm, _private_inputs(sub, by_name))
-        _fuse_rms_norm(gm)
-        if attention == "bf16":
-            _bf16_attention(gm)
+        fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention)
         steps.append(Step(sub, gm))
     return steps, shadow
 

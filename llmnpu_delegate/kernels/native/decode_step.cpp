@@ -19,6 +19,7 @@
 
 #include "gated.h"
 #include "rms_norm.h"
+#include "rope.h"
 
 namespace {
 
@@ -107,13 +108,6 @@ struct DecodeStep : torch::CustomClassHolder {
     return out;
   }
 
-  // HF's rotate-half RoPE of one head's row x[d] into out[d]
-  static void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
-    const int64_t half = d / 2;
-    for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] - x[j + half] * sin[j];
-    for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
-  }
-
   // act(gate) * up for gu = [gate | up] [1, 2F]
   at::Tensor gated(const at::Tensor& gu) const {
     const int64_t f = gu.size(1) / 2;
@@ -151,9 +145,9 @@ struct DecodeStep : torch::CustomClassHolder {
       const float* y = qkv.const_data_ptr<float>();
       float* kp = keys[i].data_ptr<float>();
       float* vp = values[i].data_ptr<float>();
-      for (int64_t j = 0; j < nq; ++j) rope(y + j * d, cp, sp, d, q.data_ptr<float>() + j * d);
+      for (int64_t j = 0; j < nq; ++j) llmnpu::rope_row(y + j * d, cp, sp, d, q.data_ptr<float>() + j * d);
       for (int64_t j = 0; j < nkv; ++j) {
-        rope(y + (nq + j) * d, cp, sp, d, kp + (j * size + pos) * d);
+        llmnpu::rope_row(y + (nq + j) * d, cp, sp, d, kp + (j * size + pos) * d);
         std::memcpy(vp + (j * size + pos) * d, y + (nq + nkv + j) * d, d * sizeof(float));
       }
       const at::Tensor a = at::scaled_dot_product_attention(q, keys[i].narrow(2, 0, pos + 1),

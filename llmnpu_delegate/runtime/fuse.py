@@ -1,0 +1,231 @@
+"""Rewrites of a prefill CPU subgraph before it runs: the exported graph spells the float side's
+work as chains of small aten ops, each a pass over the chunk and a trip through the Python
+interpreter, whose lock the INT8 worker's thread shares. These swap recognised chains for one
+native op each (``kernels/native_ops.py``, each with a torch-ops twin when the library is absent)
+and drop copies that change nothing. Anything that does not match exactly stays as exported.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..kernels import native_ops
+from ..kernels.attention import chunk_attention_bf16
+
+_aten = torch.ops.aten
+
+
+def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "fp32") -> None:
+    """All rewrites, in place. ``private``: inputs no other subgraph reads (may be overwritten);
+    ``attention``: "bf16" swaps attention for the bf16-operand kernel (``kernels/attention.py``) and
+    gives the few-row float linears (the LM head) bf16 weights."""
+    _fuse_activation_mul(gm, private)
+    _fuse_rms_norm(gm)
+    _drop_empty_cat_inputs(gm)
+    _fuse_rope(gm)
+    if attention == "bf16":
+        _bf16_attention(gm)
+        _bf16_weight_head(gm)
+    _erase_dead(gm)
+    gm.recompile()
+
+
+_ACTIVATIONS = {_aten.silu.default: _aten.silu_.default, _aten.gelu.default: _aten.gelu_.default}
+
+
+def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
+    """``act(a) * b`` -> ``act_(a).mul_(b)`` when nothing else reads ``a`` or ``act(a)`` (the gate
+    projection's output, consumed once): no [C, ffn] temporaries in the gated MLP. SiLU, the common
+    case, becomes one in-place pass (``native_ops.silu_mul_``)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != _aten.mul.Tensor:
+            continue
+        act, other = node.args
+        if not (isinstance(act, fx.Node) and act.target in _ACTIVATIONS and len(act.users) == 1):
+            continue
+        src = act.args[0]
+        if not (isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "placeholder"
+                and src.name in private):
+            continue   # only buffers no other subgraph reads, never a weight or a kept value
+        if act.kwargs or len(act.args) != 1:
+            continue
+        if act.target == _aten.silu.default:
+            with gm.graph.inserting_after(node):
+                fused = gm.graph.call_function(native_ops.silu_mul_, (src, other))
+            node.replace_all_uses_with(fused)
+            gm.graph.erase_node(node)
+            gm.graph.erase_node(act)
+            continue
+        act.target = _ACTIVATIONS[act.target]
+        with gm.graph.inserting_after(node):
+            fused = gm.graph.call_function(_aten.mul_.Tensor, (act, other))
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+
+
+def _bf16_attention(gm: fx.GraphModule) -> None:
+    """Attention nodes call the bf16-operand kernel instead of fp32 SDPA (same signature)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.llmnpu.chunk_attention.default:
+            node.target = chunk_attention_bf16
+
+
+HEAD_ROWS = 8   # a float linear on at most this many rows streams its weight: the LM head on the logits row
+
+
+def _bf16_weight_head(gm: fx.GraphModule) -> None:
+    """A float linear on a few rows (the LM head on the last prompt token, the prefill's final task:
+    nothing overlaps it) reads a bf16 copy of its weight (``native_ops.linear_bf16w``): half the
+    bytes of a product bound by them. The copy lives on this subgraph only."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != _aten.linear.default:
+            continue
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        vx = _val(x)
+        if not (isinstance(w, fx.Node) and w.op == "get_attr") or vx is None or vx.shape[-1] == 0:
+            continue
+        weight = operator.attrgetter(w.target)(gm)
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2 or vx.numel() // vx.shape[-1] > HEAD_ROWS:
+            continue
+        name = w.target.replace(".", "_") + "_bf16"
+        if not hasattr(gm, name):
+            gm.register_buffer(name, weight.detach().to(torch.bfloat16), persistent=False)
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.get_attr(name)
+            fused = gm.graph.call_function(native_ops.linear_bf16w, (x, copy, bias))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+
+
+def _only_user(node: fx.Node, target) -> fx.Node | None:
+    user = next(iter(node.users)) if len(node.users) == 1 else None
+    return user if user is not None and user.op == "call_function" and user.target == target else None
+
+
+def _fuse_rms_norm(gm: fx.GraphModule) -> None:
+    """The llama-family RMSNorm as exported, ``w * to(x * rsqrt(mean(x.pow(2), -1, keepdim) + eps))``
+    (seven aten ops, each a pass over the chunk and a trip through the interpreter), becomes one
+    ``native_ops.rms_norm`` call. Other norms (Gemma's ``1 + w``, layer norms) do not match and stay."""
+    for rsqrt in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.rsqrt.default]:
+        add = rsqrt.args[0]
+        if not (isinstance(add, fx.Node) and add.target == _aten.add.Tensor and isinstance(add.args[1], float)):
+            continue
+        mean = add.args[0]
+        if not (isinstance(mean, fx.Node) and mean.target == _aten.mean.dim and list(mean.args[1]) == [-1]
+                and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))):
+            continue
+        pow_ = mean.args[0]
+        if not (isinstance(pow_, fx.Node) and pow_.target == _aten.pow.Tensor_Scalar and pow_.args[1] == 2):
+            continue
+        x = pow_.args[0]
+        scaled = _only_user(rsqrt, _aten.mul.Tensor)
+        if scaled is None or set(scaled.args) != {x, rsqrt}:
+            continue
+        cast = _only_user(scaled, _aten.to.dtype)
+        if cast is not None and cast.args[1:] != (torch.float32,):
+            continue
+        final = _only_user(cast if cast is not None else scaled, _aten.mul.Tensor)
+        if final is None:
+            continue
+        weight = next((a for a in final.args if a is not (cast if cast is not None else scaled)), None)
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            continue
+        if any(len(n.users) != 1 for n in (pow_, mean, add)):
+            continue
+        with gm.graph.inserting_before(final):
+            fused = gm.graph.call_function(native_ops.rms_norm, (x, weight, add.args[1]))
+        final.replace_all_uses_with(fused)
+        for node in (final, cast, scaled, rsqrt, add, mean, pow_):
+            if node is not None:
+                gm.graph.erase_node(node)
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _drop_empty_cat_inputs(gm: fx.GraphModule) -> None:
+    """``cat([empty, past], dim)``, the exported cache's initial state joined to the past, copies the
+    past and changes nothing (cat skips 1-D empty tensors): its consumers read the past itself.
+    Only where every consumer copies anyway (another cat, or a rope that appends)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != _aten.cat.default:
+            continue
+        parts = node.args[0]
+        kept = [p for p in parts if not (_val(p) is not None and _val(p).dim() == 1 and _val(p).numel() == 0)]
+        if len(kept) != 1 or len(kept) == len(parts):
+            continue
+        if all(u.op == "call_function" and u.target in (_aten.cat.default, native_ops.rope) for u in node.users):
+            node.replace_all_uses_with(kept[0])
+
+
+def _rotate_half_input(node) -> fx.Node | None:
+    """``x`` when ``node`` is ``cat([-x[..., d/2:], x[..., :d/2]], -1)`` (HF's rotate_half), else None."""
+    if not (isinstance(node, fx.Node) and node.target == _aten.cat.default and len(node.args[0]) == 2):
+        return None
+    if (node.args[1] if len(node.args) > 1 else 0) not in (-1, 3):
+        return None
+    neg, low = node.args[0]
+    if not (isinstance(neg, fx.Node) and neg.target == _aten.neg.default):
+        return None
+    high = neg.args[0]
+    if not all(isinstance(n, fx.Node) and n.target == _aten.slice.Tensor for n in (high, low)):
+        return None
+    x = low.args[0]
+    v = _val(x)
+    if high.args[0] is not x or v is None or v.dim() != 4:
+        return None
+    half = v.shape[-1] // 2
+    ok_low = list(low.args[1:]) in ([3, 0, half], [-1, 0, half])
+    ok_high = high.args[1] in (3, -1) and high.args[2] == half and (len(high.args) < 4 or high.args[3] >= v.shape[-1])
+    return x if ok_low and ok_high and v.shape[-1] % 2 == 0 else None
+
+
+def _fuse_rope(gm: fx.GraphModule) -> None:
+    """HF's ``apply_rotary_pos_emb`` as exported, ``x * cos + rotate_half(x) * sin`` (seven ops over
+    a strided view), becomes ``native_ops.rope(x, cos, sin)``; when the result is only appended to
+    the past K (``cat([past, rotated], -2)``), the append joins the same op."""
+    for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.add.Tensor]:
+        if len(add.args) != 2 or not all(isinstance(a, fx.Node) and a.target == _aten.mul.Tensor for a in add.args):
+            continue
+        match = None
+        for direct, rotated in (add.args, add.args[::-1]):
+            for x, cos in (direct.args, direct.args[::-1]):
+                for rot, sin in (rotated.args, rotated.args[::-1]):
+                    if isinstance(x, fx.Node) and _rotate_half_input(rot) is x and isinstance(cos, fx.Node) \
+                            and isinstance(sin, fx.Node):
+                        match = (x, cos, sin)
+        if match is None:
+            continue
+        x, cos, sin = match
+        vx, vc, vs = _val(x), _val(cos), _val(sin)
+        rows = vx.shape[-2] * vx.shape[-1] if vx is not None else None
+        if rows is None or vc is None or vs is None or vc.numel() != rows or vs.numel() != rows:
+            continue   # cos/sin broadcast per head or per batch: not the one-row-per-position layout
+        target, past = add, None
+        user = next(iter(add.users)) if len(add.users) == 1 else None
+        if (user is not None and user.target == _aten.cat.default and len(user.args[0]) == 2
+                and user.args[0][1] is add and (user.args[1] if len(user.args) > 1 else 0) in (-2, 2)):
+            target, past = user, user.args[0][0]
+        with gm.graph.inserting_before(target):
+            fused = gm.graph.call_function(native_ops.rope, (x, cos, sin, past))
+        fused.meta = dict(target.meta)
+        target.replace_all_uses_with(fused)
+
+
+_PURE = {_aten.mul.Tensor, _aten.add.Tensor, _aten.cat.default, _aten.neg.default, _aten.slice.Tensor,
+         _aten.lift_fresh_copy.default, _aten.detach_.default, _aten.unsqueeze.default}
+
+
+def _erase_dead(gm: fx.GraphModule) -> None:
+    """Nodes the rewrites left without users (``detach_`` only acts on a fresh copy made here)."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.users or node.op not in ("call_function", "get_attr"):
+            continue
+        if node.op == "get_attr" or node.target in _PURE:
+            gm.graph.erase_node(node)

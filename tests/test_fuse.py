@@ -1,0 +1,89 @@
+"""The rewrites of CPU subgraphs (runtime/fuse.py) and the rotary-embedding kernel they call: the
+kernel against transformers' own apply_rotary_pos_emb, the rewritten subgraphs against the
+subgraphs as exported, bit for bit."""
+import copy
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from llmnpu_delegate.kernels import native_ops
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.partitioner.regions import subgraph_module
+from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.runtime.fuse import _bf16_attention, fuse_cpu_subgraph
+from llmnpu_delegate.runtime.graph_cache import GraphCache
+from llmnpu_delegate.runtime.program import _private_inputs
+
+_aten = torch.ops.aten
+
+
+def _rotary(chunk, dim, start):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(start, start + chunk).float()[:, None] * inv[None]
+    emb = torch.cat([angles, angles], -1)[None]
+    return emb.cos(), emb.sin()                              # [1, C, d], as HF's rotary module
+
+
+@pytest.mark.parametrize("rope", [native_ops.rope, native_ops.rope_reference], ids=["native", "torch-ops"])
+@pytest.mark.parametrize("heads,kv_heads,chunk,past,dim", [(9, 3, 37, 0, 64), (4, 4, 16, 21, 32), (2, 1, 1, 5, 8)])
+def test_rope_is_hf_apply_rotary_pos_emb_bit_for_bit(rope, heads, kv_heads, chunk, past, dim):
+    g = torch.Generator().manual_seed(chunk + dim)
+    # the projections' outputs seen per head: strided views, as in the exported graph
+    q = (5 * torch.randn(1, chunk, heads * dim, generator=g)).view(1, chunk, heads, dim).transpose(1, 2)
+    k = (5 * torch.randn(1, chunk, kv_heads * dim, generator=g)).view(1, chunk, kv_heads, dim).transpose(1, 2)
+    past_k = torch.randn(1, kv_heads, past, dim, generator=g)
+    cos, sin = _rotary(chunk, dim, past)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q = rope(q, cos[:, None], sin[:, None])
+    got_k = rope(k, cos[:, None], sin[:, None], past_k)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, torch.cat([past_k, want_k], -2))
+
+
+def test_rope_refuses_what_it_cannot_rotate():
+    if not native_ops.native_available():
+        pytest.skip("native kernels not built")
+    x, cos = torch.randn(1, 2, 4, 8), torch.randn(1, 4, 8)
+    with pytest.raises(RuntimeError, match="one \\[d\\] row per position"):
+        torch.ops.llmnpu_native.rope(x, cos[:, :3], cos[:, :3], None)
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.llmnpu_native.rope(torch.randn(1, 2, 4, 7), torch.randn(28), torch.randn(28), None)
+    with pytest.raises(RuntimeError, match="past must be"):
+        torch.ops.llmnpu_native.rope(x, cos, cos, torch.randn(1, 3, 5, 8))
+
+
+@pytest.mark.parametrize("attention", ["fp32", "bf16"])
+def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
+    """Each attention subgraph of a float engine, as exported and as rewritten, on the data of a real
+    three-chunk prompt: same bits out (bf16 attention is swapped into both, so only the rewrites
+    differ), and the rewritten ones hold the rope op and none of the chains it replaced. (The norm and
+    activation kernels sum in another order; their own tests bound them.)"""
+    if attention == "bf16" and not native_ops.bf16_attention_available():
+        pytest.skip("this CPU or build has no bf16 attention kernel")
+    lm = load_model("random:tiny-llama")
+    engine = Prefiller(lm, 16, quant=None, cache=GraphCache(), progress=False, attention=attention)
+    by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
+    checked = set()
+    with torch.inference_mode():
+        for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
+            sub = engine.program.steps[i].sub
+            if sub.kind != "cpu":
+                continue
+            exported = subgraph_module(engine.partition, sub)
+            rewritten = copy.deepcopy(exported)
+            fuse_cpu_subgraph(rewritten, _private_inputs(sub, by_name), attention)
+            targets = [n.target for n in rewritten.graph.nodes]
+            if native_ops.rope not in targets:
+                continue
+            assert _aten.neg.default not in targets and _aten.lift_fresh_copy.default not in targets
+            if attention == "bf16":
+                _bf16_attention(exported)
+                exported.recompile()
+            want = exported(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            got = rewritten(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"chunk {chunk}, subgraph {i}"
+            checked.add(chunk)
+    assert checked == {0, 1, 2}, "no attention subgraph was rewritten"
