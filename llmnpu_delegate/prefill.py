@@ -39,7 +39,7 @@ from .runtime.allocator import tune_malloc
 from .runtime.executor import COST_POLICIES, POLICIES, Executor, RunStats, Workers
 from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
-from .runtime.program import ChunkProgram, chunk_feeds
+from .runtime.program import ChunkProgram, chunk_feeds, program_digest
 
 BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
@@ -177,16 +177,18 @@ class Prefiller:
 
     def _warm_up(self, profile: bool) -> None:
         """Run a prompt in order before any real one: kernels make their first-call setup here (it
-        tripled the first prompt's time), and with ``profile`` every subgraph is timed on a two-chunk
-        prompt so that the first real prompt already runs out of order."""
+        tripled the first prompt's time). With ``profile``, every subgraph is then timed on a
+        two-chunk prompt, so that the first real prompt already runs out of order; timing the first
+        run instead would record that setup as the costs of the tasks that paid it."""
         t = time.perf_counter()
-        length = min((2 if profile else 1) * self.chunk_len, self.max_context)
-        ids = torch.randint(0, self.model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, self.model.config.vocab_size, (min(2 * self.chunk_len, self.max_context),),
+                            generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            _, stats = self.executor.run(self.feeds(ids), "inorder")
-        if profile:
-            self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
-            self.profile.save(self._profile_path())
+            self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
+            if profile:
+                _, stats = self.executor.run(self.feeds(ids), "inorder")
+                self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
+                self.profile.save(self._profile_path())
         self.timings["warmup_s"] = time.perf_counter() - t
 
     # ------------------------------------------------------------------ prompts
@@ -232,8 +234,9 @@ class Prefiller:
 
     def _profile_path(self):
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
-        key = entry_key({"profile": 1, "backend": self.backend_name, "model": self.fingerprint,
+        key = entry_key({"profile": 2, "backend": self.backend_name, "model": self.fingerprint,
                          "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
+                         "program": program_digest(self.program),
                          "attention": self.attention})
         return self.cache.root / f"profile-{key}.json"
 

@@ -1,5 +1,6 @@
 """The out-of-order executor: same outputs under every policy, dependencies respected, failures
 reported with the task's name, no threads left behind."""
+import copy
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
 from llmnpu_delegate.runtime.executor import POLICIES, Scheduler, TaskError, Workers
 from llmnpu_delegate.runtime.graph_cache import GraphCache
+from llmnpu_delegate.runtime.program import ChunkProgram, Step, program_digest
 from llmnpu_delegate.runtime.tasks import build_tasks
 
 
@@ -156,6 +158,30 @@ def test_profile_is_stored_and_reused(engine):
     costs = again.costs(6)
     dynamic = next(iter(again.dynamic))
     assert costs[(dynamic, 5)] > 0
+
+
+def test_profile_is_keyed_on_what_the_program_computes(engine):
+    """A stored profile times one program: after a change to any CPU subgraph (a new rewrite, say)
+    the engine must profile again, not schedule with the old program's times."""
+    program = engine.program
+    steps = list(program.steps)
+    i = next(i for i, s in enumerate(steps) if s.sub.kind == "cpu")
+    gm = copy.deepcopy(steps[i].fn)
+    first = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_after(first):
+        gm.graph.call_function(torch.ops.aten.clone.default, (first,))   # one more op, same outputs
+    gm.recompile()
+    steps[i] = Step(steps[i].sub, gm)
+    other = ChunkProgram(steps, [program.out_logits, *program.out_k, *program.out_v], program.chunk_len,
+                         len(program.out_k))
+    assert program_digest(program) == program_digest(engine.program)          # deterministic
+    assert program_digest(other) != program_digest(program)
+    path = engine._profile_path()
+    engine.program = other
+    try:
+        assert engine._profile_path() != path
+    finally:
+        engine.program = program
 
 
 def test_one_engine_called_from_two_threads(engine):

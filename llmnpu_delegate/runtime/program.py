@@ -7,6 +7,7 @@ their graph is shape-polymorphic in the past length, so one build serves every c
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -123,6 +124,16 @@ class ChunkProgram:
                 outs = step.run(values)
                 values.update(outs)
                 yield c, i, inputs, outs
+
+
+def program_digest(program: ChunkProgram) -> str:
+    """What the steps compute, as text hashed: the code of every CPU subgraph after its rewrites and
+    the boundary of every NPU one. A profile of task times is only valid for the program it timed."""
+    h = hashlib.sha256()
+    for step in program.steps:
+        code = step.fn.code if isinstance(step.fn, fx.GraphModule) else ""
+        h.update(f"{step.sub.kind}|{step.sub.inputs}|{step.sub.outputs}|{code}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def chunk_feeds(ids: Tensor, chunk_len: int, kv) -> list[dict[str, Tensor]]:
