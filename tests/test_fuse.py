@@ -2,6 +2,7 @@
 kernel against transformers' own apply_rotary_pos_emb, the rewritten subgraphs against the
 subgraphs as exported, bit for bit."""
 import copy
+import operator
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from llmnpu_delegate.kernels import native_ops
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.partitioner.regions import subgraph_module
 from llmnpu_delegate.prefill import Prefiller
-from llmnpu_delegate.runtime.fuse import _bf16_attention, fuse_cpu_subgraph
+from llmnpu_delegate.runtime.fuse import _bf16_attention, _bf16_weight_head, fuse_cpu_subgraph
 from llmnpu_delegate.runtime.graph_cache import GraphCache
 from llmnpu_delegate.runtime.program import _private_inputs
 
@@ -56,17 +57,17 @@ def test_rope_refuses_what_it_cannot_rotate():
 
 @pytest.mark.parametrize("attention", ["fp32", "bf16"])
 def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
-    """Each attention subgraph of a float engine, as exported and as rewritten, on the data of a real
-    three-chunk prompt: same bits out (bf16 attention is swapped into both, so only the rewrites
-    differ), and the rewritten ones hold the rope op and none of the chains it replaced. (The norm and
-    activation kernels sum in another order; their own tests bound them.)"""
+    """The CPU subgraphs of a float engine, as exported and as rewritten, on the data of a real
+    three-chunk prompt. Attention subgraphs: same bits out (the bf16 swaps go into both, so only
+    the rewrites differ), the rope op in place of the chains it replaced. Norm subgraphs: the
+    residual adds inside the fused norm, outputs equal to fp32 rounding."""
     if attention == "bf16" and not native_ops.bf16_attention_available():
         pytest.skip("this CPU or build has no bf16 attention kernel")
     lm = load_model("random:tiny-llama")
     engine = Prefiller(lm, 16, quant=None, cache=GraphCache(), progress=False, attention=attention)
     by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
-    checked = set()
+    checked, fused_norms = set(), 0
     with torch.inference_mode():
         for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
             sub = engine.program.steps[i].sub
@@ -75,15 +76,25 @@ def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
             exported = subgraph_module(engine.partition, sub)
             rewritten = copy.deepcopy(exported)
             fuse_cpu_subgraph(rewritten, _private_inputs(sub, by_name), attention)
+            if attention == "bf16":       # the precision swaps into both: what differs is the rewrites
+                _bf16_attention(exported)
+                _bf16_weight_head(exported)
+                exported.recompile()
             targets = [n.target for n in rewritten.graph.nodes]
+            if native_ops.add_rms_norm in targets:
+                # the residual adds joined the norm: no aten add is left, and the outputs are the
+                # exported ones up to the norm's own summation order (its kernel test is exact)
+                assert not {_aten.add.Tensor, operator.add} & set(targets)
+                want = exported(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+                got = rewritten(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+                assert all((a - b).abs().max() <= 1e-6 * b.abs().max() for a, b in zip(got, want))
+                fused_norms += 1
             if native_ops.rope not in targets:
                 continue
             assert _aten.neg.default not in targets and _aten.lift_fresh_copy.default not in targets
-            if attention == "bf16":
-                _bf16_attention(exported)
-                exported.recompile()
             want = exported(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
             got = rewritten(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
             assert all(torch.equal(a, b) for a, b in zip(got, want)), f"chunk {chunk}, subgraph {i}"
             checked.add(chunk)
     assert checked == {0, 1, 2}, "no attention subgraph was rewritten"
+    assert fused_norms >= 3 * 2 * engine.kv.layers - 3, "residual adds were not fused into the norms"

@@ -83,3 +83,16 @@ def test_linear_bf16w_is_the_bf16_weights_in_fp32_arithmetic():
     assert (got.double() - exact).abs().max() > 1e-4 * scale
     with pytest.raises(RuntimeError, match="weight must be bf16"):
         torch.ops.llmnpu_native.linear_bf16w(x, w, None)
+
+
+@pytest.mark.parametrize("z", ["none", "tensor", "scalar"])
+def test_fused_add_rms_norm_is_the_aten_adds_then_the_norm(z):
+    g = torch.Generator().manual_seed(4)
+    x, y, w = 3 * torch.randn(2, 37, 100, generator=g), torch.randn(2, 37, 100, generator=g), torch.randn(100, generator=g)
+    delta = {"none": None, "tensor": torch.randn(2, 37, 100, generator=g), "scalar": torch.zeros(())}[z]
+    s, normed = torch.ops.llmnpu_native.add_rms_norm(x, y, delta, w, 1e-6)
+    want = x + (y if delta is None else y + delta)                 # the exported graph's two adds
+    assert torch.equal(s, want)
+    assert torch.equal(normed, torch.ops.llmnpu_native.rms_norm(want, w, 1e-6))
+    with pytest.raises(RuntimeError, match="z must be"):
+        torch.ops.llmnpu_native.add_rms_norm(x, y, torch.randn(3), w, 1e-6)

@@ -92,6 +92,15 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def add_rms_norm(x: Tensor, y: Tensor, z: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the norm after it: ``s = x + (y + z)`` (``z`` optional, or one value: the
+    shadow delta) and ``rms_norm(s)``, as ``(s, normed)``; each sum rounds as the aten adds do."""
+    if native_available():
+        return torch.ops.llmnpu_native.add_rms_norm(x, y, z, weight, eps)
+    s = x + (y if z is None else y + z)
+    return s, rms_norm(s, weight, eps)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None = None) -> Tensor:
     """The rotate-half rotary embedding ``x * cos + rotate_half(x) * sin`` of ``x`` [B, H, C, d] (any
     strides), ``cos``/``sin`` holding one [d] row per position; with ``past`` [B, H, P, d] the result

@@ -23,6 +23,7 @@ def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "f
     gives the few-row float linears (the LM head) bf16 weights."""
     _fuse_activation_mul(gm, private)
     _fuse_rms_norm(gm)
+    _fuse_add_rms_norm(gm)
     _drop_empty_cat_inputs(gm)
     _fuse_rope(gm)
     if attention == "bf16":
@@ -141,6 +142,49 @@ def _fuse_rms_norm(gm: fx.GraphModule) -> None:
         final.replace_all_uses_with(fused)
         for node in (final, cast, scaled, rsqrt, add, mean, pow_):
             if node is not None:
+                gm.graph.erase_node(node)
+
+
+_ADDS = (_aten.add.Tensor, operator.add)
+
+
+def _plain_add(node) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _ADDS
+            and len(node.args) == 2 and not node.kwargs and all(isinstance(a, fx.Node) for a in node.args))
+
+
+def _fuse_add_rms_norm(gm: fx.GraphModule) -> None:
+    """The residual add feeding a fused norm, ``rms_norm(to(x + (y [+ shadow delta])))`` with the
+    sum also kept (the next residual), becomes one ``native_ops.add_rms_norm`` pass: the sum is
+    written once and normed while it is still in cache."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for norm in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is native_ops.rms_norm]:
+        x_in, weight, eps = norm.args
+        cast = x_in if isinstance(x_in, fx.Node) and x_in.target == _aten.to.dtype else None
+        if cast is not None and (cast.args[1:] != (torch.float32,) or cast.kwargs):
+            continue
+        total = cast.args[0] if cast is not None else x_in
+        if not _plain_add(total) or len(total.users) != 1:
+            continue
+        x, rest = total.args
+        y, z = (rest.args if _plain_add(rest) and len(rest.users) == 1 else (rest, None))
+        vx, vy, vz = _val(x), _val(y), _val(z)
+        if vx is None or vy is None or vx.dtype != torch.float32 or vx.shape != vy.shape or vy.dtype != torch.float32:
+            continue
+        if z is not None and not (vz is not None and vz.dtype == torch.float32 and (vz.numel() == 1 or vz.shape == vx.shape)):
+            continue
+        kept = cast if cast is not None else total
+        if any(order[u] < order[norm] for u in kept.users if u is not norm):
+            continue   # the sum is read before the norm: the fused op, placed at the norm, would be late
+        with gm.graph.inserting_before(norm):
+            fused = gm.graph.call_function(native_ops.add_rms_norm, (x, y, z, weight, eps))
+            summed = gm.graph.call_function(operator.getitem, (fused, 0))
+            normed = gm.graph.call_function(operator.getitem, (fused, 1))
+        norm.replace_all_uses_with(normed)
+        kept.replace_all_uses_with(summed)
+        gm.graph.erase_node(norm)
+        for node in (cast, total, rest if z is not None else None):
+            if node is not None and not node.users:
                 gm.graph.erase_node(node)
 
 
