@@ -1,7 +1,6 @@
 """Rewrites of a prefill CPU subgraph before it runs: the exported graph spells the float side's
-work as chains of small aten ops, each a pass over the chunk and a trip through the Python
-interpreter, whose lock the INT8 worker's thread shares. These swap recognised chains for one
-native op each (``kernels/native_ops.py``, each with a torch-ops twin when the library is absent)
+work as chains of small aten ops, each a pass over the chunk's memory and a trip through the Python
+interpreter. These swap recognised chains for one native op each (``kernels/native_ops.py``, each with a torch-ops twin when the library is absent)
 and drop copies that change nothing. Anything that does not match exactly stays as exported.
 """
 from __future__ import annotations
@@ -89,7 +88,10 @@ def _bf16_weight_head(gm: fx.GraphModule) -> None:
         if not (isinstance(w, fx.Node) and w.op == "get_attr") or vx is None or vx.shape[-1] == 0:
             continue
         weight = operator.attrgetter(w.target)(gm)
-        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2 or vx.numel() // vx.shape[-1] > HEAD_ROWS:
+        rows = vx.numel() // vx.shape[-1]
+        if not isinstance(rows, int) or rows > HEAD_ROWS:
+            continue   # a chunk-sized (or past-length-dependent) product: compute-bound, left in fp32
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
             continue
         name = w.target.replace(".", "_") + "_bf16"
         if not hasattr(gm, name):
