@@ -512,8 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantization (default w8a8-shadow)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (default 3)")
     p.add_argument("--attention", choices=list(ATTENTION_PRECISIONS), default="auto",
-                   help="precision of the float side's attention (default auto: bf16 operands with fp32 "
-                        "accumulation for the quantized modes where the CPU has AVX-512 BF16)")
+                   help="precision of the float side's attention and LM head (default auto: bf16 operands "
+                        "and head weights with fp32 accumulation for the quantized modes where the CPU has "
+                        "AVX-512 BF16)")
     p.add_argument("--ablation", action="store_true",
                    help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")

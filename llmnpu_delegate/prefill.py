@@ -123,9 +123,9 @@ class Prefiller:
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
         workers: threads and cores of the two workers (default: half the cores each).
-        attention: precision of the float side's attention, ``"auto"`` (bf16 operands with fp32
-            accumulation and softmax for the quantized modes where the native kernel runs, fp32 for
-            the float reference), ``"fp32"`` or ``"bf16"``.
+        attention: precision of the float side's attention and LM head, ``"auto"`` (bf16 operands
+            with fp32 accumulation and softmax, and the head's weights in bf16, for the quantized
+            modes where the native kernels run; fp32 for the float reference), ``"fp32"`` or ``"bf16"``.
     """
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
