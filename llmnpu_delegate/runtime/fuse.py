@@ -176,8 +176,8 @@ def _fuse_add_rms_norm(gm: fx.GraphModule) -> None:
         if z is not None and not (vz is not None and vz.dtype == torch.float32 and (vz.numel() == 1 or vz.shape == vx.shape)):
             continue
         kept = cast if cast is not None else total
-        if any(order[u] < order[norm] for u in kept.users if u is not norm):
-            continue   # the sum is read before the norm: the fused op, placed at the norm, would be late
+        if any(order.get(u, -1) < order[norm] for u in kept.users if u is not norm):
+            continue   # the sum is (or may be) read before the norm: the fused op, placed there, would be late
         with gm.graph.inserting_before(norm):
             fused = gm.graph.call_function(native_ops.add_rms_norm, (x, y, z, weight, eps))
             summed = gm.graph.call_function(operator.getitem, (fused, 0))
@@ -204,7 +204,7 @@ def _drop_empty_cat_inputs(gm: fx.GraphModule) -> None:
             continue
         parts = node.args[0]
         kept = [p for p in parts if not (_val(p) is not None and _val(p).dim() == 1 and _val(p).numel() == 0)]
-        if len(kept) != 1 or len(kept) == len(parts):
+        if len(parts) < 2 or len(kept) != 1:
             continue
         if all(u.op == "call_function" and u.target in (_aten.cat.default, native_ops.rope) for u in node.users):
             node.replace_all_uses_with(kept[0])
@@ -239,13 +239,10 @@ def _fuse_rope(gm: fx.GraphModule) -> None:
     for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.add.Tensor]:
         if len(add.args) != 2 or not all(isinstance(a, fx.Node) and a.target == _aten.mul.Tensor for a in add.args):
             continue
-        match = None
-        for direct, rotated in (add.args, add.args[::-1]):
-            for x, cos in (direct.args, direct.args[::-1]):
-                for rot, sin in (rotated.args, rotated.args[::-1]):
-                    if isinstance(x, fx.Node) and _rotate_half_input(rot) is x and isinstance(cos, fx.Node) \
-                            and isinstance(sin, fx.Node):
-                        match = (x, cos, sin)
+        match = next(((x, cos, sin) for direct, rotated in (add.args, add.args[::-1])
+                      for x, cos in (direct.args, direct.args[::-1]) for rot, sin in (rotated.args, rotated.args[::-1])
+                      if isinstance(x, fx.Node) and _rotate_half_input(rot) is x
+                      and isinstance(cos, fx.Node) and isinstance(sin, fx.Node)), None)
         if match is None:
             continue
         x, cos, sin = match
