@@ -131,6 +131,7 @@ def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_failing_task_is_reported_and_no_thread_is_left(engine, policy):
+    engine(torch.randint(0, 1000, (12,)), policy=policy)      # the workers exist from here on
     before = threading.active_count()
     feeds = engine.feeds(torch.randint(0, 1000, (30,)))
     target = build_tasks(engine.program, len(feeds))[17]
@@ -139,6 +140,34 @@ def test_a_failing_task_is_reported_and_no_thread_is_left(engine, policy):
     assert info.value.task.key == target.key
     assert threading.active_count() == before
     engine(torch.randint(0, 1000, (12,)), policy=policy)      # still usable afterwards
+    assert threading.active_count() == before
+
+
+def test_runs_reuse_two_worker_threads_with_their_settings(engine):
+    # the workers live across runs (they keep their JIT kernels and malloc arena), one per processor,
+    # and each run gives them its thread count: a thread keeps the count it saw first otherwise
+    import llmnpu_delegate.runtime.executor as ex
+
+    seen = []
+    step = engine.program.steps[0]          # the embedding: one task per chunk
+    real = step.fn
+
+    def spy(*args):
+        seen.append((threading.get_ident(), torch.get_num_threads(), torch.is_inference_mode_enabled()))
+        return real(*args)
+
+    step.fn = spy
+    try:
+        for _ in range(3):
+            engine(torch.randint(0, 1000, (12,)), policy="ooo")
+    finally:
+        step.fn = real
+    workers = {t.ident: t.name for t in threading.enumerate() if t.name.startswith("llmnpu-")}
+    assert len(seen) >= 3
+    assert len({ident for ident, _, _ in seen}) == 1           # the same thread, run after run
+    assert workers.get(seen[0][0]) == f"llmnpu-{step.sub.processor}"
+    assert all(n == engine.executor.workers.threads and inference for _, n, inference in seen)
+    assert len(workers) == len(ex._POOL)                       # one live thread per worker, none made per run
 
 
 def test_workers_split_the_cores_without_oversubscribing():

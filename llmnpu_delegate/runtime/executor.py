@@ -18,11 +18,17 @@ A run owns the machine: it sets torch's thread count and pauses the cyclic GC, b
 and its two workers take every core. Runs are therefore serialized process-wide (``_RUN_LOCK``):
 callers on several threads, of one engine or of several, wait their turn and never see each
 other's settings.
+
+The worker threads live as long as the process (one per processor and core set, idle between
+runs): a thread keeps what it built on its first run, oneDNN's JIT kernels for the attention
+shapes and its malloc arena, and a run does not pay for starting threads (~1-3 ms a run when
+they were made per run).
 """
 from __future__ import annotations
 
 import gc
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +90,32 @@ class Workers:
             return cls(1, None)
         half = len(cpus) // 2
         return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])})
+
+
+_POOL: dict[tuple, queue.SimpleQueue] = {}     # (processor, cores) -> its worker's job queue
+
+
+def _serve(jobs: queue.SimpleQueue, cores: set | None) -> None:
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)        # this thread only (Linux)
+    while True:
+        job, done = jobs.get()
+        try:
+            job()
+        finally:
+            done.set()
+
+
+def _submit(processor: str, cores: set | None, job) -> threading.Event:
+    """Run ``job()`` on the long-lived worker thread of ``processor`` (made on first use; call under
+    ``_RUN_LOCK``). Returns an event set when the job has returned or raised."""
+    key = (processor, frozenset(cores) if cores else None)
+    if key not in _POOL:
+        _POOL[key] = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(_POOL[key], cores), name=f"llmnpu-{processor}", daemon=True).start()
+    done = threading.Event()
+    _POOL[key].put((job, done))
+    return done
 
 
 class Scheduler:
@@ -237,10 +269,14 @@ class Executor:
         t0 = 0.0   # set when the run starts, under the lock
 
         def worker(processor: str) -> None:
-            if self.workers.cores and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, self.workers.cores[processor])   # this thread only (Linux)
-            with torch.inference_mode():                                 # grad mode is per thread
-                work(processor)
+            try:
+                torch.set_num_threads(self.workers.threads)   # a thread keeps the count it first saw
+                with torch.inference_mode():                  # grad mode is per thread
+                    work(processor)
+            except BaseException as e:  # noqa: BLE001 - a scheduler bug must reach the caller, not kill the worker
+                with cond:
+                    error.append((None, e))
+                    cond.notify_all()
 
         def work(processor: str) -> None:
             while True:
@@ -297,7 +333,6 @@ class Executor:
                     sched.finish(task)
                     cond.notify_all()
 
-        threads = [threading.Thread(target=worker, args=(p,), name=f"llmnpu-{p}", daemon=True) for p in PROCESSORS]
         with _RUN_LOCK:
             t0 = time.perf_counter()
             saved = torch.get_num_threads()
@@ -305,10 +340,9 @@ class Executor:
             gc_was_on = gc.isenabled()
             gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
             try:
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
+                cores = self.workers.cores or {}
+                for done in [_submit(p, cores.get(p), lambda p=p: worker(p)) for p in PROCESSORS]:
+                    done.wait()
             finally:
                 torch.set_num_threads(saved)
                 if gc_was_on:
