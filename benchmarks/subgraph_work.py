@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/subgraph_work.py [--model smollm2-135m] [--prompt-len 1024] [--attention bf16 fp32]
 
 ``llmnpu bench`` reports busy time with both workers running, so each side's tasks pay for the other's
-memory traffic and for reading what the other core just wrote. This runs the same program in order
-on one thread, times each (chunk, subgraph) step on a fresh copy of its inputs (best of 5), and sums
-by processor: the work the two-engine split has to balance.
+memory traffic and start with cold caches. This runs the same program in order on one thread, times
+each (chunk, subgraph) step on a fresh copy of its inputs (best of 5, so its weights and inputs are
+warm), and sums by processor: a lower bound of the work the two-engine split has to balance.
 """
 import argparse
 import collections
