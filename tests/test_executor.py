@@ -129,6 +129,18 @@ def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
     assert s.pick("npu").id == 4          # the shortest NPU task (score -1 > -2)
 
 
+def test_ooo_breaks_ties_by_the_chain_of_work_after_a_task():
+    from llmnpu_delegate.runtime.tasks import Task
+
+    # two NPU tasks of the same cost (the same subgraph of chunks 0 and 1): chunk 1's has 3 s of work
+    # after it, chunk 0's none; the longer chain runs first, not the earlier chunk
+    tasks = [Task(0, 0, 5, "npu", [], [], 1.0), Task(1, 1, 5, "npu", [], [2], 1.0), Task(2, 1, 6, "npu", [1], [], 3.0)]
+    assert Scheduler(tasks, "ooo").pick("npu").id == 1
+    # with no chain after either, the earlier chunk
+    tasks = [Task(0, 0, 5, "npu", [], [], 1.0), Task(1, 1, 5, "npu", [], [], 1.0)]
+    assert Scheduler(tasks, "ooo").pick("npu").id == 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_failing_task_is_reported_and_no_thread_is_left(engine, policy):
     engine(torch.randint(0, 1000, (12,)), policy=policy)      # the workers exist from here on

@@ -6,7 +6,9 @@ policy that picks their next task.
   but nothing is reordered.
 - ``ooo``: the paper's heuristic (section 3.4). Among the ready tasks of a processor, a CPU task
   scores the total profiled NPU time of the tasks it makes ready, an NPU task scores minus its own
-  time; the highest score runs. The NPU is the critical path: feed it first.
+  time; the highest score runs. The NPU is the critical path: feed it first. The paper leaves ties
+  open, and they are common (the same subgraph of two chunks scores alike): the task with the
+  longer chain of profiled work after it wins, then the earlier chunk.
 - ``cp``: list scheduling by critical path (HEFT's upward rank): among the ready tasks of a
   processor, the one with the longest chain of profiled work from its start to the end of the
   prompt runs first. Needs the profile, like ``ooo``.
@@ -134,7 +136,7 @@ class Scheduler:
         self.cursor = 0                                                          # inorder
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
         self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
-        self.rank = self._upward_rank() if policy == "cp" else None              # cp
+        self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
 
     def pick(self, processor: str) -> Task | None:
         ready = self.ready[processor]
@@ -176,7 +178,7 @@ class Scheduler:
         else:
             score = sum(self.tasks[u].cost for u in t.users
                         if self.tasks[u].processor == "npu" and self.missing[u] == 1)
-        return (score, -t.chunk, -t.step)
+        return (score, self.rank[i], -t.chunk, -t.step)
 
     def finish(self, t: Task) -> None:
         self.done[t.id] = True

@@ -63,7 +63,7 @@ Scheduler::Scheduler(const std::vector<Task>& tasks, Policy policy) : tasks_(tas
     return std::make_pair(tasks[a].chunk, tasks[a].step) < std::make_pair(tasks[b].chunk, tasks[b].step);
   });
   for (int i : order_) queues_[tasks[i].processor].push_back(i);
-  if (policy == Policy::kCp) {   // tasks come in a topological order: users after their deps
+  if (uses_costs(policy)) {   // tasks come in a topological order: users after their deps
     rank_.assign(tasks.size(), 0.0);
     for (auto t = tasks.rbegin(); t != tasks.rend(); ++t) {
       double longest = 0.0;
@@ -87,6 +87,8 @@ double Scheduler::score(int i) const {
 bool Scheduler::better(int a, int b) const {
   double sa = key(a), sb = key(b);
   if (sa != sb) return sa > sb;
+  // ooo's ties (the same subgraph of different chunks scores alike): the longer chain after it first
+  if (policy_ == Policy::kOoo && rank_[a] != rank_[b]) return rank_[a] > rank_[b];
   if (tasks_[a].chunk != tasks_[b].chunk) return tasks_[a].chunk < tasks_[b].chunk;
   return tasks_[a].step < tasks_[b].step;
 }

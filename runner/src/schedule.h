@@ -39,7 +39,7 @@ class Scheduler {
   bool finished() const { return done_ == tasks_.size(); }
 
  private:
-  bool better(int a, int b) const;   // is a's (score, -chunk, -step) larger than b's
+  bool better(int a, int b) const;   // is a's (key, [ooo: rank,] -chunk, -step) larger than b's
   double score(int i) const;
   double key(int i) const { return policy_ == Policy::kCp ? rank_[i] : score(i); }
   const std::vector<Task>& tasks_;
@@ -52,7 +52,7 @@ class Scheduler {
   size_t cursor_ = 0;              // inorder
   std::vector<int> queues_[2];     // overlap
   size_t heads_[2] = {0, 0};
-  std::vector<double> rank_;       // cp: cost + the longest chain of costs after the task
+  std::vector<double> rank_;       // ooo, cp: cost + the longest chain of costs after the task
 };
 
 struct Record {
