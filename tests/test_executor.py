@@ -1,6 +1,7 @@
 """The out-of-order executor: same outputs under every policy, dependencies respected, failures
 reported with the task's name, no threads left behind."""
 import copy
+import os
 import threading
 
 import pytest
@@ -180,6 +181,22 @@ def test_runs_reuse_two_worker_threads_with_their_settings(engine):
     assert workers.get(seen[0][0]) == f"llmnpu-{step.sub.processor}"
     assert all(n == engine.executor.workers.threads and inference for _, n, inference in seen)
     assert len(workers) == len(ex._POOL)                       # one live thread per worker, none made per run
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_does_not_inherit_the_parents_worker_queues(engine):
+    # the parent's workers do not exist in a child: a run there must start its own, not queue
+    # jobs for threads that will never take them (a hang)
+    import llmnpu_delegate.runtime.executor as ex
+
+    engine(torch.randint(0, 1000, (12,)), policy="ooo")
+    assert ex._POOL
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not ex._POOL else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ex._POOL                                    # the parent keeps its own
 
 
 def test_workers_split_the_cores_without_oversubscribing():

@@ -95,6 +95,8 @@ class Workers:
 
 
 _POOL: dict[tuple, queue.SimpleQueue] = {}     # (processor, cores) -> its worker's job queue
+if hasattr(os, "register_at_fork"):             # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_POOL.clear)
 
 
 def _serve(jobs: queue.SimpleQueue, cores: set | None) -> None:
