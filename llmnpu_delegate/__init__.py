@@ -4,7 +4,6 @@ Pipeline: quantize -> partition -> lower -> run. This release provides model loa
 calibration and W8A8 quantization with shadow outlier execution (``quantize_``), the integer
 kernels (``llmnpu_delegate.kernels``) and the accuracy harness (``llmnpu eval``).
 """
-
 from .errors import LlmNpuError  # noqa: F401
 from .models import load_model  # noqa: F401
 

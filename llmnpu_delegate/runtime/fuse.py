@@ -1,7 +1,8 @@
 """Rewrites of a prefill CPU subgraph before it runs: the exported graph spells the float side's
 work as chains of small aten ops, each a pass over the chunk's memory and a trip through the Python
-interpreter. These swap recognised chains for one native op each (``kernels/native_ops.py``, each with a torch-ops twin when the library is absent)
-and drop copies that change nothing. Anything that does not match exactly stays as exported.
+interpreter. These swap recognised chains for one native op each (``kernels/native_ops.py``, each
+with a torch-ops twin when the library is absent) and drop copies that change nothing. Anything that
+does not match exactly stays as exported.
 """
 from __future__ import annotations
 
