@@ -167,7 +167,7 @@ class Prefiller:
         self.timings["compile_s"] = time.perf_counter() - t
         self.executor = Executor(self.program, workers)
         if self.plans is not None:
-            # Compile the fused activation quantizer here, not inside the first timed task.
+            # Compile the activation quantizer (the torch form, without native kernels) here, not in a timed task.
             with torch.inference_mode():
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path(), self.program)

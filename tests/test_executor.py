@@ -156,6 +156,30 @@ def test_a_failing_task_is_reported_and_no_thread_is_left(engine, policy):
     assert threading.active_count() == before
 
 
+@pytest.mark.parametrize("wait", ["spin", "block"])
+def test_idle_workers_see_every_hand_off_whether_they_spin_or_block(engine, wait, monkeypatch):
+    # an idle worker spins on a counter with the GIL released before it sleeps on the condition;
+    # every notify, the failure path's included, must reach it either way
+    from llmnpu_delegate.runtime import executor
+
+    if wait == "block":
+        monkeypatch.setattr(executor.native_ops, "spin_wait", lambda: None)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(3))
+    base = engine(ids, policy="inorder")
+    for policy in POLICIES:
+        got = engine(ids, policy=policy)
+        assert torch.equal(got.logits, base.logits), policy
+        stats = engine.last_run
+        if wait == "block":
+            assert stats.waits_spun == 0 and stats.waits_blocked > 0, policy
+        elif policy == "inorder":     # one task at a time: the idle worker waits at every hand-off
+            assert stats.waits_spun > stats.waits_blocked, (stats.waits_spun, stats.waits_blocked)
+    feeds = engine.feeds(ids)
+    target = build_tasks(engine.program, len(feeds))[23]
+    with pytest.raises(TaskError, match=f"chunk {target.chunk}, subgraph {target.step}"):
+        engine.executor.run(feeds, "ooo", fail=target.key)
+
+
 def test_runs_reuse_two_worker_threads_with_their_settings(engine):
     # the workers live across runs (they keep their JIT kernels and malloc arena), one per processor,
     # and each run gives them its thread count: a thread keeps the count it saw first otherwise

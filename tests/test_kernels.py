@@ -148,16 +148,21 @@ def test_ops_survive_torch_export():
     torch.testing.assert_close(ep.module()(x), m(x))
 
 
-def test_fused_uint8_quantization_matches_the_quantize_op():
+@pytest.mark.parametrize("form", ["default", "torch"])   # default: the native op where it is built
+def test_fused_uint8_quantization_matches_the_quantize_op(form):
     from llmnpu_delegate.kernels import ops
 
     scale = 0.05
     halves = (torch.arange(-300, 301) + 0.5) * scale       # exact .5 steps: round-half-even must agree
-    x = torch.cat([halves, torch.randn(4000) * 20, torch.tensor([1e6, -1e6, 0.0])]).reshape(1, -1)
-    got = ops.quantize_u8(x, scale)
+    # 4,604 elements: not a multiple of a vector's 16, so the scalar tail runs too
+    x = torch.cat([halves, torch.randn(4000) * 20, torch.tensor([1e6, -1e6, 0.0])]).reshape(2, -1)
+    quantize = ops.quantize_u8 if form == "default" else ops.quantize_u8_torch
     want = (ops.quantize(x, scale).to(torch.int16) + 128).to(torch.uint8)
-    assert torch.equal(got, want)
-    assert ops._fused_state in ("ok", "failed")             # compiled where a compiler exists, else eager
+    assert torch.equal(quantize(x, scale), want)
+    assert torch.equal(quantize(x.t().contiguous().t(), scale), want)   # strided input
+    if form == "torch":
+        assert ops._fused_state in ("ok", "failed")         # compiled where a compiler exists, else eager
+    got = quantize(x, scale)
     assert int(got.min()) == 1 and int(got.max()) == 255    # symmetric: -128 is never produced
 
 

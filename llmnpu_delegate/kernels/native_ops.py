@@ -4,6 +4,7 @@ the reference of its parity test, and what runs when the library is not built.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import warnings
@@ -42,6 +43,22 @@ def native_available() -> bool:
                             path)
                 _state["loaded"] = False
     return _state["loaded"]
+
+
+def spin_wait():
+    """``llmnpu_spin_wait(word, seen, max_ns)`` from the library, a ctypes function that waits for the
+    int64 at ``word`` to differ from ``seen`` with the GIL released, spinning for at most ``max_ns``;
+    it returns the last value read. None without the library (callers then block at once)."""
+    if "spin_wait" not in _state:
+        fn = None
+        if native_available():
+            lib = ctypes.CDLL(os.environ.get("LLMNPU_KERNELS") or str(LIBRARY))   # the loaded library, again
+            fn = getattr(lib, "llmnpu_spin_wait", None)       # None in a build older than the function
+        if fn is not None:
+            fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int64
+        _state["spin_wait"] = fn
+    return _state["spin_wait"]
 
 
 def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
