@@ -38,15 +38,16 @@ class NpuRegion(nn.Module):
         groups: dict[float, list[int]] = {}
         for i, s in enumerate(payload["act_scale"]):
             groups.setdefault(float(s), []).append(i)
-        self.groups = [(scale, idx, [(payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]) for i in idx])
+        self.groups = [(scale, idx, K.W8A8Linears([(payload["w_q"][i], payload["w_scale"][i], payload["bias"][i])
+                                                    for i in idx]))
                        for scale, idx in groups.items()]
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         outs: list[Tensor | None] = [None] * len(self.linears)
-        for scale, idx, weights in self.groups:
-            for i, y in zip(idx, K.w8a8_linears(x2, scale, weights)):
+        for scale, idx, linears in self.groups:
+            for i, y in zip(idx, linears(x2, scale)):
                 outs[i] = y.view(*lead, y.shape[-1])
         return tuple(outs)
 

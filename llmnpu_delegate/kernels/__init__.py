@@ -7,6 +7,7 @@ it survive ``torch.export``.
 from .attention import causal_mask, chunk_attention  # noqa: F401
 from .ops import (  # noqa: F401
     QMAX,
+    W8A8Linears,
     dequantize,
     dynamic_linear,
     dynamic_linear_reference,

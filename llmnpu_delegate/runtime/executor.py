@@ -165,6 +165,7 @@ class Scheduler:
         self.tasks, self.policy = tasks, policy
         self.missing = [len(t.deps) for t in tasks]
         self.done = [False] * len(tasks)
+        self.left = len(tasks)
         self.running = 0
         self.ready = {p: set() for p in PROCESSORS}
         for t in tasks:
@@ -175,6 +176,9 @@ class Scheduler:
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
         self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
         self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
+        if policy == "ooo":   # what _score reads, once: a decision is on the NPU's path between two tasks
+            self._ties = [(self.rank[t.id], -t.chunk, -t.step) for t in tasks]
+            self._npu_users = [[(u, tasks[u].cost) for u in t.users if tasks[u].processor == "npu"] for t in tasks]
 
     def pick(self, processor: str) -> Task | None:
         ready = self.ready[processor]
@@ -213,13 +217,14 @@ class Scheduler:
         t = self.tasks[i]
         if t.processor == "npu":
             score = -t.cost
-        else:
-            score = sum(self.tasks[u].cost for u in t.users
-                        if self.tasks[u].processor == "npu" and self.missing[u] == 1)
-        return (score, self.rank[i], -t.chunk, -t.step)
+        else:     # the NPU work it makes ready: its NPU users that wait for it alone
+            missing = self.missing
+            score = sum(cost for u, cost in self._npu_users[i] if missing[u] == 1)
+        return (score, *self._ties[i])
 
     def finish(self, t: Task) -> None:
         self.done[t.id] = True
+        self.left -= 1
         self.running -= 1
         for u in t.users:
             self.missing[u] -= 1
@@ -228,7 +233,7 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
-        return all(self.done)
+        return self.left == 0
 
     def stuck(self) -> bool:
         """Nothing runs and no processor may start anything: the remaining tasks wait forever."""
@@ -300,6 +305,8 @@ class Executor:
         keep = {program.out_logits, *program.out_k, *program.out_v}
         handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
         handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
+        inputs = [s.sub.inputs for s in program.steps]
+        handoffs = [[(name, handoff[name]) for name in s.sub.outputs if name in handoff] for s in program.steps]
         stats = RunStats(policy=policy)
         wakeup = _Wakeup()
         cond = wakeup.cond
@@ -320,8 +327,26 @@ class Executor:
                     wakeup.notify()
 
         def work(processor: str) -> None:
+            records = stats.records
+            task = outs = None
+            start = end = 0.0
             while True:
-                with cond:
+                with cond:     # one lock per task: hand over the last task's outputs, then pick the next
+                    if task is not None:
+                        records.append(Record(task.id, task.chunk, task.step, processor, start - t0, end - t0))
+                        env = envs[task.chunk]
+                        env.update(outs)
+                        if task.chunk + 1 < len(envs):
+                            nxt = envs[task.chunk + 1]
+                            for name, past in handoffs[task.step]:
+                                nxt[past] = outs[name]
+                        left = uses[task.chunk]
+                        for name in inputs[task.step]:
+                            left[name] -= 1
+                            if left[name] == 0 and name not in keep:
+                                env.pop(name, None)
+                        sched.finish(task)
+                        wakeup.notify()
                     while True:
                         if error or sched.finished:
                             wakeup.notify()
@@ -338,13 +363,12 @@ class Executor:
                             return
                         wakeup.wait()
                     env = envs[task.chunk]
-                    step = program.steps[task.step]
-                    missing = [name for name in step.sub.inputs if name not in env]
-                    if missing:   # a task graph that lets a task run before its producer: report, never hang
-                        error.append((task, LlmNpuError(f"input {missing[0]} was not made before this task")))
+                    try:
+                        args = {name: env[name] for name in inputs[task.step]}
+                    except KeyError as e:   # a task graph that lets a task run before its producer: report, never hang
+                        error.append((task, LlmNpuError(f"input {e.args[0]} was not made before this task")))
                         wakeup.notify()
                         return
-                    args = {name: env[name] for name in step.sub.inputs}
                 start = time.perf_counter()
                 try:
                     if fail == task.key:
@@ -360,19 +384,6 @@ class Executor:
                         wakeup.notify()
                     return
                 end = time.perf_counter()
-                with cond:
-                    stats.records.append(Record(task.id, task.chunk, task.step, processor, start - t0, end - t0))
-                    env.update(outs)
-                    nxt = envs[task.chunk + 1] if task.chunk + 1 < len(envs) else None
-                    for name, value in outs.items():
-                        if nxt is not None and name in handoff:
-                            nxt[handoff[name]] = value
-                    for name in step.sub.inputs:
-                        uses[task.chunk][name] -= 1
-                        if uses[task.chunk][name] == 0 and name not in keep:
-                            env.pop(name, None)
-                    sched.finish(task)
-                    wakeup.notify()
 
         with _RUN_LOCK:
             t0 = time.perf_counter()
