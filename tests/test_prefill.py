@@ -119,8 +119,8 @@ def test_npu_subgraphs_are_int8_only(quant_engines):
     npu = [s for s in engine.program.steps if s.sub.kind == "npu"]
     assert npu and all(isinstance(s.fn, NpuRegion) for s in npu)
     for step in npu:
-        for _, _, weights in step.fn.groups:
-            assert all(w.dtype == torch.int8 for w, _, _ in weights)
+        for _, _, linears in step.fn.groups:
+            assert all(w.dtype == torch.int8 for w, _, _ in linears.source)
 
 
 INT8_KERNELS = {"onednn::qlinear_pointwise", "aten::_int_mm"}

@@ -194,11 +194,12 @@ class W8A8Linears:
         for w_q, w_scale, _ in weights:
             _check_linear_args(w_q.new_empty((0, k), dtype=torch.float32), w_q, w_scale)
         self.in_features = k
+        self.source = list(weights)         # the (w_q, w_scale, bias) given, for inspection
         self.onednn = _HAS_ONEDNN and all(w.device.type == "cpu" for w, _, _ in weights)
         if self.onednn:
             self.weights = [(*_onednn_weight(w.contiguous()), s.float().contiguous(), b) for w, s, b in weights]
         else:
-            self.weights = list(weights)
+            self.weights = self.source
 
     def __call__(self, x: Tensor, x_scale: float) -> list[Tensor]:
         torch._check(x.dim() == 2 and x.shape[1] == self.in_features,
