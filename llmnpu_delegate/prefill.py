@@ -23,6 +23,7 @@ from .backends.cpu_int8 import NAME as CPU_INT8
 from .backends.cpu_int8 import CpuInt8Backend
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
+from .kernels import native_ops
 from .kernels.attention import resolve_precision
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
@@ -43,6 +44,7 @@ from .runtime.program import ChunkProgram, chunk_feeds, program_digest
 
 BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
+PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 # Named quantization modes of the engine (the eval harness's names); a QuantConfig works too.
 QUANT_MODES: dict[str, QuantConfig | None] = {
     "fp32": None,
@@ -179,15 +181,17 @@ class Prefiller:
         """Run a prompt in order before any real one: kernels make their first-call setup here (it
         tripled the first prompt's time). With ``profile``, every subgraph is then timed on a
         two-chunk prompt, so that the first real prompt already runs out of order; timing the first
-        run instead would record that setup as the costs of the tasks that paid it."""
+        run instead would record that setup as the costs of the tasks that paid it. The profile takes
+        each task's median of ``PROFILE_RUNS`` runs: one run on a busy machine skewed every later
+        schedule of the model (the profile is stored)."""
         t = time.perf_counter()
         ids = torch.randint(0, self.model.config.vocab_size, (min(2 * self.chunk_len, self.max_context),),
                             generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
             if profile:
-                _, stats = self.executor.run(self.feeds(ids), "inorder")
-                self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
+                records = [r for _ in range(PROFILE_RUNS) for r in self.executor.run(self.feeds(ids), "inorder")[1].records]
+                self.profile = Profile.from_records(records, self.program, self.chunk_len)
                 self.profile.save(self._profile_path())
         self.timings["warmup_s"] = time.perf_counter() - t
 
@@ -236,7 +240,7 @@ class Prefiller:
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
         key = entry_key({"profile": 2, "backend": self.backend_name, "model": self.fingerprint,
                          "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
-                         "program": program_digest(self.program),
+                         "program": program_digest(self.program), "kernels": native_ops.library_digest(),
                          "attention": self.attention})
         return self.cache.root / f"profile-{key}.json"
 

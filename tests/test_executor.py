@@ -266,6 +266,31 @@ def test_profile_is_keyed_on_what_the_program_computes(engine):
         engine.program = program
 
 
+def test_profile_is_keyed_on_the_kernels_that_run(engine, monkeypatch):
+    # a rebuilt native library (another attention kernel, say) times differently: profile again
+    from llmnpu_delegate.kernels import native_ops
+
+    path = engine._profile_path()
+    monkeypatch.setitem(native_ops._state, "digest", "another-build")
+    assert engine._profile_path() != path
+
+
+def test_profile_takes_each_tasks_median_over_runs(engine):
+    from llmnpu_delegate.runtime.executor import Record
+    from llmnpu_delegate.runtime.profile import Profile
+
+    program = engine.program
+    static = next(i for i, s in enumerate(program.steps) if s.static)
+    dynamic = next(i for i, s in enumerate(program.steps) if not s.static)
+    # three runs of two chunks; one run was disturbed (10x slower)
+    runs = [(1.0, 2.0, 3.0, 4.0), (1.2, 2.2, 3.2, 4.2), (10.0, 20.0, 30.0, 40.0)]
+    records = [Record(0, chunk, step, "cpu", 0.0, times[2 * k + chunk])
+               for times in runs for k, step in enumerate((static, dynamic)) for chunk in (0, 1)]
+    profile = Profile.from_records(records, program, program.chunk_len)
+    assert profile.static[static] == pytest.approx(1.7)           # median over chunks of (1.2, 2.2)
+    assert profile.dynamic[dynamic] == pytest.approx([3.2, 4.2])  # per position, the disturbed run ignored
+
+
 def test_one_engine_called_from_two_threads(engine):
     """Prompts from two threads: each output equals its single-threaded run, the process-wide
     settings a run changes (torch threads, GC) are restored, and the counters add up."""

@@ -5,6 +5,7 @@ the reference of its parity test, and what runs when the library is not built.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import warnings
@@ -43,6 +44,18 @@ def native_available() -> bool:
                             path)
                 _state["loaded"] = False
     return _state["loaded"]
+
+
+def library_digest() -> str:
+    """What kernels run here: a hash of the loaded library's bytes, or ``"off"``. Task-time profiles
+    are keyed on it: a rebuilt kernel (faster attention, say) must not be scheduled with old times."""
+    if "digest" not in _state:
+        if native_available():
+            path = Path(os.environ.get("LLMNPU_KERNELS") or LIBRARY)
+            _state["digest"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        else:
+            _state["digest"] = "off"
+    return _state["digest"]
 
 
 def spin_wait():

@@ -27,11 +27,13 @@ class Profile:
 
     @classmethod
     def from_records(cls, records, program: ChunkProgram, chunk_len: int) -> "Profile":
-        per: dict[int, dict[int, float]] = {}
+        """From the records of one run or several (a task's time is then its median over the runs)."""
+        runs: dict[int, dict[int, list[float]]] = {}
         for r in records:
-            per.setdefault(r.step, {})[r.chunk] = r.end - r.start
+            runs.setdefault(r.step, {}).setdefault(r.chunk, []).append(r.end - r.start)
         static, dynamic = {}, {}
-        for step, times in per.items():
+        for step, per_chunk in runs.items():
+            times = {chunk: statistics.median(ts) for chunk, ts in per_chunk.items()}
             if program.steps[step].static:
                 static[step] = statistics.median(times.values())
             else:
