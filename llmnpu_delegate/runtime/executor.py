@@ -131,8 +131,8 @@ class _Wakeup:
     """The workers' condition, with a generation counter bumped by every notify. An idle worker first
     spins on the counter with the GIL released (``native_ops.spin_wait``, up to ``SPIN_S``), then
     blocks on the condition. A blocked worker's core goes to sleep: waking one of two pinned threads
-    takes 20-50 us on this VM (an Event ping-pong), a spinning one sees the change at once. Ten
-    alternating runs on the embedded model: wall 288 -> 281 ms. Use under ``with wakeup.cond``."""
+    takes 20-50 us on this VM (an Event ping-pong), a spinning one sees the change at once. Eight
+    alternating runs on the embedded model: wall 288 -> 281 ms (medians). Use under ``with wakeup.cond``."""
 
     def __init__(self):
         self.cond = threading.Condition()
