@@ -169,7 +169,8 @@ class Prefiller:
         self.timings["compile_s"] = time.perf_counter() - t
         self.executor = Executor(self.program, workers)
         if self.plans is not None:
-            # Compile the activation quantizer (the torch form, without native kernels) here, not in a timed task.
+            # Compile the activation quantizer (its torch form, used without the native kernels)
+            # here, not inside the first timed task.
             with torch.inference_mode():
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path(), self.program)
@@ -190,7 +191,9 @@ class Prefiller:
         with torch.inference_mode():
             self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
             if profile:
-                records = [r for _ in range(PROFILE_RUNS) for r in self.executor.run(self.feeds(ids), "inorder")[1].records]
+                records = []
+                for _ in range(PROFILE_RUNS):
+                    records += self.executor.run(self.feeds(ids), "inorder")[1].records
                 self.profile = Profile.from_records(records, self.program, self.chunk_len)
                 self.profile.save(self._profile_path())
         self.timings["warmup_s"] = time.perf_counter() - t

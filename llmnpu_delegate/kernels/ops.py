@@ -186,8 +186,8 @@ def w8a8_linears(x: Tensor, x_scale: float, weights: list[tuple[Tensor, Tensor, 
 
 class W8A8Linears:
     """``w8a8_linears`` with its weights checked and packed once: what an NPU region calls per task.
-    Its Python runs with the GIL held, which the other prefill worker waits for at every hand-off:
-    per call it only quantizes and multiplies (~4 us of checks a linear went)."""
+    A call only quantizes and multiplies. Per-call checks cost ~4 us a linear, with the GIL held,
+    and the other prefill worker waits for the GIL at every hand-off."""
 
     def __init__(self, weights: list[tuple[Tensor, Tensor, Tensor | None]]):
         k = weights[0][0].shape[1] if weights else 0
