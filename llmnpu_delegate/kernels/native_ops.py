@@ -23,6 +23,11 @@ LIBRARY = Path(__file__).resolve().parent / "native" / "build" / "libllmnpu_kern
 _state: dict = {}
 
 
+def _library_path() -> Path:
+    given = os.environ.get("LLMNPU_KERNELS")
+    return Path(given) if given else LIBRARY
+
+
 def native_available() -> bool:
     """Whether ``libllmnpu_kernels.so`` is loaded (``$LLMNPU_KERNELS`` names another build;
     ``LLMNPU_KERNELS=off`` keeps the torch-ops twins, e.g. to compare)."""
@@ -31,7 +36,7 @@ def native_available() -> bool:
         if given == "off":
             _state["loaded"] = False
         else:
-            path = Path(given) if given else LIBRARY
+            path = _library_path()
             if given and not path.is_file():
                 raise LlmNpuError(f"LLMNPU_KERNELS names {given}, which does not exist: build it with "
                                   "`make kernels`, or set LLMNPU_KERNELS=off")
@@ -51,8 +56,7 @@ def library_digest() -> str:
     are keyed on it: a rebuilt kernel (faster attention, say) must not be scheduled with old times."""
     if "digest" not in _state:
         if native_available():
-            path = Path(os.environ.get("LLMNPU_KERNELS") or LIBRARY)
-            _state["digest"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+            _state["digest"] = hashlib.sha256(_library_path().read_bytes()).hexdigest()[:16]
         else:
             _state["digest"] = "off"
     return _state["digest"]
@@ -65,7 +69,7 @@ def spin_wait():
     if "spin_wait" not in _state:
         fn = None
         if native_available():
-            lib = ctypes.CDLL(os.environ.get("LLMNPU_KERNELS") or str(LIBRARY))   # the loaded library, again
+            lib = ctypes.CDLL(str(_library_path()))      # the loaded library, again
             fn = getattr(lib, "llmnpu_spin_wait", None)       # None in a build older than the function
         if fn is not None:
             fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]

@@ -165,8 +165,7 @@ class Scheduler:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         self.tasks, self.policy = tasks, policy
         self.missing = [len(t.deps) for t in tasks]
-        self.done = [False] * len(tasks)
-        self.left = len(tasks)
+        self.left = len(tasks)      # tasks not finished
         self.running = 0
         self.ready = {p: set() for p in PROCESSORS}
         for t in tasks:
@@ -177,8 +176,9 @@ class Scheduler:
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
         self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
         self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
-        if policy == "ooo":   # what _score reads, once: a decision is on the NPU's path between two tasks
+        if self.rank is not None:   # cp's key and ooo's ties; built once: a decision sits between two NPU tasks
             self._ties = [(self.rank[t.id], -t.chunk, -t.step) for t in tasks]
+        if policy == "ooo":
             self._npu_users = [[(u, tasks[u].cost) for u in t.users if tasks[u].processor == "npu"] for t in tasks]
 
     def pick(self, processor: str) -> Task | None:
@@ -200,7 +200,7 @@ class Scheduler:
             self.heads[processor] += 1
             choice = queue[head]
         elif self.policy == "cp":
-            choice = max(ready, key=lambda i: (self.rank[i], -self.tasks[i].chunk, -self.tasks[i].step))
+            choice = max(ready, key=self._ties.__getitem__)
         else:
             choice = max(ready, key=self._score)
         ready.discard(choice)
@@ -224,7 +224,6 @@ class Scheduler:
         return (score, *self._ties[i])
 
     def finish(self, t: Task) -> None:
-        self.done[t.id] = True
         self.left -= 1
         self.running -= 1
         for u in t.users:
