@@ -354,10 +354,11 @@ def test_a_broken_task_graph_is_an_error_not_a_hang(engine, monkeypatch):
         return tasks
 
     monkeypatch.setattr(ex, "build_tasks", broken)
+    executor = ex.Executor(engine.program, engine.executor.workers)   # the engine's keeps its sound task graphs
     feeds = engine.feeds(torch.randint(0, 1000, (20,)))
     for policy in POLICIES:
         outcome = []
-        th = threading.Thread(target=lambda: outcome.append(_raised(engine.executor.run, feeds, policy)))
+        th = threading.Thread(target=lambda: outcome.append(_raised(executor.run, feeds, policy)))
         th.start()
         th.join(60)
         assert not th.is_alive(), f"{policy}: the executor hung"
@@ -370,3 +371,28 @@ def _raised(fn, *args):
     except Exception as e:  # noqa: BLE001 - returned for the assertion
         return e
     return None
+
+
+def test_kept_schedulers_follow_the_costs_and_start_afresh(engine):
+    """A prompt shape keeps its scheduler per policy and costs: other costs get a scheduler ranked on
+    them, the same costs again get the kept one back at its starting state."""
+    from llmnpu_delegate.runtime.executor import Executor, Scheduler, assign_costs
+
+    shape = Executor(engine.program, engine.executor.workers)._shape(3)
+    a = engine.profile.costs(3)
+    b = {k: 1e-3 / (1e-4 + v) for k, v in a.items()}       # cheap tasks become dear: other ranks
+
+    def fresh(costs):
+        tasks = build_tasks(engine.program, 3)
+        assign_costs(tasks, costs)
+        return Scheduler(tasks, "ooo")
+
+    first = shape.scheduler("ooo", a)
+    while first.pick("npu") or first.pick("cpu"):     # spend its ready tasks: state a run leaves behind
+        pass
+    second = shape.scheduler("ooo", b)
+    assert second is not first and second.rank == fresh(b).rank != fresh(a).rank
+    again = shape.scheduler("ooo", a)
+    assert again is first and again.rank == fresh(a).rank
+    start = fresh(a)
+    assert (again.missing, again.ready, again.left, again.running) == (start.missing, start.ready, start.left, 0)

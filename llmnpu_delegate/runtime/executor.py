@@ -34,6 +34,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -160,26 +161,33 @@ class _Wakeup:
 
 
 class Scheduler:
+    """A policy over one task graph with fixed costs. What depends on the graph and the costs alone is
+    computed here, once (~1 ms for 1,100 tasks); ``reset`` starts a run, so a runner keeps a
+    scheduler per prompt shape and pays only the reset."""
+
     def __init__(self, tasks: list[Task], policy: str):
         if policy not in POLICIES:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         self.tasks, self.policy = tasks, policy
-        self.missing = [len(t.deps) for t in tasks]
-        self.left = len(tasks)      # tasks not finished
-        self.running = 0
-        self.ready = {p: set() for p in PROCESSORS}
-        for t in tasks:
-            if not t.deps:
-                self.ready[t.processor].add(t.id)
         self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].key)     # program order
-        self.cursor = 0                                                          # inorder
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
-        self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
         self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
         if self.rank is not None:   # cp's key and ooo's ties; built once: a decision sits between two NPU tasks
             self._ties = [(self.rank[t.id], -t.chunk, -t.step) for t in tasks]
         if policy == "ooo":
             self._npu_users = [[(u, tasks[u].cost) for u in t.users if tasks[u].processor == "npu"] for t in tasks]
+        self._missing = [len(t.deps) for t in tasks]
+        self._sources = {p: {t.id for t in tasks if not t.deps and t.processor == p} for p in PROCESSORS}
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the start of a run: nothing finished, the tasks without dependencies ready."""
+        self.missing = list(self._missing)
+        self.left = len(self.tasks)      # tasks not finished
+        self.running = 0
+        self.ready = {p: set(ids) for p, ids in self._sources.items()}
+        self.cursor = 0                                                          # inorder
+        self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
 
     def pick(self, processor: str) -> Task | None:
         ready = self.ready[processor]
@@ -282,31 +290,71 @@ def simulate(tasks: list[Task], policy: str) -> RunStats:
     return stats
 
 
+class _Shape:
+    """One prompt shape of a program: its task graph, how often each chunk reads each value (values
+    are dropped after their last read), and a scheduler per policy and costs."""
+
+    def __init__(self, program: ChunkProgram, chunks: int):
+        self.tasks = build_tasks(program, chunks)
+        self.uses: list[dict[str, int]] = [dict() for _ in range(chunks)]
+        for t in self.tasks:
+            for name in program.steps[t.step].sub.inputs:
+                self.uses[t.chunk][name] = self.uses[t.chunk].get(name, 0) + 1
+        self._schedulers: dict[tuple, Scheduler] = {}
+
+    def scheduler(self, policy: str, costs: dict | None) -> Scheduler:
+        assign_costs(self.tasks, costs)
+        key = (policy, tuple(t.cost for t in self.tasks) if policy in COST_POLICIES else None)
+        sched = self._schedulers.get(key)
+        if sched is None:
+            if len(self._schedulers) >= 2 * len(POLICIES):     # costs changed (a new profile): start over
+                self._schedulers.clear()
+            sched = self._schedulers[key] = Scheduler(self.tasks, policy)
+        else:
+            sched.reset()
+        return sched
+
+
 class Executor:
     """Runs a ChunkProgram over the chunks of a prompt with two workers and a policy."""
+
+    SHAPES = 8      # prompt shapes (chunk counts) whose task graph and schedulers are kept
 
     def __init__(self, program: ChunkProgram, workers: Workers | None = None):
         self.program = program
         self.workers = workers or Workers.auto()
+        self.keep = {program.out_logits, *program.out_k, *program.out_v}
+        handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
+        handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
+        self.inputs = [s.sub.inputs for s in program.steps]
+        self.handoffs = [[(name, handoff[name]) for name in s.sub.outputs if name in handoff] for s in program.steps]
+        self._shapes: OrderedDict[int, _Shape] = OrderedDict()
+
+    def _shape(self, chunks: int) -> "_Shape":
+        """The task graph of a ``chunks``-chunk prompt and its schedulers, built on first use (~3 ms
+        with the scheduler) and kept for the last ``SHAPES`` chunk counts."""
+        shape = self._shapes.pop(chunks, None) or _Shape(self.program, chunks)
+        self._shapes[chunks] = shape
+        while len(self._shapes) > self.SHAPES:
+            self._shapes.popitem(last=False)
+        return shape
 
     def run(self, feeds: list[dict[str, Tensor]], policy: str, costs: dict | None = None,
             fail: tuple[int, int] | None = None) -> tuple[dict[str, Tensor], RunStats]:
         """``feeds[i]``: chunk i's inputs except the past K/V. Returns the last chunk's outputs.
-        ``fail=(chunk, step)`` injects a failure (for tests of the error path)."""
-        program = self.program
-        tasks = build_tasks(program, len(feeds))
-        assign_costs(tasks, costs)
-        sched = Scheduler(tasks, policy)
+        ``fail=(chunk, step)`` injects a failure (for tests of the error path). The run's wall time
+        counts from here: the task graph and the scheduler are part of what a prompt waits for."""
+        if policy not in POLICIES:
+            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        with _RUN_LOCK:
+            t0 = time.perf_counter()
+            shape = self._shape(len(feeds))
+            return self._run(feeds, shape.scheduler(policy, costs), shape.uses, fail, t0)
+
+    def _run(self, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
+        program, policy, keep, inputs, handoffs = self.program, sched.policy, self.keep, self.inputs, self.handoffs
         envs = [dict(f) for f in feeds]
-        uses: list[dict[str, int]] = [dict() for _ in feeds]
-        for t in tasks:
-            for name in program.steps[t.step].sub.inputs:
-                uses[t.chunk][name] = uses[t.chunk].get(name, 0) + 1
-        keep = {program.out_logits, *program.out_k, *program.out_v}
-        handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
-        handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
-        inputs = [s.sub.inputs for s in program.steps]
-        handoffs = [[(name, handoff[name]) for name in s.sub.outputs if name in handoff] for s in program.steps]
+        uses = [dict(u) for u in uses]
         stats = RunStats(policy=policy)
         wakeup = _Wakeup()
         cond = wakeup.cond
@@ -314,7 +362,6 @@ class Executor:
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
         profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
-        t0 = 0.0   # set when the run starts, under the lock
 
         def worker(processor: str) -> None:
             try:
@@ -385,21 +432,19 @@ class Executor:
                     return
                 end = time.perf_counter()
 
-        with _RUN_LOCK:
-            t0 = time.perf_counter()
-            saved = torch.get_num_threads()
-            torch.set_num_threads(self.workers.threads)
-            gc_was_on = gc.isenabled()
-            gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
-            try:
-                cores = self.workers.cores or {}
-                for done in [_submit(p, cores.get(p), lambda p=p: worker(p)) for p in PROCESSORS]:
-                    done.wait()
-            finally:
-                torch.set_num_threads(saved)
-                if gc_was_on:
-                    gc.enable()
-            stats.wall_s = time.perf_counter() - t0
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.workers.threads)
+        gc_was_on = gc.isenabled()
+        gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
+        try:
+            cores = self.workers.cores or {}
+            for done in [_submit(p, cores.get(p), lambda p=p: worker(p)) for p in PROCESSORS]:
+                done.wait()
+        finally:
+            torch.set_num_threads(saved)
+            if gc_was_on:
+                gc.enable()
+        stats.wall_s = time.perf_counter() - t0
         stats.waits_spun, stats.waits_blocked = wakeup.spun, wakeup.blocked
         if error:
             task, exc = error[0]
