@@ -241,7 +241,7 @@ class Prefiller:
 
     def _profile_path(self):
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
-        key = entry_key({"profile": 2, "backend": self.backend_name, "model": self.fingerprint,
+        key = entry_key({"profile": 3, "backend": self.backend_name, "model": self.fingerprint,
                          "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
                          "program": program_digest(self.program), "kernels": native_ops.library_digest(),
                          "attention": self.attention})

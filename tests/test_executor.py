@@ -2,6 +2,7 @@
 reported with the task's name, no threads left behind."""
 import copy
 import os
+import statistics
 import threading
 
 import pytest
@@ -94,13 +95,14 @@ def test_ooo_reorders_and_cuts_bubbles_when_the_profile_says_so(engine, monkeypa
     program = engine.program
     # attention: the CPU subgraphs whose shapes grow with the past (the dynamic ones)
     cost = {i: (0.004 if s.sub.kind == "npu" else 0.001 if s.static else 0.012) for i, s in enumerate(program.steps)}
-    real = program.call_step
+    def timed(i, real):
+        def fn(*args):
+            time.sleep(cost[i])
+            return real(*args)
+        return fn
 
-    def timed(i, values):
-        time.sleep(cost[i])
-        return real(i, values)
-
-    monkeypatch.setattr(program, "call_step", timed)
+    for i, step in enumerate(program.steps):
+        monkeypatch.setattr(step, "fn", timed(i, step.fn))
     feeds = engine.feeds(torch.randint(0, 1000, (24,)))     # three chunks
     runs = {p: engine.executor.run(feeds, p, cost) for p in POLICIES}
     for p in POLICIES:
@@ -289,6 +291,28 @@ def test_profile_takes_each_tasks_median_over_runs(engine):
     profile = Profile.from_records(records, program, program.chunk_len)
     assert profile.static[static] == pytest.approx(1.7)           # median over chunks of (1.2, 2.2)
     assert profile.dynamic[dynamic] == pytest.approx([3.2, 4.2])  # per position, the disturbed run ignored
+
+
+def test_profile_gives_alike_npu_subgraphs_one_cost(engine):
+    """The same NPU region of every layer does the same work: the profile gives them the median of
+    their times, so that ooo's cheapest-first rule does not order them by measurement noise. CPU
+    subgraphs keep their own times (a shadow path's work differs by layer)."""
+    from llmnpu_delegate.runtime.executor import Record
+    from llmnpu_delegate.runtime.profile import Profile
+
+    program = engine.program
+    static = [i for i, s in enumerate(program.steps) if s.static]
+    records = [Record(0, 0, step, program.steps[step].sub.processor, 0.0, 1.0 + 0.01 * step) for step in static]
+    profile = Profile.from_records(records, program, program.chunk_len)
+    groups: dict = {}
+    for step in static:
+        groups.setdefault((program.steps[step].sub.kind, program.steps[step].sub.structure()), []).append(step)
+    npu = [g for (kind, _), g in groups.items() if kind == "npu"]
+    assert npu and all(len(g) == program.steps[-1].sub.layer + 1 for g in npu)    # one per layer
+    for g in npu:
+        assert all(profile.static[s] == pytest.approx(1.0 + 0.01 * statistics.median(g)) for s in g)
+    cpu = [s for s in static if program.steps[s].sub.kind != "npu"]
+    assert all(profile.static[s] == pytest.approx(1.0 + 0.01 * s) for s in cpu)
 
 
 def test_one_engine_called_from_two_threads(engine):

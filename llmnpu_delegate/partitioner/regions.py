@@ -169,6 +169,13 @@ class Subgraph:
         """Multiply-adds x 2 of the linears and attention in this subgraph for a chunk at past length ``past``."""
         return sum(_node_flops(n, past) for n in self.nodes)
 
+    def structure(self) -> tuple:
+        """What it computes, without names: per node its op, its operands' shapes and its result's.
+        Subgraphs of different layers with equal structures do the same work (the same linears'
+        shapes on the same activations)."""
+        return (self.kind, tuple((str(n.target), tuple(_val_shape(a) for a in n.args), _val_shape(n))
+                                 for n in self.nodes if n.op == "call_function"))
+
 
 def _size(v, past: int) -> int:
     if isinstance(v, torch.SymInt):
@@ -179,6 +186,15 @@ def _size(v, past: int) -> int:
 
 def _shape(node: Node, past: int) -> list[int]:
     return [_size(d, past) for d in node.meta["val"].shape]
+
+
+def _val_shape(v):
+    """The shape(s) of a node's value, the type of anything else (a constant operand)."""
+    if not isinstance(v, Node):
+        return type(v).__name__
+    val = v.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return tuple(tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in vals)
 
 
 def _node_flops(node: Node, past: int) -> int:

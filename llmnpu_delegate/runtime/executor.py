@@ -176,6 +176,8 @@ class Scheduler:
             self._ties = [(self.rank[t.id], -t.chunk, -t.step) for t in tasks]
         if policy == "ooo":
             self._npu_users = [[(u, tasks[u].cost) for u in t.users if tasks[u].processor == "npu"] for t in tasks]
+            # an NPU task's score is its own cost: fixed, so its whole key is built here
+            self._npu_keys = [(-t.cost, *self._ties[t.id]) for t in tasks]
         self._missing = [len(t.deps) for t in tasks]
         self._sources = {p: {t.id for t in tasks if not t.deps and t.processor == p} for p in PROCESSORS}
         self.reset()
@@ -209,6 +211,8 @@ class Scheduler:
             choice = queue[head]
         elif self.policy == "cp":
             choice = max(ready, key=self._ties.__getitem__)
+        elif processor == "npu":
+            choice = max(ready, key=self._npu_keys.__getitem__)
         else:
             choice = max(ready, key=self._score)
         ready.discard(choice)
@@ -223,13 +227,9 @@ class Scheduler:
         return rank
 
     def _score(self, i: int) -> tuple:
-        t = self.tasks[i]
-        if t.processor == "npu":
-            score = -t.cost
-        else:     # the NPU work it makes ready: its NPU users that wait for it alone
-            missing = self.missing
-            score = sum(cost for u, cost in self._npu_users[i] if missing[u] == 1)
-        return (score, *self._ties[i])
+        """A CPU task's key: the NPU work it makes ready (its NPU users that wait for it alone)."""
+        missing = self.missing
+        return (sum(cost for u, cost in self._npu_users[i] if missing[u] == 1), *self._ties[i])
 
     def finish(self, t: Task) -> None:
         self.left -= 1
@@ -327,7 +327,9 @@ class Executor:
         handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
         handoff.update({v: past_name("v", i) for i, v in enumerate(program.out_v)})
         self.inputs = [s.sub.inputs for s in program.steps]
-        self.handoffs = [[(name, handoff[name]) for name in s.sub.outputs if name in handoff] for s in program.steps]
+        self.outputs = [s.sub.outputs for s in program.steps]
+        self.handoffs = [[(i, handoff[name]) for i, name in enumerate(s.sub.outputs) if name in handoff]
+                         for s in program.steps]
         self._shapes: OrderedDict[int, _Shape] = OrderedDict()
 
     def _shape(self, chunks: int) -> "_Shape":
@@ -352,10 +354,12 @@ class Executor:
             return self._run(feeds, shape.scheduler(policy, costs), shape.uses, fail, t0)
 
     def _run(self, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
-        program, policy, keep, inputs, handoffs = self.program, sched.policy, self.keep, self.inputs, self.handoffs
+        policy, keep, inputs, outputs, handoffs = sched.policy, self.keep, self.inputs, self.outputs, self.handoffs
+        fns = [s.fn for s in self.program.steps]
         envs = [dict(f) for f in feeds]
         uses = [dict(u) for u in uses]
         stats = RunStats(policy=policy)
+        raw: dict[str, list[tuple]] = {p: [] for p in PROCESSORS}   # per worker: Record fields, made into Records after
         wakeup = _Wakeup()
         cond = wakeup.cond
         error: list = []
@@ -374,19 +378,19 @@ class Executor:
                     wakeup.notify()
 
         def work(processor: str) -> None:
-            records = stats.records
+            records = raw[processor]
             task = outs = None
             start = end = 0.0
             while True:
                 with cond:     # one lock per task: hand over the last task's outputs, then pick the next
                     if task is not None:
-                        records.append(Record(task.id, task.chunk, task.step, processor, start - t0, end - t0))
+                        records.append((task.id, task.chunk, task.step, processor, start - t0, end - t0))
                         env = envs[task.chunk]
-                        env.update(outs)
+                        env.update(zip(outputs[task.step], outs))
                         if task.chunk + 1 < len(envs):
                             nxt = envs[task.chunk + 1]
-                            for name, past in handoffs[task.step]:
-                                nxt[past] = outs[name]
+                            for i, past in handoffs[task.step]:
+                                nxt[past] = outs[i]
                         left = uses[task.chunk]
                         for name in inputs[task.step]:
                             left[name] -= 1
@@ -411,7 +415,7 @@ class Executor:
                         wakeup.wait()
                     env = envs[task.chunk]
                     try:
-                        args = {name: env[name] for name in inputs[task.step]}
+                        args = [env[name] for name in inputs[task.step]]
                     except KeyError as e:   # a task graph that lets a task run before its producer: report, never hang
                         error.append((task, LlmNpuError(f"input {e.args[0]} was not made before this task")))
                         wakeup.notify()
@@ -422,9 +426,9 @@ class Executor:
                         raise RuntimeError("injected failure")
                     if profiling:   # torch.profiler sees each task as a region named after it
                         with torch.profiler.record_function(f"llmnpu.{task.processor}[{task.chunk}:{task.step}]"):
-                            outs = program.call_step(task.step, args)
+                            outs = fns[task.step](*args)
                     else:
-                        outs = program.call_step(task.step, args)
+                        outs = fns[task.step](*args)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                     with cond:
                         error.append((task, e))
@@ -445,12 +449,13 @@ class Executor:
             if gc_was_on:
                 gc.enable()
         stats.wall_s = time.perf_counter() - t0
+        stats.records = sorted((Record(*r) for rs in raw.values() for r in rs), key=lambda r: r.start)
         stats.waits_spun, stats.waits_blocked = wakeup.spun, wakeup.blocked
         if error:
             task, exc = error[0]
             if task is None:
                 raise exc
-            sub = program.steps[task.step].sub
+            sub = self.program.steps[task.step].sub
             where = f"layer {sub.layer}" if sub.layer is not None else "model"
             raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "
                             f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc

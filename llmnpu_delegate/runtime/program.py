@@ -106,10 +106,6 @@ class ChunkProgram:
                 want |= set(sub.inputs)
         return sorted(keep)
 
-    def call_step(self, i: int, values: dict) -> dict:
-        """Run step ``i`` on ``values`` (its inputs by name); its outputs by name."""
-        return self.steps[i].run(values)
-
     def run_in_order(self, feeds: list[dict[str, Tensor]]) -> Iterator[tuple[int, int, list, dict]]:
         """Every step of every chunk, in program order, without the executor: yields (chunk, step,
         its inputs, its outputs). For tools that look at each subgraph's data (export, validation).
