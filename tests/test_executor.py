@@ -315,6 +315,33 @@ def test_profile_gives_alike_npu_subgraphs_one_cost(engine):
     assert all(profile.static[s] == pytest.approx(1.0 + 0.01 * s) for s in cpu)
 
 
+def test_chunks_before_the_last_skip_the_last_layers_attention_product(engine, monkeypatch):
+    """Only the last chunk's logits are read, so the other chunks run the last layer's attention up to
+    its K/V. The outputs must equal, bit for bit, those of the partition that does not cut it."""
+    import llmnpu_delegate.partitioner.regions as regions
+    from llmnpu_delegate.prefill import plan_and_partition
+    from llmnpu_delegate.runtime.executor import Executor
+
+    program = engine.program
+    product = [i for i, s in enumerate(program.steps) if s.sub.layer == program.steps[-1].sub.layer
+               and not s.static and not any(name.startswith("past_") for name in s.sub.inputs)]
+    assert len(product) == 1 and product[0] not in program.needed_kv and product[0] in program.needed_final
+    ids = torch.randint(0, 1000, (21,), generator=torch.Generator().manual_seed(5))    # three chunks
+    got = engine(ids, policy="ooo")
+    ran = {(r.chunk, r.step) for r in engine.last_run.records}
+    assert (got.chunks - 1, product[0]) in ran and all((c, product[0]) not in ran for c in range(got.chunks - 1))
+
+    monkeypatch.setattr(regions, "_split_for_kv", lambda by_slot, kv: [(s, by_slot[s]) for s in sorted(by_slot)])
+    _, partition = plan_and_partition(engine.model, None, engine.fingerprint, engine.chunk_len, engine.quant,
+                                      engine.calibration, progress=False)
+    whole = ChunkProgram.build(partition, engine.backend, engine.chunk_len, len(program.out_k), attention=engine.attention)
+    assert len(whole.steps) == len(program.steps) - 1
+    feeds = engine.feeds(ids)
+    want = Executor(whole, engine.executor.workers).run(feeds, "inorder")[0]
+    out = engine.executor.run(feeds, "ooo", engine.profile.costs(len(feeds)))[0]
+    assert want.keys() == out.keys() and all(torch.equal(out[k], want[k]) for k in want)
+
+
 def test_one_engine_called_from_two_threads(engine):
     """Prompts from two threads: each output equals its single-threaded run, the process-wide
     settings a run changes (torch threads, GC) are restored, and the counters add up."""

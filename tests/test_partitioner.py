@@ -46,16 +46,24 @@ def test_regions_group_linears_that_share_an_input(llama, exported):
 
 def test_attention_is_the_only_dynamic_work(llama, exported):
     p = _partition(llama, exported)
+    layers = llama.model.config.num_hidden_layers
     dynamic = [s for s in p.subgraphs if not s.static]
-    assert len(dynamic) == llama.model.config.num_hidden_layers
     for s in dynamic:
-        targets = {str(n.target) for n in s.nodes}
-        assert "llmnpu.chunk_attention.default" in targets and s.kind == "cpu"
+        assert s.kind == "cpu"
         assert not any(n.op == "get_attr" for n in s.nodes), "a dynamic subgraph must hold no weights"
+    attention = [s for s in dynamic if "llmnpu.chunk_attention.default" in {str(n.target) for n in s.nodes}]
+    reads_past = [s for s in dynamic if any(i.startswith("past_") for i in s.inputs)]
+    assert len(attention) == len(reads_past) == layers
     # layer l's attention reads layer l's past K/V only (no false cross-layer dependency)
-    for layer, s in enumerate(dynamic):
+    for layer, s in enumerate(reads_past):
         past = {i for i in s.inputs if i.startswith("past_")}
         assert past == {f"past_k_{layer}", f"past_v_{layer}"}
+    # one subgraph per layer, but the last: its K/V are made apart from its attention product, which
+    # only the logits need (so a chunk other than the last skips it), in the subgraph right after
+    assert attention[:-1] == reads_past[:-1] and len(dynamic) == layers + 1
+    kv, product = reads_past[-1], attention[-1]
+    assert product.index == kv.index + 1 and set(kv.outputs) & set(product.inputs)
+    assert not set(product.outputs) & set(p.graph_outputs)
 
 
 def test_shadow_subgraphs_follow_the_plan(llama, exported):

@@ -362,13 +362,10 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
         by_slot.setdefault(slot[node], []).append(node)
 
     flat_out = [n for n in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(n, Node)]
+    groups = _split_for_kv(by_slot, _ancestors(flat_out[1:]))
     subgraphs: list[Subgraph] = []
-    produced_in: dict[Node, int] = {}
-    for s in sorted(by_slot):
-        for n in by_slot[s]:
-            produced_in[n] = s
-    for s in sorted(by_slot):
-        nodes = by_slot[s]
+    produced_in = {n for _, nodes in groups for n in nodes}
+    for s, nodes in groups:
         members = set(nodes)
         # An NPU region's weights are compiled into it: lifted weight placeholders are not runtime inputs.
         weights = {a for n in nodes if s % 3 == 2 and n in linears for a in n.args[1:3] if isinstance(a, Node)}
@@ -383,10 +380,41 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
         layers = [lyr for lyr in map(_layer_of, nodes) if lyr is not None]
         names = ([linears[n] for n in nodes if n in linears] if kind == "npu"
                  else [n.args[1] for n in nodes if n in markers] if kind == "shadow" else [])
+        # dynamic: a value of it, or one it reads, grows with the past (attention)
+        dynamic = any(_is_dynamic(n) or any(_is_dynamic(a) for a in n.all_input_nodes) for n in nodes)
         subgraphs.append(Subgraph(len(subgraphs), kind, min(layers) if layers else None,
-                                  not any(_is_dynamic(n) for n in nodes), inputs, outputs, names, nodes))
+                                  not dynamic, inputs, outputs, names, nodes))
     graph_inputs = [n.name for n in new.graph.nodes if n.op == "placeholder"]
     return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], norms, sorted(shadowed))
+
+
+def _ancestors(nodes: list[Node]) -> set[Node]:
+    """``nodes`` and every node they are computed from."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _split_for_kv(by_slot: dict[int, list[Node]], kv: set[Node]) -> list[tuple[int, list[Node]]]:
+    """The slots in order, a CPU slot cut in two where only part of it makes the K/V: that part
+    first, the rest after. A chunk other than the last needs only its K/V (the logits are the last
+    chunk's), so it runs the first part alone. In a decoder this cuts the last layer's attention
+    step: every chunk makes its K/V there, only the last one needs the attention product (1-2 ms
+    a chunk at 1,024 tokens on the embedded model, at the very end of the prefill). ``kv``: the
+    nodes the graph's K/V outputs (every output but the logits, the first) are computed from."""
+    groups = []
+    for s in sorted(by_slot):
+        nodes = by_slot[s]
+        first = [n for n in nodes if n in kv]
+        if s % 3 == 0 and first and len(first) < len(nodes):
+            groups += [(s, first), (s, [n for n in nodes if n not in kv])]
+        else:
+            groups.append((s, nodes))
+    return groups
 
 
 def subgraph_module(partition: Partition, sub: Subgraph) -> fx.GraphModule:
