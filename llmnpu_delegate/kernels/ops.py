@@ -83,8 +83,13 @@ def _int_mm_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bi
 
 
 def _onednn_linear(x_u8: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    packed, zero_points = _onednn_weight(w_q)
-    return torch.ops.onednn.qlinear_pointwise(
+    return _qlinear(x_u8, x_scale, *_onednn_weight(w_q), w_scale, bias)
+
+
+def _qlinear(x_u8: Tensor, x_scale: float, packed: Tensor, zero_points: Tensor, w_scale: Tensor,
+             bias: Tensor | None) -> Tensor:
+    """oneDNN's INT8 linear on a packed weight: uint8 input (zero point 128), float output."""
+    return torch.ops.onednn.qlinear_pointwise.default(
         x_u8, x_scale, 128, packed, w_scale, zero_points, bias, 1.0, 0, torch.float32, "none", [], ""
     )
 
@@ -206,9 +211,7 @@ class W8A8Linears:
                      lambda: f"expected an activation [M, {self.in_features}], got {tuple(x.shape)}")
         if self.onednn:
             x_u8 = quantize_u8(x, x_scale)
-            qlinear = torch.ops.onednn.qlinear_pointwise.default
-            return [qlinear(x_u8, x_scale, 128, packed, s, zp, b, 1.0, 0, torch.float32, "none", [], "")
-                    for packed, zp, s, b in self.weights]
+            return [_qlinear(x_u8, x_scale, packed, zp, s, b) for packed, zp, s, b in self.weights]
         x_q = quantize(x, x_scale)
         return [_int_mm_linear(x_q, x_scale, w, s, b) for w, s, b in self.weights]
 
