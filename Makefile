@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install data runner kernels clean
+.PHONY: demo test test-avx2 install data runner kernels clean FORCE
 
 # The native runner (runner/): C++ against the executorch wheel's SDK, with the virtualenv's CMake
 # (the SDK's config needs >= 3.28) and nlohmann-json headers (both pip packages in pyproject.toml).
@@ -21,6 +21,16 @@ demo: install data runner kernels
 
 test: install data runner kernels $(RUNNER_ASAN)
 	$(BIN)/python -m pytest -q -ra
+
+# An AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake), on any x86 machine: the native kernels built
+# without AVX-512, our INT8 kernel forced to its AVX2 path, and torch's, oneDNN's, fbgemm's and MKL's
+# kernels capped at AVX2 (where oneDNN and fbgemm saturate). AVX2_TESTS=tests runs the whole suite.
+AVX2_TESTS ?= tests/test_kernels.py tests/test_int8_paths.py tests/test_quantize.py tests/test_decode.py tests/test_prefill.py
+AVX2_ENV   := LLMNPU_KERNELS=$(CURDIR)/$(KERNELS_AVX2) LLMNPU_INT8_KERNEL=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+              FBGEMM_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
+
+test-avx2: install data runner kernels $(KERNELS_AVX2) $(RUNNER_ASAN)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -ra $(AVX2_TESTS)
 
 runner: $(RUNNER)
 
@@ -41,12 +51,30 @@ KERNELS     := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
 KERNELS_SRC := llmnpu_delegate/kernels/native/CMakeLists.txt $(wildcard llmnpu_delegate/kernels/native/*.cpp llmnpu_delegate/kernels/native/*.h)
 TORCH_CMAKE  = $$($(BIN)/python -c "import torch, os; print(os.path.join(torch.__path__[0], 'share', 'cmake'))")
 
+# Built with -march=native, so for this CPU only: CPU_FLAGS changes with the CPU (a checkout moved to
+# another machine) and then the build folder is made anew.
+CPU_FLAGS   := llmnpu_delegate/kernels/native/cpu-flags.txt
+
 kernels: $(KERNELS)
 
-$(KERNELS): $(STAMP) $(KERNELS_SRC)
+$(CPU_FLAGS): FORCE
+	@grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cmp -s - $@ || \
+	  { rm -rf llmnpu_delegate/kernels/native/build; grep -m1 -E '^(flags|Features)' /proc/cpuinfo > $@; }
+
+$(KERNELS): $(STAMP) $(KERNELS_SRC) $(CPU_FLAGS)
 	$(BIN)/cmake -S llmnpu_delegate/kernels/native -B llmnpu_delegate/kernels/native/build \
 	  -DCMAKE_BUILD_TYPE=Release -DTORCH_CMAKE_DIR="$(TORCH_CMAKE)" > /dev/null
 	$(BIN)/cmake --build llmnpu_delegate/kernels/native/build -j 2
+
+# The same kernels for any AVX2 CPU (x86-64-v3: no AVX-512): what `make test-avx2` loads.
+KERNELS_AVX2 := llmnpu_delegate/kernels/native/build-avx2/libllmnpu_kernels.so
+
+$(KERNELS_AVX2): $(STAMP) $(KERNELS_SRC)
+	$(BIN)/cmake -S llmnpu_delegate/kernels/native -B llmnpu_delegate/kernels/native/build-avx2 \
+	  -DCMAKE_BUILD_TYPE=Release -DLLMNPU_MARCH=x86-64-v3 -DTORCH_CMAKE_DIR="$(TORCH_CMAKE)" > /dev/null
+	$(BIN)/cmake --build llmnpu_delegate/kernels/native/build-avx2 -j 2
+
+FORCE:
 
 install: $(STAMP)
 
@@ -71,4 +99,5 @@ $(TEXT_STAMP): llmnpu_delegate/text.py | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache runner/build runner/build-asan llmnpu_delegate/kernels/native/build
+	rm -rf $(VENV) .cache runner/build runner/build-asan llmnpu_delegate/kernels/native/build \
+	  llmnpu_delegate/kernels/native/build-avx2 $(CPU_FLAGS)

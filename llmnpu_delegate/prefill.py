@@ -23,7 +23,7 @@ from .backends.cpu_int8 import NAME as CPU_INT8
 from .backends.cpu_int8 import CpuInt8Backend
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
-from .kernels import native_ops
+from .kernels import int8_path, native_ops
 from .kernels.attention import resolve_precision
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
@@ -244,7 +244,7 @@ class Prefiller:
         key = entry_key({"profile": 3, "backend": self.backend_name, "model": self.fingerprint,
                          "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
                          "program": program_digest(self.program), "kernels": native_ops.library_digest(),
-                         "attention": self.attention})
+                         "int8_kernel": int8_path.current(), "attention": self.attention})
         return self.cache.root / f"profile-{key}.json"
 
     # ------------------------------------------------------------------ accounting

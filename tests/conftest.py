@@ -62,3 +62,45 @@ def assert_within_quant_effect(got, quantized, float_ref, share: float = 0.1):
     assert effect > 0, "quantization changed nothing: the comparison would prove nothing"
     assert error <= share * effect, f"|got - quantized| = {error:.3g} > {share} x quantization effect {effect:.3g}"
     return error, effect
+
+
+def on_int64(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with every INT8 linear built or run inside on the int64 path: plain
+    integer arithmetic that shares no code with the kernel this CPU runs (kernels/int8_path.py).
+    Build a reference engine with it, and call that engine with it too."""
+    from llmnpu_delegate.kernels import int8_path
+
+    with int8_path.forced("int64"):
+        return fn(*args, **kwargs)
+
+
+def vpmaddubsw_model(x_q, w_q):
+    """oneDNN's and fbgemm's u8 x s8 arithmetic without VNNI, modelled: u = q + 128, each pair of
+    products summed into a saturating int16, the zero point's share (128 * sum(w)) taken off in int32.
+    It reproduces the 73,440 measured on Zen 3 for all-127 codes over K = 576."""
+    u = x_q.long() + 128
+    prods = u[:, None, :] * w_q.long()[None, :, :]                        # [M, N, K]
+    if prods.shape[-1] % 2:
+        prods = torch.nn.functional.pad(prods, (0, 1))
+    pairs = (prods[..., 0::2] + prods[..., 1::2]).clamp(-32768, 32767)
+    return pairs.sum(-1) - 128 * w_q.long().sum(1)[None, :]
+
+
+@pytest.fixture
+def saturating_kernel(monkeypatch):
+    """Every INT8 linear but the int64 reference computes as a CPU without VNNI would (the fake a
+    reference must catch)."""
+    from llmnpu_delegate.kernels import ops
+
+    real = ops._gemm
+
+    def gemm(path, x, x_scale, packed, n, w_scale, bias):
+        if path == "int64":
+            return real(path, x, x_scale, packed, n, w_scale, bias)
+        x_q = (x.short() - 128).to(torch.int8) if x.dtype == torch.uint8 else x
+        w_q = packed if isinstance(packed, torch.Tensor) and packed.dtype == torch.int8 else next(
+            ref() for ref, p in list(ops._packed_cache.values()) if p is packed)   # the weight it was packed from
+        return ops._epilogue(vpmaddubsw_model(x_q, w_q), x_scale, w_scale, bias)
+
+    monkeypatch.setattr(ops, "_gemm", gemm)
+    return gemm

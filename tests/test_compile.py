@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import inject_outliers
+from conftest import inject_outliers, on_int64
 
 import llmnpu_delegate.compile as C
 from llmnpu_delegate.errors import LlmNpuError
@@ -70,6 +70,22 @@ def test_w8a8_shadow_equals_the_quantized_eager_model(spec, partitioned):
     assert counters.npu_graphs == len(partitioned) and counters.npu_calls >= 3 and counters.eager_calls == 0
     assert all(isinstance(s.fn, torch.nn.Module) and type(s.fn).__name__ == "NpuRegion"
                for p in partitioned for s in p.steps if s.sub.kind == "npu")
+
+
+def test_compiled_int8_equals_int64_arithmetic():
+    """The compiled model's INT8 linears (whichever kernel this CPU runs) against the quantized eager
+    model computing every one of them in int64: a reference that shares no kernel with them."""
+    lm, calib = _calibrated("random:tiny-llama")
+    options = C.compile_options(lm, calibration=calib, pruning_rate=0.5, progress=False)
+    compiled = torch.compile(lm.model, backend="llmnpu", options=options)
+    reference = copy.deepcopy(lm.model)
+    quantize_(reference, calib, QuantConfig(pruning_rate=0.5), lm.fingerprint, progress=False)
+    ids = torch.randint(0, 1000, (1, 40))
+    with torch.no_grad():
+        got, flt = compiled(ids).logits, lm.model(ids).logits
+        want = on_int64(reference, ids).logits
+    effect = float((want - flt).abs().max())
+    assert effect > 1e-3 and float((got - want).abs().max()) <= effect / 1000
 
 
 def test_fp32_equals_eager_and_graph_breaks_are_fine(partitioned):

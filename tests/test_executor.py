@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import inject_outliers
+from conftest import inject_outliers, on_int64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,13 +21,33 @@ from llmnpu_delegate.runtime.tasks import build_tasks
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def calibrated():
     lm = load_model("random:tiny-llama")
     inject_outliers(lm.model)
     ids = torch.randint(0, 1000, (4 * 64,), generator=torch.Generator().manual_seed(2))
     calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    return lm, calib
+
+
+@pytest.fixture(scope="module")
+def engine(calibrated, tmp_path_factory):
+    lm, calib = calibrated
     return Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib,
                      cache=GraphCache(tmp_path_factory.mktemp("graphs")), progress=False)
+
+
+def test_out_of_order_int8_equals_in_order_int64_arithmetic(engine, calibrated):
+    """The executor's two workers on this CPU's INT8 kernel against an in-order run of the same program
+    whose INT8 linears are int64 arithmetic (no shared kernel)."""
+    lm, calib = calibrated
+    reference = on_int64(Prefiller, lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib,
+                         cache=GraphCache(), progress=False)
+    ids = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(5))
+    want = on_int64(reference, ids, policy="inorder").logits
+    got = engine(ids, policy="ooo").logits
+    with torch.no_grad():
+        effect = float((want - lm.model(ids[None]).logits[0, -1]).abs().max())
+    assert effect > 1e-3 and float((got - want).abs().max()) <= effect / 1000
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -131,6 +131,14 @@ def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
             tokens.append(int(logits[0, -1].argmax()))
     assert out.tolist() == tokens
     assert 0 < wrapper.last_prefill["outlier_share"] < 0.2
+    # and the wrapper's INT8 prefill is integer arithmetic: a wrapper on int64 linears agrees
+    from conftest import on_int64
+    reference = on_int64(LlmNpuForCausalLM, lm, chunk_len=16, calibration=calib, pruning_rate=0.5, decode="fp32",
+                         progress=False)
+    want = on_int64(reference.engine, ids).logits
+    with torch.no_grad():
+        effect = float((want - lm.model(ids).logits[0, -1]).abs().max())
+    assert effect > 1e-3 and float((res.logits - want).abs().max()) <= effect / 1000
 
 
 def test_run_command_and_its_errors(tmp_path, capsys):

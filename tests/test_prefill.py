@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_within_quant_effect, inject_outliers
+from conftest import assert_within_quant_effect, inject_outliers, on_int64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -123,7 +123,7 @@ def test_npu_subgraphs_are_int8_only(quant_engines):
             assert all(w.dtype == torch.int8 for w, _, _ in linears.source)
 
 
-INT8_KERNELS = {"onednn::qlinear_pointwise", "aten::_int_mm"}
+INT8_KERNELS = {"onednn::qlinear_pointwise", "aten::_int_mm", "llmnpu_native::int8_gemm"}
 FLOAT_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
                "aten::mkldnn_rnn_layer", "mkldnn::_linear_pointwise"}
 
@@ -299,3 +299,30 @@ def test_shadow_prefill_equals_quantized_model_for_every_family(family):
     quantize_(reference, calib, QUANT, lm.fingerprint, progress=False)
     want, _ = _hf(reference, ids)
     assert_within_quant_effect(got, want, _hf(lm.model, ids)[0])
+
+
+def _int64_reference_gap(llama, llama_calib, engine, ids):
+    """(|engine - int64 reference|, quantization effect) on the logits of ``ids``."""
+    reference = on_int64(Prefiller, llama, engine.chunk_len, quant=QUANT, calibration=llama_calib,
+                         cache=GraphCache(), progress=False, **FP32_ATTENTION)
+    want = on_int64(reference, ids).logits
+    got = engine(ids).logits
+    effect = float((want - _hf(llama.model, ids)[0]).abs().max())
+    return float((got - want).abs().max()), effect
+
+
+def test_int8_engine_equals_an_int64_reference(quant_engines, llama, llama_calib):
+    """Whichever INT8 kernel this CPU runs, the engine equals the same engine computing every INT8
+    linear with int64 arithmetic (same integers; at most the epilogue's float rounding differs)."""
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(3))
+    gap, effect = _int64_reference_gap(llama, llama_calib, quant_engines[8], ids)
+    assert effect > 0 and gap <= effect / 1000, (gap, effect)
+
+
+def test_int64_reference_catches_a_saturating_kernel(llama, llama_calib, saturating_kernel):
+    """The check above, with the kernel swapped for a model of the saturating one: it fails by far."""
+    engine = Prefiller(llama, 8, quant=QUANT, calibration=llama_calib, cache=GraphCache(), progress=False,
+                       **FP32_ATTENTION)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(3))
+    gap, effect = _int64_reference_gap(llama, llama_calib, engine, ids)
+    assert gap > effect / 1000, (gap, effect)

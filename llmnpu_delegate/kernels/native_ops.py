@@ -41,6 +41,11 @@ def native_available() -> bool:
                 raise LlmNpuError(f"LLMNPU_KERNELS names {given}, which does not exist: build it with "
                                   "`make kernels`, or set LLMNPU_KERNELS=off")
             if path.is_file():
+                missing = missing_build_features(path)
+                if missing:
+                    raise LlmNpuError(f"the native kernels in {path.parent} were built for a CPU with "
+                                      f"{', '.join(missing)}, which this one lacks (it would die of an illegal "
+                                      "instruction): rebuild them here with `make kernels`")
                 torch.ops.load_library(str(path))
                 _state["loaded"] = True
             else:
@@ -49,6 +54,17 @@ def native_available() -> bool:
                             path)
                 _state["loaded"] = False
     return _state["loaded"]
+
+
+def missing_build_features(library: Path) -> list[str]:
+    """The SIMD features the build of ``library`` assumed (``build-isa.txt`` beside it, written by its
+    CMakeLists) that this CPU lacks; empty when it can run here, or when the build recorded none."""
+    from .int8_path import detect
+    record = library.parent / "build-isa.txt"
+    if not record.is_file():
+        return []
+    have = {f.replace("_", "").lower() for f in detect().flags}
+    return [f.lower() for f in record.read_text().split() if f.replace("_", "").lower() not in have]
 
 
 def library_digest() -> str:

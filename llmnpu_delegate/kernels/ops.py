@@ -5,10 +5,10 @@ one per output channel or per tensor (weights), as Qualcomm HTP runs it. ``quant
 so quantizing with scale ``t / 127`` *is* clipping at ``t``: the shadow path adds back what the
 saturation removed.
 
-The GEMM is a real integer GEMM with int32 accumulation. On x86 with VNNI we use oneDNN's
-``qlinear_pointwise`` (u8 x s8 -> s32, scales and bias fused into the epilogue); a symmetric int8
-activation ``q`` is fed to it as the unsigned ``q + 128`` with zero point 128, which is exact.
-``torch._int_mm`` (s8 x s8 -> s32) is the portable fallback and the reference in tests.
+The GEMM is a real integer GEMM: the exact int32 sum of the codes' products, on whichever kernel
+``int8_path`` chooses for this CPU (never one that saturates). oneDNN's ``qlinear_pointwise`` and the
+native kernels take the symmetric code ``q`` as the unsigned ``q + 128`` (zero point 128), which is
+exact; the int64 path is the reference in tests.
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import weakref
 import torch
 from torch import Tensor
 
+from . import int8_path
+
 QMAX = 127  # symmetric int8: -128 is never produced, so -x quantizes to -q
-
-_HAS_ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
 
 # --------------------------------------------------------------------------- quantize / dequantize
 @torch.library.custom_op("llmnpu::quantize", mutates_args=())
@@ -49,49 +48,57 @@ def _(q, scale):
 
 
 # --------------------------------------------------------------------------- integer linear
-_packed_cache: dict[int, tuple[weakref.ref, Tensor, Tensor]] = {}
-_lock = threading.Lock()   # the two caches below are filled once, by one thread
+# Every INT8 GEMM goes through one of int8_path.PATHS, chosen once per process (int8_path.current()):
+# each computes the exact int32 sum of the codes' products. Weights are packed for it once per tensor.
+_packed_cache: dict[tuple[int, str], tuple[weakref.ref, object]] = {}
+_lock = threading.Lock()   # the caches below are filled once, by one thread
 
 
-def _onednn_weight(w_q: Tensor) -> tuple[Tensor, Tensor]:
-    """oneDNN's packed copy of an int8 weight and its (zero) zero points, made once per weight
-    tensor and reused.
+def _pack(w_q: Tensor, path: str):
+    """``w_q`` in the form ``path`` multiplies, made once per weight tensor and reused.
 
     Quantized weights are immutable in this project: a tensor modified in place after its first
     use would keep its old packed copy (inference tensors carry no version counter to detect it).
     """
-    key = id(w_q)
+    key = (id(w_q), path)
     hit = _packed_cache.get(key)
     if hit is not None and hit[0]() is w_q:
-        return hit[1], hit[2]
+        return hit[1]
     with _lock:
         hit = _packed_cache.get(key)
         if hit is not None and hit[0]() is w_q:
-            return hit[1], hit[2]
-        packed = torch.ops.onednn.qlinear_prepack(w_q, None)
-        zero_points = torch.zeros(w_q.shape[0], dtype=torch.int64)
-        _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key: _packed_cache.pop(k, None)), packed, zero_points)
-    return packed, zero_points
+            return hit[1]
+        w = w_q.contiguous()
+        if path == "onednn":
+            packed = (torch.ops.onednn.qlinear_prepack(w, None), torch.zeros(w.shape[0], dtype=torch.int64))
+        elif path in int8_path.NATIVE_PATHS:
+            packed = torch.ops.llmnpu_native.int8_pack(w)
+        else:
+            packed = w
+        _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key, c=_packed_cache: c.pop(k, None)), packed)
+    return packed
 
 
-def _int_mm_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    acc = torch._int_mm(x_q, w_q.t())  # [M, N] int32, exact
+def _epilogue(acc: Tensor, x_scale: float, w_scale: Tensor, bias: Tensor | None) -> Tensor:
     out = acc.to(torch.float32).mul_(w_scale * x_scale)
-    if bias is not None:
-        out.add_(bias)
-    return out
+    return out if bias is None else out.add_(bias)
 
 
-def _onednn_linear(x_u8: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    return _qlinear(x_u8, x_scale, *_onednn_weight(w_q), w_scale, bias)
+def _gemm(path: str, x: Tensor, x_scale: float, packed, n: int, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """One INT8 linear on ``path``: ``x`` is uint8 (codes + 128) for onednn and the native paths,
+    int8 codes for int_mm and int64; ``packed`` comes from ``_pack``; float [M, N] out."""
+    if path == "onednn":
+        return torch.ops.onednn.qlinear_pointwise.default(
+            x, x_scale, 128, packed[0], w_scale, packed[1], bias, 1.0, 0, torch.float32, "none", [], "")
+    if path in int8_path.NATIVE_PATHS:
+        return torch.ops.llmnpu_native.int8_gemm(x, x_scale, packed, n, w_scale, bias, path)
+    if path == "int_mm":
+        return _epilogue(torch._int_mm(x, packed.t()), x_scale, w_scale, bias)
+    return _epilogue(x.long() @ packed.long().t(), x_scale, w_scale, bias)     # int64: the reference
 
 
-def _qlinear(x_u8: Tensor, x_scale: float, packed: Tensor, zero_points: Tensor, w_scale: Tensor,
-             bias: Tensor | None) -> Tensor:
-    """oneDNN's INT8 linear on a packed weight: uint8 input (zero point 128), float output."""
-    return torch.ops.onednn.qlinear_pointwise.default(
-        x_u8, x_scale, 128, packed, w_scale, zero_points, bias, 1.0, 0, torch.float32, "none", [], ""
-    )
+def _wants_u8(path: str) -> bool:
+    return path == "onednn" or path in int8_path.NATIVE_PATHS
 
 
 def _check_linear_args(x: Tensor, w_q: Tensor, w_scale: Tensor) -> None:
@@ -101,14 +108,17 @@ def _check_linear_args(x: Tensor, w_q: Tensor, w_scale: Tensor) -> None:
     torch._check(w_scale.shape == (w_q.shape[0],), lambda: "w_scale must have one entry per output channel")
 
 
+def _path_for(t: Tensor) -> str:
+    return int8_path.current() if t.device.type == "cpu" else "int_mm"
+
+
 @torch.library.custom_op("llmnpu::int8_linear", mutates_args=())
 def int8_linear(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """int8 [M, K] x int8 [N, K]^T -> int32 accumulate -> float [M, N] (* x_scale * w_scale[n] + bias)."""
     _check_linear_args(x_q, w_q, w_scale)
-    if _HAS_ONEDNN and x_q.device.type == "cpu":
-        x_u8 = (x_q.to(torch.int16) + 128).to(torch.uint8)
-        return _onednn_linear(x_u8, x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
-    return _int_mm_linear(x_q, x_scale, w_q, w_scale, bias)
+    path = _path_for(x_q)
+    x = (x_q.to(torch.int16) + 128).to(torch.uint8) if path == "onednn" else x_q
+    return _gemm(path, x, x_scale, _pack(w_q, path), w_q.shape[0], w_scale.float().contiguous(), bias)
 
 
 @int8_linear.register_fake
@@ -126,10 +136,7 @@ def _quantize_u8_eager(x: Tensor, scale: Tensor | float) -> Tensor:
 def w8a8_linear(x: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """float [M, K] -> quantize (saturating, per-tensor) -> int8 GEMM -> float [M, N]; one fused op."""
     _check_linear_args(x, w_q, w_scale)
-    if _HAS_ONEDNN and x.device.type == "cpu":
-        x_u8 = _quantize_u8_eager(x, x_scale)
-        return _onednn_linear(x_u8, x_scale, w_q.contiguous(), w_scale.float().contiguous(), bias)
-    return _int_mm_linear(quantize(x, x_scale), x_scale, w_q, w_scale, bias)
+    return W8A8Linears([(w_q, w_scale, bias)], path=_path_for(x))(x, x_scale)[0]
 
 
 @w8a8_linear.register_fake
@@ -192,33 +199,30 @@ def w8a8_linears(x: Tensor, x_scale: float, weights: list[tuple[Tensor, Tensor, 
 class W8A8Linears:
     """``w8a8_linears`` with its weights checked and packed once: what an NPU region calls per task.
     A call only quantizes and multiplies. Per-call checks cost ~4 us a linear, with the GIL held,
-    and the other prefill worker waits for the GIL at every hand-off."""
+    and the other prefill worker waits for the GIL at every hand-off.
 
-    def __init__(self, weights: list[tuple[Tensor, Tensor, Tensor | None]]):
+    ``path``: one of ``int8_path.PATHS`` (default: this process's, ``int8_path.current()``)."""
+
+    def __init__(self, weights: list[tuple[Tensor, Tensor, Tensor | None]], path: str | None = None):
         k = weights[0][0].shape[1] if weights else 0
         for w_q, w_scale, _ in weights:
             _check_linear_args(w_q.new_empty((0, k), dtype=torch.float32), w_q, w_scale)
         self.in_features = k
         self.source = list(weights)         # the (w_q, w_scale, bias) given, for inspection
-        self.onednn = _HAS_ONEDNN and all(w.device.type == "cpu" for w, _, _ in weights)
-        if self.onednn:
-            self.weights = [(*_onednn_weight(w.contiguous()), s.float().contiguous(), b) for w, s, b in weights]
-        else:
-            self.weights = self.source
+        on_cpu = all(w.device.type == "cpu" for w, _, _ in weights)
+        self.path = path or (int8_path.current() if on_cpu else "int_mm")
+        self.weights = [(_pack(w, self.path), w.shape[0], s.float().contiguous(), b) for w, s, b in weights]
 
     def __call__(self, x: Tensor, x_scale: float) -> list[Tensor]:
         torch._check(x.dim() == 2 and x.shape[1] == self.in_features,
                      lambda: f"expected an activation [M, {self.in_features}], got {tuple(x.shape)}")
-        if self.onednn:
-            x_u8 = quantize_u8(x, x_scale)
-            return [_qlinear(x_u8, x_scale, packed, zp, s, b) for packed, zp, s, b in self.weights]
-        x_q = quantize(x, x_scale)
-        return [_int_mm_linear(x_q, x_scale, w, s, b) for w, s, b in self.weights]
+        xq = quantize_u8(x, x_scale) if _wants_u8(self.path) else quantize(x, x_scale)
+        return [_gemm(self.path, xq, x_scale, packed, n, s, b) for packed, n, s, b in self.weights]
 
 
 def int8_linear_reference(x_q: Tensor, x_scale: float, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The portable path (``torch._int_mm``), kept callable for parity tests."""
-    return _int_mm_linear(x_q, x_scale, w_q, w_scale, bias)
+    """The int64 path: plain integer arithmetic sharing no code with the fast kernels (parity tests)."""
+    return _gemm("int64", x_q, x_scale, w_q, w_q.shape[0], w_scale.float(), bias)
 
 
 # --------------------------------------------------------------------------- shadow outliers
@@ -269,7 +273,7 @@ def _(y, residue, w_rows):
 # --------------------------------------------------------------------------- decode: dynamic INT8 linear
 def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
     """An INT8 weight [N, K] with per-output-channel scales, packed once for ``dynamic_linear``
-    (fbgemm's layout: VNNI u8 x s8 with int32 accumulation on this CPU)."""
+    (fbgemm's layout; u8 x s8 with int32 accumulation)."""
     with warnings.catch_warnings():   # qint8 tensor creation is deprecated; the packed weight is what we keep
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(w_q, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.int64), 0)
@@ -279,17 +283,23 @@ def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
 def dynamic_linear(x: Tensor, packed) -> Tensor:
     """float [M, K] -> per-row-block dynamic INT8 (each call's own range, asymmetric u8) x packed INT8
     weight -> int32 -> float [M, N]: one fused call, no float weight read. Decode calls it with M = 1,
-    so the activation scale is the token's own."""
-    return torch.ops.quantized.linear_dynamic(x, packed, False)
+    so the activation scale is the token's own. Where fbgemm lacks VNNI its u8 x s8 pairs would
+    saturate int16, so activations get 7 bits there (``int8_path.decode_reduce_range``)."""
+    return torch.ops.quantized.linear_dynamic(x, packed, int8_path.decode_reduce_range())
 
 
-def dynamic_linear_reference(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+def dynamic_linear_reference(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None,
+                             reduce_range: bool | None = None) -> Tensor:
     """What ``dynamic_linear`` computes, in plain integer arithmetic (for parity tests): x quantized to
-    u8 over [min(x, 0), max(x, 0)] with a zero point, exact int64 products, dequantized."""
+    u8 over [min(x, 0), max(x, 0)] with a zero point (255 steps, or 127 with ``reduce_range``; default:
+    as ``dynamic_linear`` does here), exact int64 products, dequantized."""
+    if reduce_range is None:
+        reduce_range = int8_path.decode_reduce_range()
+    qmax = 127 if reduce_range else 255
     lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = (hi - lo) / 255 or 1.0
-    zero = int(min(max(round(-lo / scale), 0), 255))
-    x_q = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.int64)
+    scale = (hi - lo) / qmax or 1.0
+    zero = int(min(max(round(-lo / scale), 0), qmax))
+    x_q = torch.clamp(torch.round(x / scale) + zero, 0, qmax).to(torch.int64)
     acc = (x_q - zero) @ w_q.to(torch.int64).t()
     out = acc.to(torch.float64) * (scale * w_scale.double())
     return (out if bias is None else out + bias.double()).float()

@@ -1,0 +1,294 @@
+// llmnpu_native::int8_pack / int8_gemm: an exact INT8 GEMM for CPUs where oneDNN's and fbgemm's
+// kernels saturate (no VNNI, no AMX): the stand-in NPU's and the shadow linear's arithmetic on AVX2
+// and AVX-512 without VNNI, and a portable form for the rest (aarch64).
+//
+// Contract (the NPU's): C[m, n] = sum_k A[m, k] * W[n, k] exactly in int32, for int8 codes in
+// [-127, 127]. Without VNNI the fast u8 x s8 instruction (vpmaddubsw) sums two products into a
+// saturating int16; here the codes are widened to int16 once (A per call, W when packed) and
+// multiplied with vpmaddwd, which sums two int16 products straight into int32: nothing saturates,
+// at the same two multiply instructions per 32 products that the saturating kernels spend.
+//
+// Every ISA variant is compiled with its own target attribute into one library, so one build holds
+// all of them and a test can run each where the CPU allows (kernels/int8_path.py chooses).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t NR = 16;         // packed panel width (columns); both x86 kernels use 16 or 32
+constexpr int64_t KC_PAIRS = 256;  // k pairs per block: a 16-wide panel block is 16 KiB (L1)
+constexpr int64_t MC = 96;         // rows per A block: 96 x 512 int16 = 96 KiB (L2)
+
+enum class Isa { portable, avx2, avx512 };
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx2") return Isa::avx2;
+  if (name == "avx512") return Isa::avx512;
+  TORCH_CHECK(name == "portable", "int8_gemm: unknown path '", name, "' (avx512, avx2 or portable)");
+  return Isa::portable;
+}
+
+bool isa_supported(Isa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (isa == Isa::avx2) return __builtin_cpu_supports("avx2");
+  if (isa == Isa::avx512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return true;
+#else
+  return isa == Isa::portable;
+#endif
+}
+
+// Packed W: [ceil(N / NR)][Kp / 2][NR][2] int16, Kp = K rounded up to even, zeros in the padding.
+// One panel's k-pair p is 16 int32 lanes of (W[n, 2p], W[n, 2p + 1]): what vpmaddwd multiplies
+// with a broadcast (A[m, 2p], A[m, 2p + 1]).
+at::Tensor int8_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "int8_pack: w must be an int8 [N, K] matrix");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), pairs = (K + 1) / 2, panels = (N + NR - 1) / NR;
+  at::Tensor packed = at::zeros({panels, pairs, NR, 2}, wc.options().dtype(at::kShort));
+  const int8_t* src = wc.const_data_ptr<int8_t>();
+  int16_t* dst = packed.data_ptr<int16_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t panel = n / NR, lane = n % NR;
+    for (int64_t k = 0; k < K; ++k) {
+      const int8_t v = src[n * K + k];
+      TORCH_CHECK(v != -128, "int8_pack: weight codes must be symmetric (-127..127), found -128");
+      dst[((panel * pairs + k / 2) * NR + lane) * 2 + (k & 1)] = v;
+    }
+  }
+  return packed;
+}
+
+// A block: rows [m0, m0 + rows) and pairs [p0, p0 + np) of the activation, as int32 pairs of int16,
+// rows padded with zeros to a multiple of `mr`. u8 input holds codes + 128 (oneDNN's form).
+template <typename T>
+void pack_a(const T* a, int64_t K, int64_t m0, int64_t rows, int64_t p0, int64_t np, int64_t mr,
+            std::vector<int32_t>& buf) {
+  const int64_t padded = (rows + mr - 1) / mr * mr;
+  buf.assign(static_cast<size_t>(padded * np), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = a + (m0 + r) * K;
+    int16_t* out = reinterpret_cast<int16_t*>(buf.data() + r * np);
+    const int64_t k0 = 2 * p0, k1 = std::min(K, 2 * (p0 + np));
+    for (int64_t k = k0; k < k1; ++k) {
+      if constexpr (std::is_same_v<T, uint8_t>) {
+        out[k - k0] = static_cast<int16_t>(static_cast<int16_t>(row[k]) - 128);
+      } else {
+        out[k - k0] = row[k];
+      }
+    }
+  }
+}
+
+// The micro-kernels: C[MR, width] (+)= A[MR, np pairs] x panel[np pairs, width], int32. `acc_in`: add
+// to what C holds (a later K block). `width` columns are written, of the panel's 16 (or 32).
+void micro_portable(const int32_t* a, int64_t lda, const int16_t* b, int64_t ldb_panel, int64_t np, int64_t mr,
+                    int64_t panels, int32_t* c, int64_t ldc, int64_t width, bool acc_in) {
+  // panels: 1 or 2 adjacent NR-wide panels (ldb_panel int16 apart)
+  for (int64_t r = 0; r < mr; ++r) {
+    int32_t acc[2 * NR] = {0};
+    const int16_t* ar = reinterpret_cast<const int16_t*>(a + r * lda);
+    for (int64_t q = 0; q < panels; ++q) {
+      const int16_t* bq = b + q * ldb_panel;
+      for (int64_t p = 0; p < np; ++p) {
+        const int32_t x0 = ar[2 * p], x1 = ar[2 * p + 1];
+        const int16_t* bp = bq + p * NR * 2;
+        for (int64_t j = 0; j < NR; ++j) acc[q * NR + j] += x0 * bp[2 * j] + x1 * bp[2 * j + 1];
+      }
+    }
+    int32_t* cr = c + r * ldc;
+    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + acc[j] : acc[j];
+  }
+}
+
+#if defined(__x86_64__)
+// AVX2: 6 rows x 16 columns (2 ymm of int32 per row): 12 accumulators, 2 weight vectors, 1 broadcast.
+constexpr int64_t MR_AVX2 = 6;
+
+__attribute__((target("avx2")))
+void micro_avx2(const int32_t* a, int64_t lda, const int16_t* b, int64_t /*ldb_panel*/, int64_t np, int64_t mr,
+                int64_t /*panels*/, int32_t* c, int64_t ldc, int64_t width, bool acc_in) {
+  __m256i acc[MR_AVX2][2];
+  for (int r = 0; r < MR_AVX2; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < np; ++p) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * NR * 2));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * NR * 2 + 16));
+#pragma GCC unroll 6
+    for (int r = 0; r < MR_AVX2; ++r) {
+      const __m256i x = _mm256_set1_epi32(a[r * lda + p]);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, b0));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, b1));
+    }
+  }
+  for (int64_t r = 0; r < mr; ++r) {
+    int32_t tile[16];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), acc[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 8), acc[r][1]);
+    int32_t* cr = c + r * ldc;
+    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + tile[j] : tile[j];
+  }
+}
+
+// AVX-512BW: 12 rows x 32 columns (two adjacent 16-wide panels, 1 zmm each): 24 accumulators.
+constexpr int64_t MR_AVX512 = 12;
+
+__attribute__((target("avx512f,avx512bw")))
+void micro_avx512(const int32_t* a, int64_t lda, const int16_t* b, int64_t ldb_panel, int64_t np, int64_t mr,
+                  int64_t panels, int32_t* c, int64_t ldc, int64_t width, bool acc_in) {
+  __m512i acc[MR_AVX512][2];
+  for (int r = 0; r < MR_AVX512; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  const int16_t* b2 = panels > 1 ? b + ldb_panel : b;   // a lone last panel multiplies itself twice
+  for (int64_t p = 0; p < np; ++p) {
+    const __m512i b0 = _mm512_loadu_si512(b + p * NR * 2);
+    const __m512i b1 = _mm512_loadu_si512(b2 + p * NR * 2);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR_AVX512; ++r) {
+      const __m512i x = _mm512_set1_epi32(a[r * lda + p]);
+      acc[r][0] = _mm512_add_epi32(acc[r][0], _mm512_madd_epi16(x, b0));
+      acc[r][1] = _mm512_add_epi32(acc[r][1], _mm512_madd_epi16(x, b1));
+    }
+  }
+  for (int64_t r = 0; r < mr; ++r) {
+    int32_t tile[32];
+    _mm512_storeu_si512(tile, acc[r][0]);
+    _mm512_storeu_si512(tile + 16, acc[r][1]);
+    int32_t* cr = c + r * ldc;
+    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + tile[j] : tile[j];
+  }
+}
+#endif
+
+using Micro = void (*)(const int32_t*, int64_t, const int16_t*, int64_t, int64_t, int64_t, int64_t, int32_t*,
+                       int64_t, int64_t, bool);
+
+struct Kernel {
+  Micro fn;
+  int64_t mr;       // rows per call
+  int64_t panels;   // NR-wide panels per call
+};
+
+Kernel kernel_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx2) return {micro_avx2, MR_AVX2, 1};
+  if (isa == Isa::avx512) return {micro_avx512, MR_AVX512, 2};
+#endif
+  (void)isa;
+  return {micro_portable, 4, 2};
+}
+
+// C [M, N] int32 = A [M, K] x W^T for the panels [g0, g1) (in units of the kernel's panel group).
+template <typename T>
+void gemm_range(const T* a, int64_t M, int64_t K, const int16_t* w, int64_t N, int32_t* c, const Kernel& kern,
+                int64_t g0, int64_t g1) {
+  const int64_t pairs = (K + 1) / 2, panels = (N + NR - 1) / NR, panel_len = pairs * NR * 2;
+  thread_local std::vector<int32_t> abuf;
+  const int64_t blocks = (pairs + KC_PAIRS - 1) / KC_PAIRS, kc = (pairs + blocks - 1) / blocks;  // even blocks
+  for (int64_t p0 = 0; p0 < pairs; p0 += kc) {
+    const int64_t np = std::min(kc, pairs - p0);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t rows = std::min(MC, M - m0);
+      pack_a(a, K, m0, rows, p0, np, kern.mr, abuf);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t panel = g * kern.panels, n0 = panel * NR;
+        const int64_t here = std::min(kern.panels, panels - panel);
+        const int64_t width = std::min(here * NR, N - n0);
+        const int16_t* b = w + panel * panel_len + p0 * NR * 2;
+        for (int64_t r = 0; r < rows; r += kern.mr) {
+          kern.fn(abuf.data() + r * np, np, b, panel_len, np, std::min(kern.mr, rows - r), here,
+                  c + (m0 + r) * N + n0, N, width, p0 > 0);
+        }
+      }
+    }
+  }
+}
+
+// out[m, n] = float(acc) * (w_scale[n] * x_scale) + bias[n], rounded step by step as
+// `acc.float() * (w_scale * x_scale) + bias` in torch (this file is built with -ffp-contract=off)
+void epilogue(const int32_t* acc, int64_t M, int64_t N, float x_scale, const float* w_scale, const float* bias,
+              float* out) {
+  std::vector<float> scale(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) scale[n] = w_scale[n] * x_scale;
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const int32_t* ar = acc + m * N;
+      float* o = out + m * N;
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = static_cast<float>(ar[n]) * scale[n];
+        o[n] = bias ? v + bias[n] : v;
+      }
+    }
+  });
+}
+
+// a: int8 codes or uint8 (codes + 128) [M, K]; packed from int8_pack; n: W's rows. Without w_scale the
+// int32 accumulator itself is returned (for exactness tests); with it, the float output.
+at::Tensor int8_gemm(const at::Tensor& a, double x_scale, const at::Tensor& packed, int64_t n,
+                     const std::optional<at::Tensor>& w_scale, const std::optional<at::Tensor>& bias,
+                     const std::string& path) {
+  const Isa isa = parse_isa(path);
+  TORCH_CHECK(isa_supported(isa), "int8_gemm: this CPU cannot run the ", path, " path");
+  TORCH_CHECK(a.dim() == 2 && (a.scalar_type() == at::kChar || a.scalar_type() == at::kByte),
+              "int8_gemm: a must be an int8 or uint8 [M, K] matrix");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kShort && packed.size(2) == NR,
+              "int8_gemm: packed must come from int8_pack");
+  const at::Tensor ac = a.contiguous();
+  const int64_t M = ac.size(0), K = ac.size(1), pairs = (K + 1) / 2;
+  TORCH_CHECK(packed.size(1) == pairs && packed.size(0) == (n + NR - 1) / NR,
+              "int8_gemm: packed weight is for another shape than K = ", K, ", N = ", n);
+  const Kernel kern = kernel_for(isa);
+  at::Tensor acc = at::empty({M, n}, ac.options().dtype(at::kInt));
+  const int64_t groups = ((n + NR - 1) / NR + kern.panels - 1) / kern.panels;
+  const int16_t* w = packed.const_data_ptr<int16_t>();
+  int32_t* c = acc.data_ptr<int32_t>();
+  if (M > 0 && n > 0) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      if (ac.scalar_type() == at::kByte) {
+        gemm_range(ac.const_data_ptr<uint8_t>(), M, K, w, n, c, kern, g0, g1);
+      } else {
+        gemm_range(ac.const_data_ptr<int8_t>(), M, K, w, n, c, kern, g0, g1);
+      }
+    });
+  }
+  if (!w_scale.has_value()) return acc;
+  TORCH_CHECK(w_scale->scalar_type() == at::kFloat && w_scale->numel() == n,
+              "int8_gemm: w_scale must be float32 with one entry per output channel");
+  const at::Tensor ws = w_scale->contiguous();
+  at::Tensor bc;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "int8_gemm: bias must be float32 [N]");
+    bc = bias->contiguous();
+  }
+  at::Tensor out = at::empty({M, n}, ac.options().dtype(at::kFloat));
+  epilogue(c, M, n, static_cast<float>(x_scale), ws.const_data_ptr<float>(),
+           bc.defined() ? bc.const_data_ptr<float>() : nullptr, out.data_ptr<float>());
+  return out;
+}
+
+bool int8_path_supported(const std::string& path) { return isa_supported(parse_isa(path)); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmnpu_native, m) {
+  m.def("int8_pack(Tensor w) -> Tensor");
+  m.def("int8_gemm(Tensor a, float x_scale, Tensor packed, int n, Tensor? w_scale, Tensor? bias, str path) -> Tensor");
+  m.def("int8_path_supported(str path) -> bool", &int8_path_supported);
+}
+
+TORCH_LIBRARY_IMPL(llmnpu_native, CPU, m) {
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_gemm", &int8_gemm);
+}

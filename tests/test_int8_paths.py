@@ -1,0 +1,206 @@
+"""Exact INT8 on every CPU (kernels/int8_path.py): the chooser never picks a saturating kernel, every
+path this machine can run sums codes exactly (compared as integers with an int64 matmul), the caps
+that make oneDNN and fbgemm saturate are real, and a model of that saturation is caught."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import vpmaddubsw_model
+
+from llmnpu_delegate import kernels as K
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.kernels import int8_path, ops
+from llmnpu_delegate.kernels.int8_path import Cpu, choose, exact_on, fbgemm_exact, isa_class
+from llmnpu_delegate.kernels.native_ops import missing_build_features, native_available
+
+X86 = "x86_64"
+BASE = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+AVX512 = BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+CPUS = {   # name: (cpu, the path expected with native kernels, without them)
+    "zen3 (AVX2 only)": (Cpu(X86, frozenset(BASE)), "avx2", "int_mm"),
+    "skylake-x (AVX-512, no VNNI)": (Cpu(X86, frozenset(AVX512)), "avx512", "int_mm"),
+    "zen4 (AVX-512 VNNI)": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni", "avx512_bf16"})), "onednn", "onednn"),
+    "zen4, oneDNN capped at AVX2": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), onednn_cap="AVX2"), "avx512", "int_mm"),
+    "zen4, oneDNN capped at AVX512_CORE": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), onednn_cap="AVX512_CORE"),
+                                           "avx512", "int_mm"),
+    "alder lake (AVX-VNNI, no AVX-512)": (Cpu(X86, frozenset(BASE | {"avx_vnni"})), "onednn", "onednn"),
+    "alder lake, oneDNN capped at AVX2": (Cpu(X86, frozenset(BASE | {"avx_vnni"}), onednn_cap="AVX2"), "avx2", "int_mm"),
+    "sapphire rapids (AMX)": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni", "amx_int8", "amx_tile"})), "onednn", "onednn"),
+    "aarch64 (dotprod)": (Cpu("aarch64", frozenset({"asimd", "asimddp"})), "portable", "int_mm"),
+    "old x86 (SSE only)": (Cpu(X86, frozenset({"sse4_2"})), "portable", "int_mm"),
+}
+
+
+def _saturates(cpu: Cpu, path: str) -> bool:
+    """Independent statement of the hazard: oneDNN's u8 x s8 kernels saturate int16 unless an
+    int32-accumulating instruction is both present and allowed by the cap."""
+    if path != "onednn":
+        return False
+    vnni512 = "avx512_vnni" in cpu.flags and cpu.onednn_cap in ("", "AVX512_CORE_VNNI", "AVX512_CORE_BF16")
+    vnni256 = "avx_vnni" in cpu.flags and cpu.onednn_cap in ("", "AVX2_VNNI")
+    return cpu.arch != X86 or not (vnni512 or vnni256)
+
+
+@pytest.mark.parametrize("name", list(CPUS))
+def test_chooser_never_picks_a_saturating_path(name):
+    cpu, with_native, without = CPUS[name]
+    for native, want in ((True, with_native), (False, without)):
+        path = choose(cpu, native)
+        assert path == want, f"{name}: chose {path}, expected {want}"
+        assert not _saturates(cpu, path) and exact_on(path, cpu)
+
+
+def test_isa_classes_and_decode_exactness_of_the_table():
+    assert isa_class(CPUS["zen3 (AVX2 only)"][0]) == "avx2"
+    assert isa_class(CPUS["sapphire rapids (AMX)"][0]) == "amx"
+    assert isa_class(CPUS["aarch64 (dotprod)"][0]) == "aarch64-dotprod"
+    # fbgemm has no AVX-VNNI kernels: only AVX-512 VNNI keeps its 8-bit dynamic linear exact
+    assert fbgemm_exact(CPUS["zen4 (AVX-512 VNNI)"][0])
+    assert not fbgemm_exact(CPUS["alder lake (AVX-VNNI, no AVX-512)"][0])
+    assert not fbgemm_exact(CPUS["zen3 (AVX2 only)"][0])
+    assert not fbgemm_exact(Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), fbgemm_cap="AVX2"))
+
+
+def _runnable_paths():
+    cpu = int8_path.detect()
+    paths = [p for p in int8_path.PATHS if exact_on(p, cpu)]
+    if not native_available():
+        paths = [p for p in paths if p not in int8_path.NATIVE_PATHS]
+    return [p for p in paths if p != "onednn" or int8_path._onednn_available()]
+
+
+def _accumulate(path, x_q, w_q):
+    """The path's output with unit scales (float32 holds the int32 sum when it is < 2^24)."""
+    n = w_q.shape[0]
+    x = (x_q.short() + 128).to(torch.uint8) if ops._wants_u8(path) else x_q
+    return ops._gemm(path, x, 1.0, ops._pack(w_q, path), n, torch.ones(n), None)
+
+
+def _extremes(m, k, n):
+    x_q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    x_q[0], w_q[0] = 127, 127            # the largest positive pairs: what saturates int16 first
+    x_q[-1], w_q[-1] = -127, 127         # and the largest negative ones
+    return x_q, w_q
+
+
+@pytest.mark.parametrize("path", _runnable_paths())
+@pytest.mark.parametrize("m,k,n", [(1, 8, 4), (7, 33, 19), (13, 577, 45), (100, 1040, 70), (3, 16384, 33)])
+def test_every_path_sums_codes_exactly(path, m, k, n):
+    x_q, w_q = _extremes(m, k, n)
+    exact = x_q.long() @ w_q.long().t()
+    got = _accumulate(path, x_q, w_q)
+    # below 2^24 float32 is the integer itself; above, both are the one rounding of the exact sum
+    assert torch.equal(got, exact.float()), f"{path}: off by up to {(got.double() - exact.double()).abs().max()}"
+    if path in int8_path.NATIVE_PATHS:            # and as int32, where the native kernel can return it
+        acc = torch.ops.llmnpu_native.int8_gemm(x_q, 1.0, ops._pack(w_q, path), n, None, None, path)
+        assert acc.dtype == torch.int32 and torch.equal(acc.long(), exact)
+
+
+@pytest.mark.parametrize("path", _runnable_paths())
+def test_every_path_has_the_reference_epilogue(path):
+    """Scales and bias after the int32 sum: the native paths and int_mm round exactly as the int64
+    reference does; oneDNN's fused epilogue may round its two multiplications in another order."""
+    x_q, w_q = _extremes(64, 96, 40)
+    w_scale, bias = torch.rand(40) * 0.01 + 1e-4, torch.randn(40)
+    with int8_path.forced(path):
+        got = K.int8_linear(x_q, 0.02, w_q, w_scale, bias)
+    want = ops.int8_linear_reference(x_q, 0.02, w_q, w_scale, bias)
+    if path == "onednn":
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_the_saturation_model_reproduces_the_measurement_and_is_caught():
+    """The model gives the number measured on Zen 3 (73,440 for all-127 codes over K = 576), and the
+    exactness check above would fail on it by far more than any rounding."""
+    ones = torch.full((1, 576), 127, dtype=torch.int8)
+    assert int(vpmaddubsw_model(ones, ones)) == 73440
+    x_q, w_q = _extremes(16, 576, 24)
+    assert (vpmaddubsw_model(x_q, w_q) - x_q.long() @ w_q.long().t()).abs().max() > 1000
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.skipif(not int8_path.detect().has("avx2"), reason="needs an x86 CPU with AVX2")
+def test_onednn_capped_at_avx2_saturates_and_is_never_chosen():
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes any x86 machine compute as an AVX2-only one does: oneDNN then
+    returns the saturated sum (seen here), the chooser moves to an exact path, and forcing oneDNN is
+    refused with one line."""
+    probe = _run("""
+        import torch
+        from llmnpu_delegate import kernels as K
+        from llmnpu_delegate.kernels import int8_path, ops
+        ones = torch.full((1, 576), 127, dtype=torch.int8)
+        raw = ops._gemm("onednn", (ones.short() + 128).to(torch.uint8), 1.0, ops._pack(ones, "onednn"), 1,
+                        torch.ones(1), None)
+        print(int(raw), int8_path.current(), int(K.int8_linear(ones, 1.0, ones, torch.ones(1))))
+    """, ONEDNN_MAX_CPU_ISA="AVX2", LLMNPU_INT8_KERNEL="auto")
+    assert probe.returncode == 0, probe.stderr
+    raw, path, exact = probe.stdout.split()
+    assert int(raw) == 73440 and path != "onednn" and int(exact) == 127 * 127 * 576
+    refused = _run("from llmnpu_delegate.kernels import int8_path; int8_path.current()",
+                   ONEDNN_MAX_CPU_ISA="AVX2", LLMNPU_INT8_KERNEL="onednn")
+    assert refused.returncode != 0 and "would saturate" in refused.stderr
+
+
+@pytest.mark.skipif(not int8_path.detect().has("avx2"), reason="needs an x86 CPU with AVX2")
+def test_fbgemm_capped_at_avx2_saturates_unless_range_is_reduced():
+    """Decode's fbgemm linear on an AVX2-only CPU: 8-bit activations saturate (far from the integer
+    reference), 7-bit ones (what decode then uses) equal it."""
+    probe = _run("""
+        import torch
+        from llmnpu_delegate import kernels as K
+        from llmnpu_delegate.kernels import int8_path
+        from llmnpu_delegate.quantize.linear import quantize_weight
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(256, 576, generator=g), torch.randn(1, 576, generator=g) * 3
+        w_q, w_scale = quantize_weight(w, "channel")
+        packed = K.prepack_dynamic(w_q, w_scale)
+        full = torch.ops.quantized.linear_dynamic(x, packed, False)
+        err8 = (full - K.dynamic_linear_reference(x, w_q, w_scale, reduce_range=False)).abs().max()
+        err7 = (K.dynamic_linear(x, packed) - K.dynamic_linear_reference(x, w_q, w_scale)).abs().max()
+        quant = (K.dynamic_linear_reference(x, w_q, w_scale) - x @ w.t()).abs().max()
+        print(int8_path.decode_reduce_range(), float(err8), float(err7), float(quant))
+    """, FBGEMM_ENABLE_INSTRUCTIONS="AVX2")
+    assert probe.returncode == 0, probe.stderr
+    reduced, err8, err7, quant = probe.stdout.split()
+    assert reduced == "True"
+    assert float(err8) > float(quant) / 10           # the saturation is an error of the quantization's size
+    assert float(err7) < float(quant) / 100          # the 7-bit path is integer arithmetic
+
+
+def test_forcing_an_unknown_or_impossible_path_is_one_clear_error():
+    bad = _run("from llmnpu_delegate.kernels import int8_path; int8_path.current()", LLMNPU_INT8_KERNEL="vnni9")
+    assert bad.returncode != 0 and "LLMNPU_INT8_KERNEL=vnni9 is not an INT8 kernel" in bad.stderr
+    with pytest.raises(LlmNpuError, match="unknown INT8 kernel path"):
+        with int8_path.forced("fast"):
+            pass
+
+
+def test_a_build_for_another_cpu_is_refused(tmp_path):
+    """The native kernels are built with -march=native: a build folder carried to a CPU without one
+    of its features must be refused before it is loaded."""
+    (tmp_path / "libllmnpu_kernels.so").write_bytes(b"")
+    (tmp_path / "build-isa.txt").write_text("AVX2 FMA AVX512_NOSUCHFEATURE\n")
+    lib = tmp_path / "libllmnpu_kernels.so"
+    assert missing_build_features(lib) == ["avx512_nosuchfeature"]
+    refused = _run("from llmnpu_delegate.kernels.native_ops import native_available; native_available()",
+                   LLMNPU_KERNELS=str(lib))
+    assert refused.returncode != 0 and "rebuild them here with `make kernels`" in refused.stderr
+    (tmp_path / "build-isa.txt").write_text("\n")
+    assert missing_build_features(lib) == []
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native kernels (make kernels)")
+def test_this_build_runs_here():
+    from llmnpu_delegate.kernels.native_ops import _library_path
+    assert missing_build_features(_library_path()) == []
