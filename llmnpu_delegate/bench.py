@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
+from .kernels import int8_path
 from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
 from .prefill import Prefiller
 from .run import TokenClock
@@ -132,7 +133,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
         for p in policies:
             engine(ids, policy=p)
             runs[p].append(engine.last_run)
-    out = {"model": lm.spec, "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
+    out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
            "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention, "repeats": repeats,
            "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
@@ -275,7 +276,7 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
     for _ in tqdm(range(repeats), desc="bench --e2e", disable=not progress, leave=False):
         for name, fn in variants.items():
             runs[name].append(fn(ids, new_tokens))
-    out = {"model": lm.spec, "prompt_tokens": int(ids.numel()), "new_tokens": new_tokens, "chunk": chunk,
+    out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_tokens": int(ids.numel()), "new_tokens": new_tokens, "chunk": chunk,
            "quant": quant if isinstance(quant, str) else "custom", "threads": threads, "repeats": repeats,
            "variants": {}}
     for name, rs in runs.items():

@@ -293,6 +293,14 @@ def cmd_export(args) -> dict:
     return summary
 
 
+def cmd_info(args) -> dict:
+    from .info import format_info, info
+
+    result = info()
+    args.text = format_info(result)
+    return result
+
+
 def cmd_prepare_text(args) -> dict:
     from .text import prepare_text, text_dir
 
@@ -353,11 +361,17 @@ def _format_validate(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _machine_line(r: dict) -> str:
+    m = r["machine"]
+    return (f"on {m['cpu']} ({m['isa']}), INT8 kernel {m['int8_kernel']}, "
+            f"decode activations {m['decode_activation_bits']}-bit")
+
+
 def _format_bench(r: dict) -> str:
     from .runtime.executor import POLICIES
 
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
-             f"{r['quant']}, median of {r['repeats']}"]
+             f"{r['quant']}, median of {r['repeats']}", _machine_line(r)]
     rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None, None)]
     if r.get("hf_fp32_default_malloc_tok_s"):
         rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None, None))
@@ -387,7 +401,7 @@ def _format_e2e(r: dict) -> str:
     names = {"hf_eager": "HF eager generate", "wrapper_fp32_decode": "llmnpu, float decode",
              "wrapper_int8_decode": "llmnpu, INT8 decode", "llamacpp": "llama.cpp (same GGUF)"}
     lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, {r['threads']} threads, "
-             f"median of {r['repeats']}",
+             f"median of {r['repeats']}", _machine_line(r),
              f"{'':<26}{'TTFT':>9}{'vs hf':>8}{'decode':>12}{'vs hf':>8}"]
     for name, v in r["variants"].items():
         lines.append(f"{names.get(name, name):<26}{1e3 * v['ttft_s']:>7.0f}ms{v['ttft_vs_hf']:>7.2f}x"
@@ -599,6 +613,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the whole-prefill prompt (default 1.5 chunks)")
     _add_output_args(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("info", help="this machine as the project sees it: CPU, INT8 kernel, native builds, QNN, cache",
+                       description="One screen for bug reports: the CPU and its INT8 class, the INT8 kernel every "
+                                   "NPU subgraph runs here (never one that saturates), decode's activation bits, "
+                                   "whether the native kernels and runner are built (and for this CPU), Qualcomm's "
+                                   "libraries, and the cache folder.")
+    _add_output_args(p)
+    p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("prepare-text", help="extract the default calibration and evaluation text (first use does it too)",
                        description="Write calib.txt (the Lee news corpus) and eval.txt (English Wikipedia prose) from "

@@ -262,6 +262,7 @@ at::Tensor chunk_attention_bf16(const at::Tensor& q, const at::Tensor& k, const 
 #ifdef LLMNPU_BF16_ATTENTION
   return attention(q, k, v, mask, scale);
 #else
+  (void)scale;   // unreachable: supported() is false in a build without AVX-512 BF16
   return at::Tensor();
 #endif
 }
