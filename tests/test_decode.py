@@ -164,3 +164,22 @@ def test_native_decode_step_is_the_python_loop(spec, act):
         assert int(x.cumulative_length) == int(y.cumulative_length) == 40
     with pytest.raises(LlmNpuError, match="INT8 linears only"):
         Int8Decoder(lm.model, "fp32", native=True)
+
+
+def test_decode_step_runs_an_integer_kernel_for_every_linear():
+    """SQNR cannot tell an INT8 decode from a bf16 one: ask the profiler. Every linear of the step (4
+    per layer and the lm_head) is fbgemm's dynamic INT8 linear; the only float products are the
+    per-token outlier rows (``addmm_``, one per linear that has them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lm = load_model("random:tiny-llama")
+    dec = Int8Decoder(lm.model, "int8", native=False)
+    cache = DecodeCache(lm.model.config, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dec.step(torch.tensor([[5]]), cache)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    linears = 4 * len(dec.blocks) + 1
+    assert counts.get("quantized::linear_dynamic") == linears
+    with_rows = sum(lin.outliers > 0 for b in dec.blocks for lin in (b.qkv, b.o, b.gate_up, b.down)) + 1
+    assert counts.get("aten::addmm_", 0) == with_rows
+    assert not {"aten::linear", "aten::mm", "aten::matmul", "aten::bmm"} & set(counts)
