@@ -116,60 +116,75 @@ void micro_portable(const int32_t* a, int64_t lda, const int16_t* b, int64_t ldb
 }
 
 #if defined(__x86_64__)
+// The accumulators are named variables, one per register: GCC spills an array of vectors to the
+// stack at every step when only 16 registers exist (AVX2), which halved the kernel's speed.
+#define LLMNPU_ROW(V, MADD, ADD, SET1, r)                          \
+  {                                                                \
+    const V x = SET1(a[(r) * lda + p]);                            \
+    c##r##_0 = ADD(c##r##_0, MADD(x, b0));                         \
+    c##r##_1 = ADD(c##r##_1, MADD(x, b1));                         \
+  }
+#define LLMNPU_STORE(STORE, r, lanes)                                            \
+  if ((r) < mr) {                                                                \
+    int32_t tile[2 * (lanes)];                                                   \
+    STORE(tile, c##r##_0);                                                       \
+    STORE(tile + (lanes), c##r##_1);                                             \
+    int32_t* cr = c + (r) * ldc;                                                 \
+    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + tile[j] : tile[j]; \
+  }
+
 // AVX2: 6 rows x 16 columns (2 ymm of int32 per row): 12 accumulators, 2 weight vectors, 1 broadcast.
 constexpr int64_t MR_AVX2 = 6;
+
+__attribute__((target("avx2"))) inline void store_ymm(int32_t* t, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), v);
+}
 
 __attribute__((target("avx2")))
 void micro_avx2(const int32_t* a, int64_t lda, const int16_t* b, int64_t /*ldb_panel*/, int64_t np, int64_t mr,
                 int64_t /*panels*/, int32_t* c, int64_t ldc, int64_t width, bool acc_in) {
-  __m256i acc[MR_AVX2][2];
-  for (int r = 0; r < MR_AVX2; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  __m256i c0_0 = _mm256_setzero_si256(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
+  __m256i c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
   for (int64_t p = 0; p < np; ++p) {
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * NR * 2));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * NR * 2 + 16));
-#pragma GCC unroll 6
-    for (int r = 0; r < MR_AVX2; ++r) {
-      const __m256i x = _mm256_set1_epi32(a[r * lda + p]);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x, b0));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x, b1));
-    }
+#define ROW(r) LLMNPU_ROW(__m256i, _mm256_madd_epi16, _mm256_add_epi32, _mm256_set1_epi32, r)
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
   }
-  for (int64_t r = 0; r < mr; ++r) {
-    int32_t tile[16];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile), acc[r][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 8), acc[r][1]);
-    int32_t* cr = c + r * ldc;
-    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + tile[j] : tile[j];
-  }
+  LLMNPU_STORE(store_ymm, 0, 8) LLMNPU_STORE(store_ymm, 1, 8) LLMNPU_STORE(store_ymm, 2, 8)
+  LLMNPU_STORE(store_ymm, 3, 8) LLMNPU_STORE(store_ymm, 4, 8) LLMNPU_STORE(store_ymm, 5, 8)
 }
 
 // AVX-512BW: 12 rows x 32 columns (two adjacent 16-wide panels, 1 zmm each): 24 accumulators.
 constexpr int64_t MR_AVX512 = 12;
 
+__attribute__((target("avx512f,avx512bw"))) inline void store_zmm(int32_t* t, __m512i v) {
+  _mm512_storeu_si512(t, v);
+}
+
 __attribute__((target("avx512f,avx512bw")))
 void micro_avx512(const int32_t* a, int64_t lda, const int16_t* b, int64_t ldb_panel, int64_t np, int64_t mr,
                   int64_t panels, int32_t* c, int64_t ldc, int64_t width, bool acc_in) {
-  __m512i acc[MR_AVX512][2];
-  for (int r = 0; r < MR_AVX512; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  __m512i c0_0 = _mm512_setzero_si512(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
+  __m512i c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
+  __m512i c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
+  __m512i c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
   const int16_t* b2 = panels > 1 ? b + ldb_panel : b;   // a lone last panel multiplies itself twice
   for (int64_t p = 0; p < np; ++p) {
     const __m512i b0 = _mm512_loadu_si512(b + p * NR * 2);
     const __m512i b1 = _mm512_loadu_si512(b2 + p * NR * 2);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR_AVX512; ++r) {
-      const __m512i x = _mm512_set1_epi32(a[r * lda + p]);
-      acc[r][0] = _mm512_add_epi32(acc[r][0], _mm512_madd_epi16(x, b0));
-      acc[r][1] = _mm512_add_epi32(acc[r][1], _mm512_madd_epi16(x, b1));
-    }
+#define ROW(r) LLMNPU_ROW(__m512i, _mm512_madd_epi16, _mm512_add_epi32, _mm512_set1_epi32, r)
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7) ROW(8) ROW(9) ROW(10) ROW(11)
+#undef ROW
   }
-  for (int64_t r = 0; r < mr; ++r) {
-    int32_t tile[32];
-    _mm512_storeu_si512(tile, acc[r][0]);
-    _mm512_storeu_si512(tile + 16, acc[r][1]);
-    int32_t* cr = c + r * ldc;
-    for (int64_t j = 0; j < width; ++j) cr[j] = acc_in ? cr[j] + tile[j] : tile[j];
-  }
+  LLMNPU_STORE(store_zmm, 0, 16) LLMNPU_STORE(store_zmm, 1, 16) LLMNPU_STORE(store_zmm, 2, 16)
+  LLMNPU_STORE(store_zmm, 3, 16) LLMNPU_STORE(store_zmm, 4, 16) LLMNPU_STORE(store_zmm, 5, 16)
+  LLMNPU_STORE(store_zmm, 6, 16) LLMNPU_STORE(store_zmm, 7, 16) LLMNPU_STORE(store_zmm, 8, 16)
+  LLMNPU_STORE(store_zmm, 9, 16) LLMNPU_STORE(store_zmm, 10, 16) LLMNPU_STORE(store_zmm, 11, 16)
 }
+#undef LLMNPU_ROW
+#undef LLMNPU_STORE
 #endif
 
 using Micro = void (*)(const int32_t*, int64_t, const int16_t*, int64_t, int64_t, int64_t, int64_t, int32_t*,
