@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -28,6 +28,19 @@ inline float dot_bf16w(const float* x, const uint16_t* w, int64_t n) {
     acc1 = _mm512_fmadd_ps(_mm512_castsi512_ps(hi), _mm512_loadu_ps(x + k + 16), acc1);
   }
   sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; k + 16 <= n; k += 16) {
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + k))), 16);
+    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + k + 8))), 16);
+    acc0 = _mm256_fmadd_ps(_mm256_castsi256_ps(lo), _mm256_loadu_ps(x + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_castsi256_ps(hi), _mm256_loadu_ps(x + k + 8), acc1);
+  }
+  const __m256 both = _mm256_add_ps(acc0, acc1);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  sum = _mm_cvtss_f32(q);
 #endif
   for (; k < n; ++k) {
     const uint32_t bits = static_cast<uint32_t>(w[k]) << 16;

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -35,6 +35,22 @@ void quantize_range(const float* x, float scale, int64_t n, uint8_t* out) {
     q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
     const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(u));
+  }
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i offset = _mm256_set1_epi32(128);
+  // packs/packus work within 128-bit lanes: this puts the 32 bytes back in order
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  auto codes = [&](int64_t j) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    return _mm256_add_epi32(_mm256_cvtps_epi32(q), offset);      // 1..255
+  };
+  for (; i + 32 <= n; i += 32) {
+    const __m256i ab = _mm256_packs_epi32(codes(i), codes(i + 8));
+    const __m256i cd = _mm256_packs_epi32(codes(i + 16), codes(i + 24));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes);
   }
 #endif
   for (; i < n; ++i) out[i] = quantize_one(x[i], scale);
