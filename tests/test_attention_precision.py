@@ -1,7 +1,6 @@
 """bf16-operand attention (kernels/native/chunk_attention.cpp) against fp32 attention: the kernel's
 contract, its fallbacks, its place in the engine, and the accuracy gate on the embedded model."""
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.kernels import native_ops
+from llmnpu_delegate.kernels import int8_path, native_ops
 from llmnpu_delegate.kernels.attention import _attend, causal_mask, chunk_attention_bf16, resolve_precision
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller
@@ -18,8 +17,7 @@ from llmnpu_delegate.runtime.graph_cache import GraphCache
 
 
 def _cpu_has_avx512_bf16() -> bool:
-    info = Path("/proc/cpuinfo")
-    return info.is_file() and "avx512_bf16" in info.read_text()
+    return int8_path.detect().has("avx512_bf16")     # the CPU as the project sees it (LLMNPU_CPU_ISA)
 
 
 needs_bf16 = pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")

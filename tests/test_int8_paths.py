@@ -20,24 +20,24 @@ X86 = "x86_64"
 BASE = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 AVX512 = BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 CPUS = {   # name: (cpu, the path expected with native kernels, without them)
-    "zen3 (AVX2 only)": (Cpu(X86, frozenset(BASE)), "avx2", "int_mm"),
-    "skylake-x (AVX-512, no VNNI)": (Cpu(X86, frozenset(AVX512)), "avx512", "int_mm"),
+    "zen3 (AVX2 only)": (Cpu(X86, frozenset(BASE)), "avx2", "int64"),
+    "skylake-x (AVX-512, no VNNI)": (Cpu(X86, frozenset(AVX512)), "avx512", "int64"),
     "zen4 (AVX-512 VNNI)": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni", "avx512_bf16"})), "onednn", "onednn"),
-    "zen4, oneDNN capped at AVX2": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), onednn_cap="AVX2"), "avx512", "int_mm"),
+    "zen4, oneDNN capped at AVX2": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), onednn_cap="AVX2"), "avx512", "int64"),
     "zen4, oneDNN capped at AVX512_CORE": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni"}), onednn_cap="AVX512_CORE"),
-                                           "avx512", "int_mm"),
+                                           "avx512", "int64"),
     "alder lake (AVX-VNNI, no AVX-512)": (Cpu(X86, frozenset(BASE | {"avx_vnni"})), "onednn", "onednn"),
-    "alder lake, oneDNN capped at AVX2": (Cpu(X86, frozenset(BASE | {"avx_vnni"}), onednn_cap="AVX2"), "avx2", "int_mm"),
+    "alder lake, oneDNN capped at AVX2": (Cpu(X86, frozenset(BASE | {"avx_vnni"}), onednn_cap="AVX2"), "avx2", "int64"),
     "sapphire rapids (AMX)": (Cpu(X86, frozenset(AVX512 | {"avx512_vnni", "amx_int8", "amx_tile"})), "onednn", "onednn"),
-    "aarch64 (dotprod)": (Cpu("aarch64", frozenset({"asimd", "asimddp"})), "portable", "int_mm"),
-    "old x86 (SSE only)": (Cpu(X86, frozenset({"sse4_2"})), "portable", "int_mm"),
+    "aarch64 (dotprod)": (Cpu("aarch64", frozenset({"asimd", "asimddp"})), "portable", "int64"),
+    "old x86 (SSE only)": (Cpu(X86, frozenset({"sse4_2"})), "portable", "int64"),
 }
 
 
 def _saturates(cpu: Cpu, path: str) -> bool:
-    """Independent statement of the hazard: oneDNN's u8 x s8 kernels saturate int16 unless an
-    int32-accumulating instruction is both present and allowed by the cap."""
-    if path != "onednn":
+    """Independent statement of the hazard: oneDNN's u8 x s8 kernels (and torch._int_mm, which runs on
+    oneDNN) saturate int16 unless an int32-accumulating instruction is both present and allowed."""
+    if path not in ("onednn", "int_mm"):
         return False
     vnni512 = "avx512_vnni" in cpu.flags and cpu.onednn_cap in ("", "AVX512_CORE_VNNI", "AVX512_CORE_BF16")
     vnni256 = "avx_vnni" in cpu.flags and cpu.onednn_cap in ("", "AVX2_VNNI")
@@ -204,3 +204,17 @@ def test_a_build_for_another_cpu_is_refused(tmp_path):
 def test_this_build_runs_here():
     from llmnpu_delegate.kernels.native_ops import _library_path
     assert missing_build_features(_library_path()) == []
+
+
+def test_the_avx2_emulation_hides_everything_above_avx2():
+    """LLMNPU_CPU_ISA=avx2 (what `make test-avx2` sets): the project sees an AVX2-only CPU, so the
+    chooser leaves oneDNN and a native build made for AVX-512 is refused."""
+    probe = _run("""
+        from llmnpu_delegate.kernels import int8_path
+        cpu = int8_path.detect()
+        print(int8_path.isa_class(cpu), int8_path.current(), any(f.startswith("avx512") for f in cpu.flags))
+    """, LLMNPU_CPU_ISA="avx2", LLMNPU_INT8_KERNEL="auto", LLMNPU_KERNELS="off")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["avx2", "int64", "False"] or not int8_path.detect().has("avx2")
+    bad = _run("from llmnpu_delegate.kernels import int8_path; int8_path.detect()", LLMNPU_CPU_ISA="sse9")
+    assert bad.returncode != 0 and "LLMNPU_CPU_ISA=sse9" in bad.stderr

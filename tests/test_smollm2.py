@@ -43,15 +43,33 @@ def test_shadow_execution_on_real_outliers(smollm2):
         if mode == "shadow":
             c = outlier_counters(m)
             assert c["outlier_elements"] / c["seen_elements"] < 0.01
-            # real weights and outliers: this CPU's INT8 kernel equals int64 arithmetic on them
-            short = eval_ids[None, :32]
-            with torch.no_grad():
-                got, flt = m(short).logits, smollm2.model(short).logits
-                want = on_int64(m, short).logits
-            effect = float((want - flt).abs().max())
-            assert effect > 1e-2 and float((got - want).abs().max()) <= effect / 1000
+            _assert_every_linear_is_int64_arithmetic(m, smollm2.model, eval_ids[None, :64])
     assert ppl["shadow"] < 1.02 * fp32, (fp32, ppl)
     assert ppl["none"] > 1.5 * fp32, (fp32, ppl)
+
+
+def _assert_every_linear_is_int64_arithmetic(quantized, model, ids):
+    """Each quantized linear, on its real input (real outliers), equals itself with its INT8 GEMM in
+    int64: on this CPU's kernel, the same integers; the epilogue's float rounding may differ by an ulp.
+    Checked per linear: across 30 layers, activations of ~25,000 turn such an ulp into different
+    quantization steps downstream, which would hide the kernel under the cascade."""
+    from llmnpu_delegate.quantize.linear import QuantLinear
+
+    inputs, floats = {}, dict(model.named_modules())
+    linears = {n: mod for n, mod in quantized.named_modules() if isinstance(mod, QuantLinear)}
+    hooks = [mod.register_forward_pre_hook(lambda _m, args, n=n: inputs.setdefault(n, args[0].detach()))
+             for n, mod in linears.items()]
+    with torch.no_grad():
+        quantized(ids)
+    for h in hooks:
+        h.remove()
+    assert len(inputs) == len(linears) == 210
+    for name, mod in linears.items():
+        x = inputs[name]
+        with torch.no_grad():
+            got, want = mod(x), on_int64(mod, x)
+            effect = float((want - floats[name](x)).abs().max())
+        assert effect > 0 and float((got - want).abs().max()) <= effect / 1000, name
 
 
 def test_chunked_prefill_on_the_embedded_model(smollm2):

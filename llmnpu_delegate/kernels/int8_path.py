@@ -15,8 +15,10 @@ Paths (``LLMNPU_INT8_KERNEL`` forces one; ``auto`` or unset chooses):
   ``vpmaddwd`` (two products summed straight into int32: nothing to saturate).
 - ``portable``: the same native kernel as plain C++ loops with int32 sums (what aarch64 runs: the
   compiler's NEON code widens before it adds).
-- ``int_mm``: ``torch._int_mm`` (s8 x s8 -> s32): exact everywhere, but a reference loop without VNNI.
-- ``int64``: an int64 matmul: the slow reference that shares no code with the others.
+- ``int_mm``: ``torch._int_mm`` (s8 x s8 -> s32), which runs on oneDNN too: exact where oneDNN is
+  (with oneDNN capped at AVX2 it returned sums off by millions).
+- ``int64``: an int64 matmul: the slow reference that shares no code with the others, and the
+  fallback where neither oneDNN nor the native kernels can be exact.
 
 Decode's dynamic linear is fbgemm's (x86); it is exact with AVX-512 VNNI. Elsewhere it runs with
 ``reduce_range`` (7-bit activations: a pair of products then fits int16), PyTorch's own convention.
@@ -62,6 +64,12 @@ class Cpu:
         return all(f in self.flags for f in flags)
 
 
+# LLMNPU_CPU_ISA=avx2 makes this process treat the CPU as an AVX2-only one (AMD Zen 2/3, Intel before
+# Ice Lake): every feature above AVX2 is dropped from what ``detect`` reports. `make test-avx2` sets
+# it, with oneDNN, fbgemm, MKL and torch capped alike, so one machine can test the other's paths.
+_ABOVE_AVX2 = ("avx512", "avx_vnni", "avx10", "amx")
+
+
 def detect() -> Cpu:
     """This machine's CPU, read from /proc/cpuinfo (Linux) and the environment."""
     flags: set[str] = set()
@@ -77,6 +85,11 @@ def detect() -> Cpu:
                     model = value.strip()
     except OSError:
         pass
+    emulate = os.environ.get("LLMNPU_CPU_ISA", "").strip().lower()
+    if emulate == "avx2":
+        flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
+    elif emulate:
+        raise LlmNpuError(f"LLMNPU_CPU_ISA={emulate} is not an ISA class this project emulates: use avx2, or unset it")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     return Cpu(platform.machine(), frozenset(flags), model, cap.strip().upper(),
                os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").strip().upper())
@@ -123,7 +136,9 @@ def exact_on(path: str, cpu: Cpu) -> bool:
         return cpu.x86 and cpu.has("avx512f", "avx512bw")
     if path == "avx2":
         return cpu.x86 and cpu.has("avx2")
-    return path in ("portable", "int_mm", "int64")
+    if path == "int_mm":
+        return onednn_exact(cpu)
+    return path in ("portable", "int64")
 
 
 def choose(cpu: Cpu, native: bool, onednn: bool = True) -> str:
@@ -131,7 +146,8 @@ def choose(cpu: Cpu, native: bool, onednn: bool = True) -> str:
     ``onednn``: whether torch has oneDNN's quantized linear.
 
     Order, fastest first (per core, prefill shapes): oneDNN with VNNI/AMX (~400 GOPS on Zen 4), the
-    native AVX-512 then AVX2 kernels, the native portable loops, ``torch._int_mm``."""
+    native AVX-512 then AVX2 kernels, the native portable loops; without the native kernels on a CPU
+    where oneDNN is not exact, int64 (slow, but never wrong)."""
     if onednn and onednn_exact(cpu):
         return "onednn"
     if native:
@@ -139,7 +155,7 @@ def choose(cpu: Cpu, native: bool, onednn: bool = True) -> str:
             if exact_on(path, cpu):
                 return path
         return "portable"
-    return "int_mm"
+    return "int64"
 
 
 _forced: list[str] = []     # innermost ``forced`` path last
