@@ -11,6 +11,7 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .errors import LlmNpuError
+from .kernels import int8_path
 from .hf import LlmNpuForCausalLM
 
 
@@ -64,7 +65,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     summary = {
         "model": wrapper.loaded.spec,
-        "backend": wrapper.engine.backend_name,
+        "backend": wrapper.engine.backend_name, "machine": int8_path.describe(),
         "quant": "fp32" if wrapper.engine.quant is None else
                  ("w8a8-shadow" if wrapper.engine.quant.outliers == "shadow" else "w8a8"),
         "chunk": wrapper.engine.chunk_len,
@@ -145,7 +146,7 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
     quant = meta["quant"]
     summary = {
         "model": meta["model"].get("spec") or pte.name, "pte": str(pte),
-        "backend": f".pte ({target} NPU methods, {engine})",
+        "backend": f".pte ({target} NPU methods, {engine})", "machine": int8_path.describe(),
         "quant": "w8a8-shadow" if quant.get("outliers") == "shadow" else "w8a8",
         "chunk": meta["chunk_len"], "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
         "chunks": out["chunks"], "ttft_s": round(out["ttft_s"], 4), "prefill_s": round(out["prefill_s"], 4),
@@ -177,6 +178,9 @@ def format_summary(s: dict) -> str:
         f"prefill {s['prefill_tok_s']:.1f} tok/s ({1e3 * s['prefill_s']:.0f} ms)",
         f"decode  {decode} ({s['decode_mode']})",
     ]
+    if "machine" in s:
+        m = s["machine"]
+        lines.append(f"cpu {m['cpu']} ({m['isa']}); INT8 kernel {m['int8_kernel']}")
     if "outlier_share" in s:
         lines.append(f"activations on the shadow outlier path: {100 * s['outlier_share']:.3f} %")
     if "cold_rows" in s:
