@@ -6,7 +6,6 @@ the native kernels and runner, Qualcomm's libraries, and the cache folder.
 from __future__ import annotations
 
 import platform
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -84,7 +83,3 @@ def format_info(r: dict) -> str:
     lines.append(f"qnn            {r['qnn'] or 'unavailable: ' + r.get('qnn_reason', '')}")
     lines.append(f"cache          {r['cache_dir']} ({r['cache_mib']:.1f} MiB)")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":   # pragma: no cover
-    print(format_info(info()), file=sys.stdout)

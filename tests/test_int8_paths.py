@@ -218,3 +218,14 @@ def test_the_avx2_emulation_hides_everything_above_avx2():
     assert probe.stdout.split() == ["avx2", "int64", "False"] or not int8_path.detect().has("avx2")
     bad = _run("from llmnpu_delegate.kernels import int8_path; int8_path.detect()", LLMNPU_CPU_ISA="sse9")
     assert bad.returncode != 0 and "LLMNPU_CPU_ISA=sse9" in bad.stderr
+
+
+def test_info_reports_the_kernel_the_emulated_cpu_gets():
+    """`llmnpu info --json` as an AVX2-only CPU: its class, an exact kernel that is not oneDNN, 7-bit decode."""
+    import json
+    probe = _run("from llmnpu_delegate.cli import main; main(['info', '--json'])",
+                 LLMNPU_CPU_ISA="avx2", LLMNPU_INT8_KERNEL="auto", LLMNPU_KERNELS="off")
+    assert probe.returncode == 0, probe.stderr
+    r = json.loads(probe.stdout)
+    assert r["isa"] == "avx2" and r["int8_kernel"] == "int64" and r["decode_activation_bits"] == 7
+    assert r["onednn_exact_here"] is False and r["native_kernels"] is None

@@ -153,7 +153,7 @@ _fused_state = "untried"   # "untried" | "ok" | "failed"
 
 
 def quantize_u8(x: Tensor, scale: float) -> Tensor:
-    """Symmetric INT8 quantization shifted to uint8 (``q + 128``) for oneDNN, in one fused pass.
+    """Symmetric INT8 quantization shifted to uint8 (``q + 128``) for oneDNN and the native GEMM, in one pass.
 
     The native op (``llmnpu_native::quantize_u8``) when the kernels are built: one pass, and the GIL
     released while it runs, which the other prefill worker needs. Else the same expression compiled
