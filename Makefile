@@ -6,6 +6,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
+# Build outputs, named before the rules that depend on them (make expands prerequisites on reading).
+KERNELS      := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
+KERNELS_AVX2 := llmnpu_delegate/kernels/native/build-avx2/libllmnpu_kernels.so
+
 .PHONY: demo test test-avx2 install data runner kernels clean FORCE
 
 # The native runner (runner/): C++ against the executorch wheel's SDK, with the virtualenv's CMake
@@ -48,7 +52,6 @@ $(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
 
 # The CPU kernels torch ops cannot do at the right cost (llmnpu_delegate/kernels/native/), against
 # the torch wheel's C++ API; Python loads the library from its build folder.
-KERNELS     := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
 KERNELS_SRC := llmnpu_delegate/kernels/native/CMakeLists.txt $(wildcard llmnpu_delegate/kernels/native/*.cpp llmnpu_delegate/kernels/native/*.h)
 TORCH_CMAKE  = $$($(BIN)/python -c "import torch, os; print(os.path.join(torch.__path__[0], 'share', 'cmake'))")
 
@@ -68,8 +71,6 @@ $(KERNELS): $(STAMP) $(KERNELS_SRC) $(CPU_FLAGS)
 	$(BIN)/cmake --build llmnpu_delegate/kernels/native/build -j 2
 
 # The same kernels for any AVX2 CPU (x86-64-v3: no AVX-512): what `make test-avx2` loads.
-KERNELS_AVX2 := llmnpu_delegate/kernels/native/build-avx2/libllmnpu_kernels.so
-
 $(KERNELS_AVX2): $(STAMP) $(KERNELS_SRC)
 	$(BIN)/cmake -S llmnpu_delegate/kernels/native -B llmnpu_delegate/kernels/native/build-avx2 \
 	  -DCMAKE_BUILD_TYPE=Release -DLLMNPU_MARCH=x86-64-v3 -DTORCH_CMAKE_DIR="$(TORCH_CMAKE)" > /dev/null
