@@ -364,7 +364,7 @@ def _format_validate(r: dict) -> str:
 def _machine_line(r: dict) -> str:
     m = r["machine"]
     return (f"on {m['cpu']} ({m['isa']}), INT8 kernel {m['int8_kernel']}, "
-            f"decode activations {m['decode_activation_bits']}-bit")
+            f"decode {m.get('decode_kernel', 'fbgemm')} ({m['decode_activation_bits']}-bit activations)")
 
 
 def _format_bench(r: dict) -> str:

@@ -38,6 +38,7 @@ def info() -> dict:
     except LlmNpuError as e:
         out["int8_kernel"], out["int8_kernel_error"] = None, str(e)
     out["onednn_exact_here"] = int8_path.onednn_exact(cpu)
+    out["decode_kernel"] = int8_path.decode_kernel()
     out["decode_activation_bits"] = 7 if int8_path.decode_reduce_range() else 8
     lib = native_ops._library_path()
     out["native_kernels"] = str(lib) if lib.is_file() else None
@@ -70,7 +71,7 @@ def format_info(r: dict) -> str:
              f"cpu            {r['cpu']} ({r['arch']}, INT8 class {r['isa']})"
              + "".join(f", {k} {r[k]}" for k in ("onednn_cap", "fbgemm_cap") if r.get(k)),
              f"int8 kernel    {kernel} (exact int32 sums; oneDNN would be {'exact' if r['onednn_exact_here'] else 'saturating'} here)",
-             f"int8 decode    fbgemm dynamic linear, {r['decode_activation_bits']}-bit activations"]
+             f"int8 decode    {r['decode_kernel']} dynamic linear, {r['decode_activation_bits']}-bit activations"]
     if r["native_kernels"]:
         missing = r.get("native_missing_features")
         state = (f"built for {', '.join(missing)} which this CPU lacks: run `make kernels`" if missing

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.kernels.native_ops import native_available
 from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.quantize.linear import quantize_weight
@@ -20,8 +21,9 @@ def _sqnr(ref, got):
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (1, 1536, 576), (3, 64, 40)])
 def test_dynamic_linear_is_integer_arithmetic(m, k, n):
-    """fbgemm's dynamic INT8 linear equals exact integer arithmetic on the same quantized operands, far
-    closer than either is to the float product (a float matmul posing as INT8 would be the reverse)."""
+    """The decode's dynamic INT8 linear equals exact integer arithmetic on the same quantized operands:
+    the native Int8Gemv to the bit, the fbgemm fallback (its own zero point) far closer than either is
+    to the float product (a float matmul posing as INT8 would be the reverse)."""
     w, b = torch.randn(n, k), torch.randn(n)
     x = torch.randn(m, k) * 3
     x[0, 5] = 40.0                                     # an outlier sets the token's range
@@ -29,6 +31,8 @@ def test_dynamic_linear_is_integer_arithmetic(m, k, n):
     got = K.dynamic_linear(x, K.prepack_dynamic(w_q, w_scale, b))
     ref = K.dynamic_linear_reference(x, w_q, w_scale, b)
     quant_error = (ref - F.linear(x, w, b)).abs().max()
+    if native_available():
+        assert torch.equal(got, ref)
     assert (got - ref).abs().max() < quant_error / 100
     assert quant_error > 1e-2
 
@@ -179,8 +183,9 @@ def test_native_decode_step_is_the_python_loop(spec, act):
 
 def test_decode_step_runs_an_integer_kernel_for_every_linear():
     """SQNR cannot tell an INT8 decode from a bf16 one: ask the profiler. Every linear of the step (4
-    per layer and the lm_head) is fbgemm's dynamic INT8 linear; the only float products are the
-    per-token outlier rows (``addmm_``, one per linear that has them)."""
+    per layer and the lm_head) is the dynamic INT8 linear (the native Int8Gemv, or fbgemm's without the
+    native kernels); the only float products are the per-token outlier rows (``addmm_``, one per
+    linear that has them)."""
     from torch.profiler import ProfilerActivity, profile
 
     lm = load_model("random:tiny-llama")
@@ -190,7 +195,8 @@ def test_decode_step_runs_an_integer_kernel_for_every_linear():
         dec.step(torch.tensor([[5]]), cache)
     counts = {e.key: e.count for e in prof.key_averages()}
     linears = 4 * len(dec.blocks) + 1
-    assert counts.get("quantized::linear_dynamic") == linears
+    kernel = "llmnpu_native::int8_gemv" if native_available() else "quantized::linear_dynamic"
+    assert counts.get(kernel) == linears
     with_rows = sum(lin.outliers > 0 for b in dec.blocks for lin in (b.qkv, b.o, b.gate_up, b.down)) + 1
     assert counts.get("aten::addmm_", 0) == with_rows
     assert not {"aten::linear", "aten::mm", "aten::matmul", "aten::bmm"} & set(counts)

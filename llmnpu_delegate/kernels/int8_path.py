@@ -20,8 +20,12 @@ Paths (``LLMNPU_INT8_KERNEL`` forces one; ``auto`` or unset chooses):
 - ``int64``: an int64 matmul: the slow reference that shares no code with the others, and the
   fallback where neither oneDNN nor the native kernels can be exact.
 
-Decode's dynamic linear is fbgemm's (x86); it is exact with AVX-512 VNNI. Elsewhere it runs with
-``reduce_range`` (7-bit activations: a pair of products then fits int16), PyTorch's own convention.
+Decode's dynamic linear (one token, weights read once: bound by their bytes) is the native
+``Int8Gemv`` (``kernels/native/int8_gemv.cpp``), exact in 8 bits on every path (``decode_path``):
+``vnni`` (``vpdpbusd``), ``avx2`` (``vpmaddubsw`` on |x - 128| and sign-flipped weights: two products
+of at most 128 * 127 fit int16), ``portable``. Without the native kernels decode falls back to
+fbgemm's dynamic linear, exact only with AVX-512 VNNI; elsewhere that fallback quantizes activations
+to 7 bits (``reduce_range``, PyTorch's own convention) so a pair of products fits int16.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 
 from ..errors import LlmNpuError
 
+DECODE_PATHS = ("vnni", "avx2", "portable")
 PATHS = ("onednn", "avx512", "avx2", "portable", "int_mm", "int64")
 NATIVE_PATHS = ("avx512", "avx2", "portable")
 ENV = "LLMNPU_INT8_KERNEL"
@@ -207,14 +212,34 @@ def _onednn_available() -> bool:
     return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+def decode_path(cpu: Cpu) -> str:
+    """The native decode GEMV's path for ``cpu``: ``vnni`` (AVX-512 VNNI with VL), ``avx2``, else
+    ``portable``. Every one is exact; they differ in speed only."""
+    if cpu.x86 and cpu.has("avx512_vnni", "avx512vl"):
+        return "vnni"
+    if cpu.x86 and cpu.has("avx2"):
+        return "avx2"
+    return "portable"
+
+
 @functools.cache
+def decode_kernel() -> str:
+    """What decode's dynamic linear runs in this process: ``native-<path>`` (``Int8Gemv``), else the
+    fbgemm fallback: ``fbgemm`` where exact in 8 bits, ``fbgemm-7bit`` (``reduce_range``) elsewhere."""
+    from .native_ops import native_available      # here: native_ops imports ops, which imports this
+    cpu = detect()
+    if native_available():
+        return f"native-{decode_path(cpu)}"
+    return "fbgemm" if fbgemm_exact(cpu) else "fbgemm-7bit"
+
+
 def decode_reduce_range() -> bool:
-    """Whether decode's fbgemm linear must quantize activations to 7 bits to stay exact here."""
-    return not fbgemm_exact(detect())
+    """Whether decode's activations get 7 bits (only the fbgemm fallback on a CPU without VNNI)."""
+    return decode_kernel() == "fbgemm-7bit"
 
 
 def describe() -> dict:
     """The CPU and the chosen kernels, for bench JSON, CLI summaries and ``llmnpu info``."""
     cpu = detect()
     return {"cpu": cpu.model or cpu.arch, "isa": isa_class(cpu), "int8_kernel": current(),
-            "decode_activation_bits": 7 if decode_reduce_range() else 8}
+            "decode_kernel": decode_kernel(), "decode_activation_bits": 7 if decode_reduce_range() else 8}

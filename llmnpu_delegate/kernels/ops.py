@@ -272,8 +272,14 @@ def _(y, residue, w_rows):
 
 # --------------------------------------------------------------------------- decode: dynamic INT8 linear
 def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
-    """An INT8 weight [N, K] with per-output-channel scales, packed once for ``dynamic_linear``
-    (fbgemm's layout; u8 x s8 with int32 accumulation)."""
+    """An INT8 weight [N, K] with per-output-channel scales, packed once for ``dynamic_linear``: the
+    native ``Int8Gemv`` on its path for this CPU (``int8_path.decode_path``), or, without the native
+    kernels, fbgemm's packed weight (u8 x s8 with int32 accumulation)."""
+    from .native_ops import native_available      # here: native_ops imports this module
+    if native_available():
+        return torch.classes.llmnpu_native.Int8Gemv(w_q.contiguous(), w_scale.float().contiguous(),
+                                                    None if bias is None else bias.float().contiguous(),
+                                                    int8_path.decode_path(int8_path.detect()))
     with warnings.catch_warnings():   # qint8 tensor creation is deprecated; the packed weight is what we keep
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(w_q, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.int64), 0)
@@ -281,25 +287,32 @@ def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
 
 
 def dynamic_linear(x: Tensor, packed) -> Tensor:
-    """float [M, K] -> per-row-block dynamic INT8 (each call's own range, asymmetric u8) x packed INT8
+    """float [M, K] -> dynamic INT8 (the call's own range over all of x, asymmetric u8) x packed INT8
     weight -> int32 -> float [M, N]: one fused call, no float weight read. Decode calls it with M = 1,
-    so the activation scale is the token's own. Where fbgemm lacks VNNI its u8 x s8 pairs would
-    saturate int16, so activations get 7 bits there (``int8_path.decode_reduce_range``)."""
+    so the activation scale is the token's own. The fbgemm fallback gets 7-bit activations where its
+    u8 x s8 pairs would saturate int16 (``int8_path.decode_reduce_range``)."""
+    if _is_gemv(packed):
+        return torch.ops.llmnpu_native.int8_gemv(packed, x)
     return torch.ops.quantized.linear_dynamic(x, packed, int8_path.decode_reduce_range())
+
+
+def _is_gemv(packed) -> bool:
+    return isinstance(packed, torch.ScriptObject) and packed._type().name() == "Int8Gemv"
 
 
 def dynamic_linear_reference(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None,
                              reduce_range: bool | None = None) -> Tensor:
     """What ``dynamic_linear`` computes, in plain integer arithmetic (for parity tests): x quantized to
     u8 over [min(x, 0), max(x, 0)] with a zero point (255 steps, or 127 with ``reduce_range``; default:
-    as ``dynamic_linear`` does here), exact int64 products, dequantized."""
+    as ``dynamic_linear`` does here), exact int64 products, dequantized in float64. The native
+    ``Int8Gemv`` computes exactly this, to the bit; fbgemm picks its zero point its own way."""
     if reduce_range is None:
         reduce_range = int8_path.decode_reduce_range()
     qmax = 127 if reduce_range else 255
     lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
     scale = (hi - lo) / qmax or 1.0
     zero = int(min(max(round(-lo / scale), 0), qmax))
-    x_q = torch.clamp(torch.round(x / scale) + zero, 0, qmax).to(torch.int64)
+    x_q = torch.clamp(torch.round(x.double() / scale) + zero, 0, qmax).to(torch.int64)
     acc = (x_q - zero) @ w_q.to(torch.int64).t()
     out = acc.to(torch.float64) * (scale * w_scale.double())
     return (out if bias is None else out + bias.double()).float()

@@ -30,7 +30,6 @@ from transformers import StaticCache
 
 from .. import kernels as K
 from ..errors import LlmNpuError
-from ..kernels.int8_path import decode_reduce_range
 from ..kernels.native_ops import native_available
 from ..quantize.linear import quantize_weight
 
@@ -158,8 +157,7 @@ class Int8Decoder:
 
     def _native_step(self, hidden_act: str):
         act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}[hidden_act]
-        step = torch.classes.llmnpu_native.DecodeStep(self.heads, self.kv_heads, self.head_dim, self.eps, act,
-                                                      decode_reduce_range())
+        step = torch.classes.llmnpu_native.DecodeStep(self.heads, self.kv_heads, self.head_dim, self.eps, act)
 
         def parts(lin: _Linear) -> tuple:
             return lin.packed, lin.rows if lin.rows is not None else torch.empty(0), lin.outliers

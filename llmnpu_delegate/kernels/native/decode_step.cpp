@@ -2,11 +2,10 @@
 //
 // The step is ~45 small ops a layer on one token; from Python each costs a few microseconds of
 // binding and interpreter work on top of its arithmetic, ~40 % of the step. Here the same kernels
-// (fbgemm's dynamic INT8 linear, torch's SDPA) run from C++, and the small work between them (the
+// (int8_gemv.cpp's dynamic INT8 linear, torch's SDPA) run from C++, and the small work between them (the
 // norms, RoPE, the K/V row, the outlier rows, the gated activation) is plain loops.
 // runtime/decode.py's Python loop stays the reference (tests/test_decode.py).
 #include <ATen/ATen.h>
-#include <ATen/native/quantized/PackedParams.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -18,12 +17,13 @@
 #include <vector>
 
 #include "gated.h"
+#include "int8_gemv.h"
 #include "rms_norm.h"
 #include "rope.h"
 
 namespace {
 
-using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+using Packed = c10::intrusive_ptr<llmnpu::Int8Gemv>;
 
 float bf16_to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -36,12 +36,11 @@ struct Linear {
   Packed packed;
   at::Tensor rows;       // W^T in bf16 [K, N] for the per-token outliers (undefined: none)
   int64_t outliers = 0;
-  bool reduce_range = false;   // 7-bit activations: fbgemm's u8 x s8 pairs saturate int16 without VNNI
 
   // x [1, K] contiguous float: the `outliers` largest |x| go through their W^T rows, the rest through
   // the INT8 GEMM with the token's own scale (runtime/decode.py _Linear, in loops instead of ops)
   at::Tensor operator()(const at::Tensor& x) const {
-    if (outliers == 0) return packed->apply_dynamic(x, reduce_range);
+    if (outliers == 0) return packed->forward(x);
     const int64_t K = x.size(1);
     const float* xp = x.const_data_ptr<float>();
     std::vector<int32_t> top(K);
@@ -51,7 +50,7 @@ struct Linear {
     at::Tensor rest = x.clone();
     float* rp = rest.data_ptr<float>();
     for (int64_t j = 0; j < outliers; ++j) rp[top[j]] = 0.0f;
-    at::Tensor y = packed->apply_dynamic(rest, reduce_range);
+    at::Tensor y = packed->forward(rest);
     float* yp = y.data_ptr<float>();
     const int64_t N = y.size(1);
     const auto* w = reinterpret_cast<const uint16_t*>(rows.const_data_ptr<at::BFloat16>());
@@ -64,10 +63,10 @@ struct Linear {
   }
 };
 
-Linear make_linear(Packed packed, at::Tensor rows, int64_t outliers, bool reduce_range) {
+Linear make_linear(Packed packed, at::Tensor rows, int64_t outliers) {
   TORCH_CHECK(outliers == 0 || (rows.dim() == 2 && rows.scalar_type() == at::kBFloat16),
               "DecodeStep: a linear with outliers needs its W^T rows in bf16");
-  return Linear{std::move(packed), std::move(rows), outliers, reduce_range};
+  return Linear{std::move(packed), std::move(rows), outliers};
 }
 
 struct Block {
@@ -79,14 +78,12 @@ struct DecodeStep : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   double eps;
   std::string activation;   // "silu", "gelu" or "gelu_tanh"
-  bool reduce_range;        // kernels/int8_path.py decode_reduce_range()
   std::vector<Block> blocks;
   at::Tensor final_norm;
   Linear head;
 
-  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, std::string activation, bool reduce_range)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), activation(std::move(activation)),
-        reduce_range(reduce_range) {
+  DecodeStep(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, std::string activation)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), activation(std::move(activation)) {
     TORCH_CHECK(this->activation == "silu" || this->activation == "gelu" || this->activation == "gelu_tanh",
                 "DecodeStep: unknown activation ", this->activation);
   }
@@ -94,14 +91,13 @@ struct DecodeStep : torch::CustomClassHolder {
   void add_block(at::Tensor norm1, at::Tensor norm2, Packed qkv, at::Tensor qkv_rows, int64_t qkv_k, Packed o,
                  at::Tensor o_rows, int64_t o_k, Packed gate_up, at::Tensor gate_up_rows, int64_t gate_up_k, Packed down,
                  at::Tensor down_rows, int64_t down_k) {
-    const bool r = reduce_range;
-    blocks.push_back(Block{norm1, norm2, make_linear(qkv, qkv_rows, qkv_k, r), make_linear(o, o_rows, o_k, r),
-                           make_linear(gate_up, gate_up_rows, gate_up_k, r), make_linear(down, down_rows, down_k, r)});
+    blocks.push_back(Block{norm1, norm2, make_linear(qkv, qkv_rows, qkv_k), make_linear(o, o_rows, o_k),
+                           make_linear(gate_up, gate_up_rows, gate_up_k), make_linear(down, down_rows, down_k)});
   }
 
   void set_head(at::Tensor norm, Packed packed, at::Tensor rows, int64_t outliers) {
     final_norm = norm;
-    head = make_linear(packed, rows, outliers, reduce_range);
+    head = make_linear(packed, rows, outliers);
   }
 
   // RMSNorm of a [1, H] row
@@ -168,7 +164,7 @@ struct DecodeStep : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(llmnpu_native, m) {
   m.class_<DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, int64_t, int64_t, double, std::string, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, std::string>())
       .def("add_block", &DecodeStep::add_block)
       .def("set_head", &DecodeStep::set_head)
       .def("step", &DecodeStep::step);
