@@ -129,9 +129,10 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     assert len(out.tokens) == 3 and out.chunks == 2
     assert out.tokens[0] == int(runner(ids[:40]).logits.argmax())
     # the native runner on the same program: NPU methods on the simulator through its own process;
-    # no cold rows are hit here, so nothing sums in another order. The logits were bit-identical until
-    # 2026-11; on this machine they now differ by up to 2.4e-7 (logits up to ~10), at the
-    # commit before too (f5c11ce), so the float methods round differently here: 1e-6 (one ULP at 10) is allowed
+    # no cold rows are hit here, so nothing sums in another order. Both load the same ExecuTorch and
+    # QNN shared libraries (ldd), and on an AMX-class Xeon the logits are bit-identical (with 1 or 2
+    # XNNPACK threads in the Python runner); on a Zen 4 they differed by up to 2.4e-7 (logits up to
+    # ~10), at f5c11ce too, a CPU-dependent rounding not traced further: 1e-6 (one ULP at 10) is allowed
     from llmnpu_delegate.runtime.native import run_native
 
     native = run_native(tmp_path / "tiny.pte", ids[:40].tolist(), runner.meta, 3, logits_out=tmp_path / "l.bin")
