@@ -48,7 +48,8 @@ def _logits(tmp_path, name) -> np.ndarray:
 
 def test_prefill_logits_and_greedy_tokens_match_the_python_runner(program, tmp_path):
     """Bit-identical but for the cold shadow channels' products, which the two sum in a different order
-    (torch's GEMM/CSR kernel vs one running sum per row): within 1e-5 there."""
+    (torch's GEMM/CSR kernel vs one running sum per row): within 4 float32 steps of the largest logit
+    there (measured: 3 steps, 1.14e-5 at |logit| ~32, with MKL capped at AVX2 on a Xeon)."""
     pte, ids = program
     runner = PteRunner(pte)
     ref = runner(ids, "ooo").logits.numpy()
@@ -59,7 +60,7 @@ def test_prefill_logits_and_greedy_tokens_match_the_python_runner(program, tmp_p
     assert got.summary["chunks"] == want.chunks == 2
     logits = _logits(tmp_path, "ooo.bin")
     assert logits.shape == ref.shape and int(logits.argmax()) == want.tokens[0]
-    assert np.abs(logits - ref).max() <= 1e-5, np.abs(logits - ref).max()
+    assert np.abs(logits - ref).max() <= 4 * np.spacing(np.abs(ref).max()), np.abs(logits - ref).max()
     # the test could fail: without the cold products the logits move by far more than that
     runner.cold.product = lambda *a: None
     assert np.abs(runner(ids, "ooo").logits.numpy() - ref).max() > 1e-3

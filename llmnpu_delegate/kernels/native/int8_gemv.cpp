@@ -234,7 +234,7 @@ at::Tensor Int8Gemv::forward(const at::Tensor& x) const {
   std::vector<uint8_t> q(static_cast<size_t>(total));
   for (int64_t i = 0; i < total; ++i) {
     const double v = std::nearbyint(static_cast<double>(xp[i]) / scale) + zero;
-    q[i] = static_cast<uint8_t>(std::min(std::max(v, 0.0), 255.0));
+    q[i] = static_cast<uint8_t>(v >= 255.0 ? 255.0 : v >= 0.0 ? v : 0.0);   // a NaN becomes code 0, never UB
   }
   std::vector<int32_t> acc(static_cast<size_t>(m * n));
   accumulate_into(q.data(), m, acc.data());
