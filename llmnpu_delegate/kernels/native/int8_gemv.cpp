@@ -32,6 +32,7 @@ namespace {
 
 constexpr int64_t PANEL = 8;   // output columns per 32-byte vector (8 x 4 k)
 constexpr int64_t GROUP = 4;   // k per column per vector
+constexpr int64_t QUAD = 4;    // panels per step of the x86 loops: the packed panels are padded to it
 enum Isa { PORTABLE = 0, AVX2 = 1, VNNI = 2 };
 
 int parse_path(const std::string& name) {
@@ -68,13 +69,13 @@ void panels_portable(const uint8_t* x, const int8_t* w, int64_t groups, int64_t 
 }
 
 #if defined(__x86_64__)
-// Four panels at a time, so that each broadcast of x feeds four multiplies.
+// Four panels at a time, so that each broadcast of x feeds four multiplies (the packed weight holds a
+// multiple of four panels, zeros past N, and p0, p1 are multiples of four).
 __attribute__((target("avx2"))) void panels_avx2(const uint8_t* c, const int8_t* w, int64_t groups, int64_t p0,
                                                  int64_t p1, int32_t* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t stride = groups * 32;
-  int64_t p = p0;
-  for (; p + 4 <= p1; p += 4) {
+  for (int64_t p = p0; p < p1; p += QUAD) {
     const int8_t* w0 = w + p * stride;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t g = 0; g < groups; ++g) {
@@ -95,26 +96,13 @@ __attribute__((target("avx2"))) void panels_avx2(const uint8_t* c, const int8_t*
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 2) * PANEL), a2);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 3) * PANEL), a3);
   }
-  for (; p < p1; ++p) {
-    const int8_t* wp = w + p * stride;
-    __m256i a = _mm256_setzero_si256();
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t four;
-      std::memcpy(&four, c + g * GROUP, 4);
-      const __m256i xc = _mm256_set1_epi32(four);
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + g * 32));
-      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xc), _mm256_sign_epi8(wv, xc)), ones));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p * PANEL), a);
-  }
 }
 
 __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"))) void panels_vnni(const uint8_t* x, const int8_t* w,
                                                                              int64_t groups, int64_t p0, int64_t p1,
                                                                              int32_t* out) {
   const int64_t stride = groups * 32;
-  int64_t p = p0;
-  for (; p + 4 <= p1; p += 4) {
+  for (int64_t p = p0; p < p1; p += QUAD) {
     const int8_t* w0 = w + p * stride;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t g = 0; g < groups; ++g) {
@@ -131,16 +119,6 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"))) void panels_vnni(con
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 2) * PANEL), a2);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 3) * PANEL), a3);
   }
-  for (; p < p1; ++p) {
-    const int8_t* wp = w + p * stride;
-    __m256i a = _mm256_setzero_si256();
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t four;
-      std::memcpy(&four, x + g * GROUP, 4);
-      a = _mm256_dpbusd_epi32(a, _mm256_set1_epi32(four), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + g * 32)));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p * PANEL), a);
-  }
 }
 #endif
 
@@ -156,7 +134,7 @@ Int8Gemv::Int8Gemv(const at::Tensor& w_q, const at::Tensor& w_scale, const std::
   const at::Tensor wc = w_q.contiguous();
   n = wc.size(0);
   k = wc.size(1);
-  const int64_t panels = (n + PANEL - 1) / PANEL, groups = (k + GROUP - 1) / GROUP;
+  const int64_t panels = (n + PANEL * QUAD - 1) / (PANEL * QUAD) * QUAD, groups = (k + GROUP - 1) / GROUP;
   packed_ = at::zeros({panels, groups, PANEL, GROUP}, wc.options());
   colsum_ = at::zeros({n}, wc.options().dtype(at::kInt));
   const int8_t* src = wc.const_data_ptr<int8_t>();
@@ -179,10 +157,10 @@ Int8Gemv::Int8Gemv(const at::Tensor& w_q, const at::Tensor& w_scale, const std::
 }
 
 void Int8Gemv::accumulate_into(const uint8_t* x, int64_t m, int32_t* out) const {
-  const int64_t panels = (n + PANEL - 1) / PANEL, groups = (k + GROUP - 1) / GROUP;
+  const int64_t panels = packed_.size(0), groups = packed_.size(1), quads = panels / QUAD;
   const int8_t* w = packed_.const_data_ptr<int8_t>();
   // tasks of >= 64 KiB of weights each: a small linear stays on one thread
-  const int64_t grain = std::max<int64_t>(4, (65536 / (groups * 32) + 3) / 4 * 4);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (groups * 32 * QUAD));
   std::vector<uint8_t> row(static_cast<size_t>(groups * GROUP));
   std::vector<int32_t> acc(static_cast<size_t>(panels * PANEL));
   const int32_t* cs = colsum_.const_data_ptr<int32_t>();
@@ -195,7 +173,8 @@ void Int8Gemv::accumulate_into(const uint8_t* x, int64_t m, int32_t* out) const 
       std::fill(row.begin(), row.end(), uint8_t{0});
       std::copy(xr, xr + k, row.begin());
     }
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, quads, grain, [&](int64_t q0, int64_t q1) {
+      const int64_t p0 = q0 * QUAD, p1 = q1 * QUAD;
 #if defined(__x86_64__)
       if (isa_ == AVX2) return panels_avx2(row.data(), w, groups, p0, p1, acc.data());
       if (isa_ == VNNI) return panels_vnni(row.data(), w, groups, p0, p1, acc.data());

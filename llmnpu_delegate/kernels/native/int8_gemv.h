@@ -27,7 +27,8 @@ struct Int8Gemv : torch::CustomClassHolder {
 
   std::string path_;
   int isa_ = 0;
-  at::Tensor packed_;    // s8 [ceil(N / 8)][ceil(K / 4)][8][4]: one 32-byte vector per (panel, k group)
+  at::Tensor packed_;    // s8 [panels][ceil(K / 4)][8][4]: one 32-byte vector per (panel of 8 columns, k group),
+                         // panels = ceil(N / 32) * 4 (zeros past N) so the x86 loops take four at a time
   at::Tensor colsum_;    // int32 [N]: sum_k W[n, k]
   at::Tensor w_scale_;   // float [N]
   at::Tensor bias_;      // float [N], or undefined
