@@ -30,7 +30,7 @@ test: install data runner kernels $(RUNNER_ASAN)
 # so (LLMNPU_CPU_ISA), the native kernels built without AVX-512, our INT8 kernel forced to its AVX2
 # path, and torch's, oneDNN's, fbgemm's and MKL's kernels capped at AVX2 (where oneDNN and fbgemm saturate). AVX2_TESTS=tests runs the whole suite.
 AVX2_TESTS ?= tests/test_kernels.py tests/test_int8_paths.py tests/test_native_kernels.py tests/test_quantize.py \
-              tests/test_decode.py tests/test_prefill.py
+              tests/test_decode.py tests/test_prefill.py tests/test_executor.py
 AVX2_ENV    = LLMNPU_CPU_ISA=avx2 LLMNPU_KERNELS=$(CURDIR)/$(KERNELS_AVX2) LLMNPU_INT8_KERNEL=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
               FBGEMM_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 

@@ -135,7 +135,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
             runs[p].append(engine.last_run)
     out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
            "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention, "repeats": repeats,
-           "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
+           "lane_help": workers.help, "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
     medians = {}
     for p in policies:
@@ -148,6 +148,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
         out[f"bubble_rate_{p}"] = m["npu_bubble_rate"]
         out[f"{p}_npu_busy_s"], out[f"{p}_cpu_busy_s"] = m["npu_busy_s"], m["cpu_busy_s"]
         out[f"decision_us_{p}"] = m["decision_us"]
+        out[f"pieces_lent_{p}"] = med.pieces_lent
     best = "ooo" if "ooo" in policies else policies[-1]
     bound = metrics(medians[best])["bound_s"]
     out["bound_tok_s"] = prompt_len / bound

@@ -388,6 +388,10 @@ def _format_bench(r: dict) -> str:
         lines.append(f"{name:<24}{tok_s:>9.1f}{tok_s / r['hf_fp32_tok_s']:>7.2f}x{b:>13}{d:>11}")
     if "ooo_vs_inorder" in r:
         lines.append(f"ooo vs inorder {r['ooo_vs_inorder']:.2f}x, efficiency vs bound {r['efficiency_vs_bound']:.2f}")
+    lent = {p: r[f"pieces_lent_{p}"] for p in POLICIES if r.get(f"pieces_lent_{p}")}
+    if lent:
+        lines.append("lane help: the idle CPU worker ran " + ", ".join(f"{n} ({p})" for p, n in lent.items())
+                     + " pieces of NPU kernels a run (LLMNPU_LANE_HELP=0 turns it off)")
     if r.get("llamacpp_reason"):
         lines.append(f"llama.cpp: not measured ({r['llamacpp_reason']})")
     for step, tok_s in r.get("ablation", {}).get("tok_s", {}).items():

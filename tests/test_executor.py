@@ -467,3 +467,41 @@ def test_kept_schedulers_follow_the_costs_and_start_afresh(engine):
     assert again is first and again.rank == fresh(a).rank
     start = fresh(a)
     assert (again.missing, again.ready, again.left, again.running) == (start.missing, start.ready, start.left, 0)
+
+
+def _native_int8_path():
+    from llmnpu_delegate.kernels import int8_path
+    from llmnpu_delegate.kernels.native_ops import native_available
+
+    cpu = int8_path.detect()
+    if not native_available():
+        return None
+    return next((p for p in ("avx2", "avx512", "portable") if int8_path.exact_on(p, cpu)), None)
+
+
+@pytest.mark.skipif(_native_int8_path() is None, reason="native kernels not built")
+@pytest.mark.parametrize("policy", ["inorder", "ooo"])
+def test_the_idle_cpu_worker_helps_the_npu_kernels_and_changes_no_bit(calibrated, policy):
+    """Workers.help: while the CPU worker has nothing ready it runs pieces of the NPU task's native
+    INT8 GEMM. In order, it is idle during every NPU task, so it must have helped; the logits must be
+    those of the same engine without help, bit for bit."""
+    import dataclasses
+
+    from llmnpu_delegate.kernels import int8_path
+
+    lm, calib = calibrated
+    with int8_path.forced(_native_int8_path()):
+        eng = Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib, cache=GraphCache(),
+                        progress=False)
+        ids = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(9))
+        eng.executor.workers = dataclasses.replace(eng.executor.workers, help=False)
+        alone = eng(ids, policy=policy).logits
+        assert eng.last_run.pieces_lent == 0
+        eng.executor.workers = dataclasses.replace(eng.executor.workers, help=True)
+        lent = 0
+        for _ in range(3):
+            got = eng(ids, policy=policy).logits
+            assert torch.equal(got, alone)
+            lent += eng.last_run.pieces_lent
+    if policy == "inorder" and eng.executor.workers.cores:
+        assert lent > 0

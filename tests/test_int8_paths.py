@@ -303,3 +303,48 @@ def test_info_reports_the_kernel_the_emulated_cpu_gets():
     assert r["isa"] == "avx2" and r["int8_kernel"] == "int64"
     assert r["decode_kernel"] == "fbgemm-7bit" and r["decode_activation_bits"] == 7
     assert r["onednn_exact_here"] is False and r["native_kernels"] is None
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+@pytest.mark.parametrize("path", [p for p in int8_path.NATIVE_PATHS if p in _runnable_paths()])
+def test_a_waiting_helper_shares_the_gemm_and_changes_no_bit(path):
+    """The prefill's idle CPU worker runs pieces of the NPU lane's GEMM while it waits
+    (``spin_wait(..., help=1)``): the pieces must really run on the helper, and every output must be
+    the exact sum (int32) and the reference epilogue (float) as without it."""
+    import ctypes
+    import threading
+
+    from llmnpu_delegate.kernels import native_ops
+
+    spin = native_ops.spin_wait()
+    x_q, w_q = _extremes(200, 1040, 300)
+    n, packed = w_q.shape[0], ops._pack(w_q, path)
+    w_scale, bias = torch.rand(n) * 0.01 + 1e-4, torch.randn(n)
+    exact = x_q.long() @ w_q.long().t()
+    word, ready = ctypes.c_int64(0), threading.Event()
+
+    def helper():
+        ready.set()
+        spin(ctypes.byref(word), 0, int(30e9), 1)     # until the word changes
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)                # the executor's workers: one thread each
+    thread = threading.Thread(target=helper)
+    before = native_ops.pieces_helped()
+    thread.start()
+    try:
+        ready.wait()
+        while native_ops.pieces_helped() == before:      # the helper may need a moment to start spinning
+            acc = torch.ops.llmnpu_native.int8_gemm(x_q, 1.0, packed, n, None, None, path)
+            assert torch.equal(acc.long(), exact)
+        for _ in range(3):
+            acc = torch.ops.llmnpu_native.int8_gemm(x_q, 1.0, packed, n, None, None, path)
+            assert torch.equal(acc.long(), exact)
+            with int8_path.forced(path):
+                got = K.int8_linear(x_q, 0.02, w_q, w_scale, bias)
+            assert torch.equal(got, ops.int8_linear_reference(x_q, 0.02, w_q, w_scale, bias))
+    finally:
+        word.value = 1
+        thread.join()
+        torch.set_num_threads(saved)
+    assert native_ops.pieces_helped() > before

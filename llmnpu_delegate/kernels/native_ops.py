@@ -79,19 +79,34 @@ def library_digest() -> str:
 
 
 def spin_wait():
-    """``llmnpu_spin_wait(word, seen, max_ns)`` from the library, a ctypes function that waits for the
-    int64 at ``word`` to differ from ``seen`` with the GIL released, spinning for at most ``max_ns``;
-    it returns the last value read. None without the library (callers then block at once)."""
+    """``llmnpu_spin_wait(word, seen, max_ns, help)`` from the library, a ctypes function that waits for
+    the int64 at ``word`` to differ from ``seen`` with the GIL released, spinning for at most ``max_ns``;
+    it returns the last value read. With ``help=1`` it runs pieces of the native INT8 kernels another
+    thread shares meanwhile (``lane_help.h``). None without the library (callers then block at once)."""
     if "spin_wait" not in _state:
         fn = None
         if native_available():
             lib = ctypes.CDLL(str(_library_path()))      # the loaded library, again
             fn = getattr(lib, "llmnpu_spin_wait", None)       # None in a build older than the function
         if fn is not None:
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]
+            fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = ctypes.c_int64
         _state["spin_wait"] = fn
     return _state["spin_wait"]
+
+
+def pieces_helped() -> int:
+    """Pieces of shared native kernels that a waiting helper (``spin_wait(..., help=1)``) has run since
+    the library was loaded; 0 without the library."""
+    if "pieces_helped" not in _state:
+        fn = None
+        if native_available():
+            fn = getattr(ctypes.CDLL(str(_library_path())), "llmnpu_pieces_helped", None)
+            if fn is not None:
+                fn.restype = ctypes.c_int64
+        _state["pieces_helped"] = fn
+    fn = _state["pieces_helped"]
+    return int(fn()) if fn is not None else 0
 
 
 def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:

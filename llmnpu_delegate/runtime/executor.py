@@ -50,6 +50,7 @@ COST_POLICIES = ("ooo", "cp")    # policies that read the profiled task costs
 PROCESSORS = ("npu", "cpu")
 _RUN_LOCK = threading.Lock()
 SPIN_S = 2e-3      # how long an idle worker spins for the next hand-off before it blocks (see _Wakeup)
+HELP_S = 1.0       # ... and the CPU worker, which helps the NPU's kernels meanwhile (Workers.help)
 
 
 def _cannot_finish(policy: str) -> LlmNpuError:
@@ -81,23 +82,31 @@ class RunStats:
     decision_s: float = 0.0     # time spent choosing tasks (under the scheduler lock)
     waits_spun: int = 0         # an idle worker's waits for a hand-off that spinning caught
     waits_blocked: int = 0      # ... and those that slept on the condition
+    pieces_lent: int = 0        # pieces of NPU kernels the waiting CPU worker ran (Workers.help)
     wall_s: float = 0.0
     policy: str = ""
 
 
 @dataclass(frozen=True)
 class Workers:
-    """Threads per worker and optional core pinning; the two must not oversubscribe the machine."""
+    """Threads per worker and optional core pinning; the two must not oversubscribe the machine.
+
+    ``help``: while the CPU worker has no ready task and an NPU task runs, it runs pieces of that task's
+    native INT8 kernels (``kernels/native/lane_help.h``). The stand-in NPU is a CPU core too; lending it
+    the idle one turns the CPU lane's slack into NPU speed (a phone's NPU is its own hardware, and
+    ``llmnpu simulate`` models that). Off with ``LLMNPU_LANE_HELP=0``."""
     threads: int = 1
     cores: dict | None = None   # processor -> set of CPU ids, or None: no pinning
+    help: bool = True
 
     @classmethod
     def auto(cls) -> "Workers":
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 2))
+        lend = os.environ.get("LLMNPU_LANE_HELP", "1") != "0"
         if len(cpus) < 2:
-            return cls(1, None)
+            return cls(1, None, lend)
         half = len(cpus) // 2
-        return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])})
+        return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])}, lend)
 
 
 _POOL: dict[tuple, queue.SimpleQueue] = {}     # (processor, cores) -> its worker's job queue
@@ -145,12 +154,13 @@ class _Wakeup:
         self.generation.value += 1
         self.cond.notify_all()
 
-    def wait(self) -> None:
+    def wait(self, help: bool = False) -> None:
+        """``help``: spin up to ``HELP_S`` and run shared pieces of the native kernels meanwhile."""
         seen = self.generation.value
         if self.spin is not None:
             self.cond.release()       # held once, by the caller's ``with``
             try:
-                self.spin(ctypes.byref(self.generation), seen, int(SPIN_S * 1e9))
+                self.spin(ctypes.byref(self.generation), seen, int((HELP_S if help else SPIN_S) * 1e9), int(help))
             finally:
                 self.cond.acquire()
             if self.generation.value != seen:
@@ -379,6 +389,7 @@ class Executor:
 
         def work(processor: str) -> None:
             records = raw[processor]
+            lend = processor == "cpu" and self.workers.help
             task = outs = None
             start = end = 0.0
             while True:
@@ -412,7 +423,8 @@ class Executor:
                             error.append((None, _cannot_finish(policy)))
                             wakeup.notify()
                             return
-                        wakeup.wait()
+                        # nothing ready here: the NPU worker runs a task or is about to pick one
+                        wakeup.wait(help=lend)
                     env = envs[task.chunk]
                     try:
                         args = [env[name] for name in inputs[task.step]]
@@ -436,6 +448,7 @@ class Executor:
                     return
                 end = time.perf_counter()
 
+        lent0 = native_ops.pieces_helped()
         saved = torch.get_num_threads()
         torch.set_num_threads(self.workers.threads)
         gc_was_on = gc.isenabled()
@@ -451,6 +464,7 @@ class Executor:
         stats.wall_s = time.perf_counter() - t0
         stats.records = sorted((Record(*r) for rs in raw.values() for r in rs), key=lambda r: r.start)
         stats.waits_spun, stats.waits_blocked = wakeup.spun, wakeup.blocked
+        stats.pieces_lent = native_ops.pieces_helped() - lent0
         if error:
             task, exc = error[0]
             if task is None:

@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "lane_help.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -30,7 +32,7 @@ namespace {
 
 constexpr int64_t NR = 16;         // packed panel width (columns); both x86 kernels use 16 or 32
 constexpr int64_t KC_PAIRS = 256;  // k pairs per block: a 16-wide panel block is 16 KiB (L1)
-constexpr int64_t MC = 96;         // rows per A block: 96 x 512 int16 = 96 KiB (L2)
+constexpr int64_t MC = 96;         // rows per A slice: 96 x 512 int16 = 96 KiB (L2); a multiple of every MR
 
 enum class Isa { portable, avx2, avx512 };
 
@@ -73,22 +75,33 @@ at::Tensor int8_pack(const at::Tensor& w) {
   return packed;
 }
 
-// A block: rows [m0, m0 + rows) and pairs [p0, p0 + np) of the activation, as int32 pairs of int16,
-// rows padded with zeros to a multiple of `mr`. u8 input holds codes + 128 (oneDNN's form).
+// The whole activation as int32 pairs of int16, K block after K block ([kb][Mp][np], Mp = M rounded up
+// to a multiple of `mr`, zeros in the padding), packed once per call and read by every piece of the
+// GEMM. u8 input holds codes + 128 (oneDNN's form).
+struct PackedA {
+  std::vector<int32_t> buf;
+  int64_t kc = 0, Mp = 0;
+  const int32_t* block(int64_t p0) const { return buf.data() + Mp * p0; }   // K block starting at pair p0
+};
+
 template <typename T>
-void pack_a(const T* a, int64_t K, int64_t m0, int64_t rows, int64_t p0, int64_t np, int64_t mr,
-            std::vector<int32_t>& buf) {
-  const int64_t padded = (rows + mr - 1) / mr * mr;
-  buf.assign(static_cast<size_t>(padded * np), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = a + (m0 + r) * K;
-    int16_t* out = reinterpret_cast<int16_t*>(buf.data() + r * np);
-    const int64_t k0 = 2 * p0, k1 = std::min(K, 2 * (p0 + np));
-    for (int64_t k = k0; k < k1; ++k) {
-      if constexpr (std::is_same_v<T, uint8_t>) {
-        out[k - k0] = static_cast<int16_t>(static_cast<int16_t>(row[k]) - 128);
-      } else {
-        out[k - k0] = row[k];
+void pack_a(const T* a, int64_t M, int64_t K, int64_t kc, int64_t mr, PackedA& out) {
+  const int64_t pairs = (K + 1) / 2;
+  out.kc = kc;
+  out.Mp = (M + mr - 1) / mr * mr;
+  out.buf.assign(static_cast<size_t>(out.Mp * pairs), 0);
+  for (int64_t p0 = 0; p0 < pairs; p0 += kc) {
+    const int64_t np = std::min(kc, pairs - p0), k0 = 2 * p0, k1 = std::min(K, 2 * (p0 + np));
+    int32_t* blk = out.buf.data() + out.Mp * p0;
+    for (int64_t m = 0; m < M; ++m) {
+      const T* row = a + m * K;
+      int16_t* dst = reinterpret_cast<int16_t*>(blk + m * np);
+      for (int64_t k = k0; k < k1; ++k) {
+        if constexpr (std::is_same_v<T, uint8_t>) {
+          dst[k - k0] = static_cast<int16_t>(static_cast<int16_t>(row[k]) - 128);
+        } else {
+          dst[k - k0] = row[k];
+        }
       }
     }
   }
@@ -205,26 +218,29 @@ Kernel kernel_for(Isa isa) {
   return {micro_portable, 4, 2};
 }
 
+// K pairs per block, the same for every block (so blocks are even): at most KC_PAIRS.
+int64_t k_block(int64_t pairs) {
+  const int64_t blocks = std::max<int64_t>(1, (pairs + KC_PAIRS - 1) / KC_PAIRS);
+  return std::max<int64_t>(1, (pairs + blocks - 1) / blocks);
+}
+
 // C [M, N] int32 = A [M, K] x W^T for the panels [g0, g1) (in units of the kernel's panel group).
-template <typename T>
-void gemm_range(const T* a, int64_t M, int64_t K, const int16_t* w, int64_t N, int32_t* c, const Kernel& kern,
+void gemm_range(const PackedA& a, int64_t M, int64_t K, const int16_t* w, int64_t N, int32_t* c, const Kernel& kern,
                 int64_t g0, int64_t g1) {
   const int64_t pairs = (K + 1) / 2, panels = (N + NR - 1) / NR, panel_len = pairs * NR * 2;
-  thread_local std::vector<int32_t> abuf;
-  const int64_t blocks = (pairs + KC_PAIRS - 1) / KC_PAIRS, kc = (pairs + blocks - 1) / blocks;  // even blocks
-  for (int64_t p0 = 0; p0 < pairs; p0 += kc) {
-    const int64_t np = std::min(kc, pairs - p0);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += a.kc) {
+    const int64_t np = std::min(a.kc, pairs - p0);
+    const int32_t* ablk = a.block(p0);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {       // an MC-row slice of A stays in L2 across the panels
       const int64_t rows = std::min(MC, M - m0);
-      pack_a(a, K, m0, rows, p0, np, kern.mr, abuf);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t panel = g * kern.panels, n0 = panel * NR;
         const int64_t here = std::min(kern.panels, panels - panel);
         const int64_t width = std::min(here * NR, N - n0);
         const int16_t* b = w + panel * panel_len + p0 * NR * 2;
-        for (int64_t r = 0; r < rows; r += kern.mr) {
-          kern.fn(abuf.data() + r * np, np, b, panel_len, np, std::min(kern.mr, rows - r), here,
-                  c + (m0 + r) * N + n0, N, width, p0 > 0);
+        for (int64_t r = m0; r < m0 + rows; r += kern.mr) {
+          kern.fn(ablk + r * np, np, b, panel_len, np, std::min(kern.mr, M - r), here, c + r * N + n0, N, width,
+                  p0 > 0);
         }
       }
     }
@@ -237,7 +253,7 @@ void epilogue(const int32_t* acc, int64_t M, int64_t N, float x_scale, const flo
               float* out) {
   std::vector<float> scale(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) scale[n] = w_scale[n] * x_scale;
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  llmnpu::parallel_pieces(M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const int32_t* ar = acc + m * N;
       float* o = out + m * N;
@@ -270,12 +286,17 @@ at::Tensor int8_gemm(const at::Tensor& a, double x_scale, const at::Tensor& pack
   const int16_t* w = packed.const_data_ptr<int16_t>();
   int32_t* c = acc.data_ptr<int32_t>();
   if (M > 0 && n > 0) {
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      if (ac.scalar_type() == at::kByte) {
-        gemm_range(ac.const_data_ptr<uint8_t>(), M, K, w, n, c, kern, g0, g1);
-      } else {
-        gemm_range(ac.const_data_ptr<int8_t>(), M, K, w, n, c, kern, g0, g1);
-      }
+    thread_local PackedA reused;  // a prefill calls this with the same few shapes
+    PackedA& pa = reused;         // named here: a lambda run by a helper thread would see its own thread_local
+    const int64_t kc = k_block(pairs);
+    if (ac.scalar_type() == at::kByte) {
+      pack_a(ac.const_data_ptr<uint8_t>(), M, K, kc, kern.mr, pa);
+    } else {
+      pack_a(ac.const_data_ptr<int8_t>(), M, K, kc, kern.mr, pa);
+    }
+    // ~16 pieces when another lane helps: small enough to share evenly, big enough to keep the panels' reuse
+    llmnpu::parallel_pieces(groups, (groups + 15) / 16, [&](int64_t g0, int64_t g1) {
+      gemm_range(pa, M, K, w, n, c, kern, g0, g1);
     });
   }
   if (!w_scale.has_value()) return acc;

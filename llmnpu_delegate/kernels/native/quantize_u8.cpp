@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "lane_help.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -64,7 +66,7 @@ at::Tensor quantize_u8(const at::Tensor& x, double scale) {
   const float* xp = xc.const_data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, xc.numel(), 1 << 16, [&](int64_t b, int64_t e) { quantize_range(xp + b, s, e - b, op + b); });
+  llmnpu::parallel_pieces(xc.numel(), 1 << 15, [&](int64_t b, int64_t e) { quantize_range(xp + b, s, e - b, op + b); });
   return out;
 }
 

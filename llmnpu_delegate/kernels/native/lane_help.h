@@ -1,0 +1,43 @@
+// Lane help: the prefill executor's idle CPU worker lends its core to the stand-in NPU's kernels.
+//
+// On a phone the NPU is its own hardware. Here both lanes are CPU cores, and whenever the CPU lane has
+// no ready task (attention waits for the NPU's Q/K/V, the last chunk's tail), its core would sit idle
+// while the NPU lane's INT8 GEMMs are the critical path. So an INT8 kernel splits its work into
+// independent pieces with `shared_for`; the idle CPU worker, which waits for its next task in
+// `llmnpu_spin_wait(..., help=1)`, takes pieces while it waits. Results do not change: every piece
+// computes the same outputs whichever thread runs it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace llmnpu {
+
+// Whether a worker is waiting with help=1 right now.
+bool helper_waiting();
+
+// Runs body(i) for every i in [0, count), on this thread and on any helper that waits meanwhile (one
+// may join at any piece), and returns when all have run. While another shared_for runs, all run here,
+// in order. body must not throw.
+void shared_for(int64_t count, const std::function<void(int64_t)>& body);
+
+}  // namespace llmnpu
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+
+namespace llmnpu {
+
+// fn(begin, end) over [0, n) in grains of `grain`: across torch's threads when it has several (as
+// at::parallel_for), else as pieces of a shared_for.
+inline void parallel_pieces(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (at::get_num_threads() > 1) {
+    at::parallel_for(0, n, grain, fn);
+    return;
+  }
+  grain = std::max<int64_t>(grain, 1);
+  shared_for((n + grain - 1) / grain, [&](int64_t i) { fn(i * grain, std::min(n, (i + 1) * grain)); });
+}
+
+}  // namespace llmnpu
