@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from ..kernels import native_ops
+from ..kernels import int8_path, native_ops
 from .program import ChunkProgram, past_name
 from .tasks import Task, build_tasks
 
@@ -372,6 +372,9 @@ class Executor:
         raw: dict[str, list[tuple]] = {p: [] for p in PROCESSORS}   # per worker: Record fields, made into Records after
         wakeup = _Wakeup()
         cond = wakeup.cond
+        # only the native INT8 kernels split their work into pieces (oneDNN's is one call): with any
+        # other, a helper would spin for nothing where the CPU worker's core can sleep
+        shares = self.workers.help and native_ops.native_available() and int8_path.current() in int8_path.NATIVE_PATHS
         error: list = []
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
@@ -389,7 +392,7 @@ class Executor:
 
         def work(processor: str) -> None:
             records = raw[processor]
-            lend = processor == "cpu" and self.workers.help
+            lend = processor == "cpu" and shares
             task = outs = None
             start = end = 0.0
             while True:
