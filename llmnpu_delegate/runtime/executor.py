@@ -103,8 +103,8 @@ class Workers:
     def auto(cls) -> "Workers":
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 2))
         lend = os.environ.get("LLMNPU_LANE_HELP", "1") != "0"
-        if len(cpus) < 2:
-            return cls(1, None, lend)
+        if len(cpus) < 2:      # one core: a helper's spin would take it from the NPU worker
+            return cls(1, None, False)
         half = len(cpus) // 2
         return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])}, lend)
 
