@@ -78,20 +78,23 @@ def library_digest() -> str:
     return _state["digest"]
 
 
+def _c_function(name: str, argtypes: list, restype):
+    """``name`` from the loaded library as a ctypes function (the GIL released while it runs), or None
+    without the library or in a build older than the function."""
+    fn = getattr(ctypes.CDLL(str(_library_path())), name, None) if native_available() else None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def spin_wait():
     """``llmnpu_spin_wait(word, seen, max_ns, help)`` from the library, a ctypes function that waits for
     the int64 at ``word`` to differ from ``seen`` with the GIL released, spinning for at most ``max_ns``;
     it returns the last value read. With ``help=1`` it runs pieces of the native INT8 kernels another
     thread shares meanwhile (``lane_help.h``). None without the library (callers then block at once)."""
     if "spin_wait" not in _state:
-        fn = None
-        if native_available():
-            lib = ctypes.CDLL(str(_library_path()))      # the loaded library, again
-            fn = getattr(lib, "llmnpu_spin_wait", None)       # None in a build older than the function
-        if fn is not None:
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-            fn.restype = ctypes.c_int64
-        _state["spin_wait"] = fn
+        _state["spin_wait"] = _c_function("llmnpu_spin_wait", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                                               ctypes.c_int64, ctypes.c_int], ctypes.c_int64)
     return _state["spin_wait"]
 
 
@@ -99,12 +102,7 @@ def pieces_helped() -> int:
     """Pieces of shared native kernels that a waiting helper (``spin_wait(..., help=1)``) has run since
     the library was loaded; 0 without the library."""
     if "pieces_helped" not in _state:
-        fn = None
-        if native_available():
-            fn = getattr(ctypes.CDLL(str(_library_path())), "llmnpu_pieces_helped", None)
-            if fn is not None:
-                fn.restype = ctypes.c_int64
-        _state["pieces_helped"] = fn
+        _state["pieces_helped"] = _c_function("llmnpu_pieces_helped", [], ctypes.c_int64)
     fn = _state["pieces_helped"]
     return int(fn()) if fn is not None else 0
 

@@ -294,7 +294,7 @@ at::Tensor int8_gemm(const at::Tensor& a, double x_scale, const at::Tensor& pack
     } else {
       pack_a(ac.const_data_ptr<int8_t>(), M, K, kc, kern.mr, pa);
     }
-    // ~16 pieces when another lane helps: small enough to share evenly, big enough to keep the panels' reuse
+    // ~16 pieces: small enough for a helper to share evenly, big enough to keep each panel's reuse
     llmnpu::parallel_pieces(groups, (groups + 15) / 16, [&](int64_t g0, int64_t g1) {
       gemm_range(pa, M, K, w, n, c, kern, g0, g1);
     });

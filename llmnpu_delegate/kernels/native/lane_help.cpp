@@ -35,7 +35,6 @@ struct Slot {
   std::atomic<bool> owned{false};
   std::atomic<bool> open{false};
   std::atomic<int> inside{0};
-  std::atomic<int> waiting{0};       // workers spinning with help=1
   const std::function<void(int64_t)>* body = nullptr;
   int64_t count = 0;
   std::atomic<int64_t> next{0};
@@ -63,8 +62,6 @@ bool help_once() {
 
 namespace llmnpu {
 
-bool helper_waiting() { return slot.waiting.load(std::memory_order_relaxed) > 0; }
-
 void shared_for(int64_t count, const std::function<void(int64_t)>& body) {
   // open even without a helper waiting now: a worker that turns idle in the middle joins then
   if (count <= 1 || slot.owned.exchange(true)) {
@@ -88,14 +85,12 @@ void shared_for(int64_t count, const std::function<void(int64_t)>& body) {
 extern "C" int64_t llmnpu_spin_wait(const int64_t* word, int64_t seen, int64_t max_ns, int help) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::nanoseconds(max_ns);
-  if (help) slot.waiting.fetch_add(1);
   int64_t value;
   while ((value = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == seen) {
     if (help && help_once()) continue;
     for (int i = 0; i < 32; ++i) cpu_pause();   // a few hundred ns between reads of the clock
     if (clock::now() >= deadline) break;
   }
-  if (help) slot.waiting.fetch_sub(1);
   return value;
 }
 

@@ -8,25 +8,18 @@
 // computes the same outputs whichever thread runs it.
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 
 namespace llmnpu {
 
-// Whether a worker is waiting with help=1 right now.
-bool helper_waiting();
-
 // Runs body(i) for every i in [0, count), on this thread and on any helper that waits meanwhile (one
 // may join at any piece), and returns when all have run. While another shared_for runs, all run here,
 // in order. body must not throw.
 void shared_for(int64_t count, const std::function<void(int64_t)>& body);
-
-}  // namespace llmnpu
-
-#include <ATen/Parallel.h>
-#include <algorithm>
-
-namespace llmnpu {
 
 // fn(begin, end) over [0, n) in grains of `grain`: across torch's threads when it has several (as
 // at::parallel_for), else as pieces of a shared_for.
