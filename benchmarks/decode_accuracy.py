@@ -16,9 +16,9 @@ import time
 import torch
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.evaluate import read_text, tokenize
 from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder
+from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")

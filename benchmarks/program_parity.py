@@ -22,12 +22,11 @@ warnings.simplefilter("ignore")
 def main() -> None:
     from transformers import DynamicCache
 
-    from llmnpu_delegate.evaluate import read_text, tokenize
     from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
-    from llmnpu_delegate.lower.pte import export_engine
-    from llmnpu_delegate.lower.validate import sqnr_db
-    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.prefill import export_engine, quant_config
     from llmnpu_delegate.runtime.pte_runner import PteRunner
+    from llmnpu_delegate.runtime.validate import sqnr_db
+    from llmnpu_delegate.text import read_text, tokenize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pte", nargs="+")

@@ -20,22 +20,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .backends.graph_cache import GraphCache
 from .errors import LlmNpuError
+from .hf import LlmNpuForCausalLM
 from .kernels import int8_path
 from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
 from .prefill import Prefiller
 from .run import TokenClock
 from .runtime.allocator import tune_malloc, tuned
 from .runtime.executor import POLICIES, Workers
-from .runtime.graph_cache import GraphCache
 from .runtime.trace import metrics, step_label, write_timeline, write_trace
+from .text import read_text, tokenize
 
 
 def prompt_ids(lm: LoadedModel, length: int) -> torch.Tensor:
     """``length`` tokens of the shipped evaluation text (random ids for models without a tokenizer)."""
     if lm.tokenizer is not None:
-        from .evaluate import read_text, tokenize
-
         try:
             ids = tokenize(lm, read_text(None, "eval"))
             if ids.numel() >= length:
@@ -248,8 +248,6 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
     """What a user waits for: time to first token and decode tok/s of one prompt, for Hugging Face eager
     ``generate``, the wrapper with float and with INT8 decode, and llama.cpp on the same GGUF;
     interleaved, medians of ``repeats``, ratios against Hugging Face."""
-    from .hf import LlmNpuForCausalLM
-
     if new_tokens < 2:
         raise LlmNpuError(f"--max-new-tokens must be at least 2 to time decode, got {new_tokens}")
     if repeats < 1:

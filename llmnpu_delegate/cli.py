@@ -58,9 +58,9 @@ def _setup(args):
 
 
 def cmd_calibrate(args) -> dict:
-    from .evaluate import calibration_ids
     from .quantize import load_or_calibrate
     from .quantize.importance import ratio_importance
+    from .text import calibration_ids
 
     lm, calib_config = _setup(args)
     ids = calibration_ids(lm, args.calib_text_file)
@@ -78,7 +78,8 @@ def cmd_calibrate(args) -> dict:
 
 
 def cmd_eval(args) -> dict:
-    from .evaluate import MODES, calibration_ids, evaluate, read_text, sweep, tokenize
+    from .evaluate import MODES, evaluate, sweep
+    from .text import calibration_ids, read_text, tokenize
 
     lm, calib_config = _setup(args)
     eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
@@ -264,9 +265,9 @@ def _run_pte(args, prompt: str) -> dict:
 
 
 def cmd_export(args) -> dict:
-    from .evaluate import calibration_ids
-    from .lower.pte import export_engine, export_pte
-    from .prefill import quant_config
+    from .lower.pte import export_pte
+    from .prefill import export_engine, quant_config
+    from .text import calibration_ids
 
     quant = quant_config(args.quant, args.pruning_rate)
     if args.backend == "qnn":
@@ -314,11 +315,11 @@ def cmd_prepare_text(args) -> dict:
 
 def cmd_validate(args) -> dict:
     from .errors import LlmNpuError
-    from .evaluate import read_text, tokenize
-    from .lower.pte import export_engine
-    from .lower.validate import validate_pte
+    from .prefill import export_engine
     from .quantize import QuantConfig
     from .runtime.pte_runner import PteRunner
+    from .runtime.validate import validate_pte
+    from .text import read_text, tokenize
 
     runner = PteRunner(args.pte)             # checks the .pte and its sidecar first
     meta = runner.meta
@@ -437,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                "(each command: llmnpu COMMAND --help)")
     ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    from .prefill import BACKENDS, DEFAULT_CHUNK, QUANT_MODES
     from .kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
+    from .prefill import BACKENDS, DEFAULT_CHUNK, QUANT_MODES
     from .runtime.executor import POLICIES
 
     p = sub.add_parser("run", help="generate from a prompt: NPU-path prefill, CPU decode, streamed, with a summary",

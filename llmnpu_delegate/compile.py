@@ -26,12 +26,15 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
+from .backends.cpu_int8 import CpuInt8Backend
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
 from .partitioner.regions import is_linear, linear_names, partition_graph
+from .prefill import default_calibration, quant_config
 from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linears
 from .quantize.apply import LinearPlan
+from .runtime.program import build_steps
 
 NAME = "llmnpu"
 _KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms", "fallback", "counters"}
@@ -60,8 +63,6 @@ def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | N
     ``fallback``: what a partitioned graph that fails at run time does, ``"error"`` (raise) or
     ``"eager"`` (warn once, then run the float graph). ``options["counters"]`` counts both paths.
     """
-    from .prefill import default_calibration, quant_config
-
     lm = model if isinstance(model, LoadedModel) else None
     module = lm.model if lm else model
     fp = lm.fingerprint if lm else model_fingerprint(module)
@@ -130,9 +131,6 @@ class _PartitionedGraph:
         self.eager = False
 
     def _lower(self, args) -> None:
-        from .backends.cpu_int8 import CpuInt8Backend
-        from .runtime.program import build_steps
-
         shells = _linear_shells(self.gm, args, self.names)
         o = self.options
         backend = CpuInt8Backend(shells, o["fingerprint"], 0, o["plans"], o.get("weights", "channel"))

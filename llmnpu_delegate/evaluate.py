@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,14 +12,7 @@ from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
 from .models import LoadedModel
-from .text import default_text_file
-from .quantize import (
-    CalibConfig,
-    QuantConfig,
-    load_or_calibrate,
-    outlier_counters,
-    quantize_,
-)
+from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
 
 # Mode name -> config (None: the float model). The first three are the baselines.
 MODES: dict[str, QuantConfig | None] = {
@@ -31,43 +23,6 @@ MODES: dict[str, QuantConfig | None] = {
     "w8a8-shadow-pruned": QuantConfig(outliers="shadow"),
     "w8a8-shadow-tensorw": QuantConfig(outliers="shadow", pruning_rate=0.0, weights="tensor"),
 }
-
-
-def read_text(path: Path | None, role: str) -> str:
-    """Text of ``path``, or the shipped default for ``role`` ("calib" or "eval")."""
-    path = Path(path) if path is not None else default_text_file(role)
-    if not path.is_file():
-        raise LlmNpuError(f"text file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise LlmNpuError(f"text file {path} is empty: give a file with prose")
-    return text
-
-
-def tokenize(lm: LoadedModel, text: str) -> Tensor:
-    if lm.tokenizer is None:
-        raise LlmNpuError(f"model '{lm.spec}' has no tokenizer: give a model folder with tokenizer files")
-    ids = lm.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-def calibration_ids(lm: LoadedModel, path: Path | None = None) -> Tensor:
-    """The calibration token stream: the text of ``path``, or the shipped calibration text in which, when
-    the tokenizer has a chat template, every other paragraph is wrapped in it as a user turn (chat is
-    the main job, and its special tokens and role headers shape the activations too)."""
-    text = read_text(path, "calib")
-    tok = lm.tokenizer
-    if path is not None or tok is None or not getattr(tok, "chat_template", None):
-        return tokenize(lm, text)
-    parts = []
-    for i, paragraph in enumerate(p for p in text.split("\n") if p.strip()):
-        if i % 2:
-            parts.append(torch.tensor(tok.apply_chat_template([{"role": "user", "content": paragraph}],
-                                                              add_generation_prompt=True, tokenize=True,
-                                                              return_dict=True)["input_ids"], dtype=torch.int64))
-        else:
-            parts.append(tokenize(lm, paragraph + "\n"))
-    return torch.cat(parts)
 
 
 def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:

@@ -9,7 +9,12 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+from . import __version__
 from .errors import LlmNpuError
+from .kernels import int8_path, native_ops
+from .paths import cache_dir
+from .qnn.sdk import prepare_sdk
+from .runtime.native import find_runner
 
 
 def _version(package: str) -> str | None:
@@ -24,10 +29,6 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def info() -> dict:
-    from . import __version__
-    from .kernels import int8_path, native_ops
-    from .paths import cache_dir
-
     cpu = int8_path.detect()
     out: dict = {"llmnpu_delegate": __version__, "python": platform.python_version(),
                  "torch": _version("torch"), "executorch": _version("executorch"),
@@ -48,12 +49,10 @@ def info() -> dict:
         out["native_missing_features"] = native_ops.missing_build_features(lib)
         out["bf16_attention"] = not out["native_missing_features"] and native_ops.bf16_attention_available()
     try:
-        from .runtime.native import find_runner
         out["native_runner"] = str(find_runner())
     except LlmNpuError:
         out["native_runner"] = None
     try:
-        from .qnn.sdk import prepare_sdk
         sdk = prepare_sdk()
         out["qnn"] = f"QNN {sdk.version} from {sdk.provided_by} ({sdk.root})"
     except LlmNpuError as e:

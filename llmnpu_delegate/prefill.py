@@ -13,7 +13,6 @@ import dataclasses
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -21,26 +20,22 @@ from torch import Tensor, nn
 from . import kernels as K
 from .backends.cpu_int8 import NAME as CPU_INT8
 from .backends.cpu_int8 import CpuInt8Backend
+from .backends.graph_cache import GraphCache, entry_key
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
 from .kernels import int8_path, native_ops
 from .kernels.attention import resolve_precision
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
+from .models import keep_first_blocks, load_model
 from .partitioner.regions import partition_graph
-from .quantize import (
-    CalibConfig,
-    Calibration,
-    QuantConfig,
-    load_or_calibrate,
-    plan_linears,
-    quantizable_linears,
-)
+from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .runtime.allocator import tune_malloc
 from .runtime.executor import COST_POLICIES, POLICIES, Executor, RunStats, Workers
-from .runtime.graph_cache import GraphCache, entry_key
 from .runtime.profile import Profile
-from .runtime.program import ChunkProgram, chunk_feeds, program_digest
+from .runtime.program import ChunkProgram, program_digest
+from .runtime.prompt import PrefillResult, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
+from .text import calibration_ids
 
 BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
@@ -71,45 +66,6 @@ def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = N
     if config is None or config.outliers != "shadow":
         raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow outlier mode (quant='w8a8-shadow')")
     return dataclasses.replace(config, **knobs)
-
-
-@dataclass
-class PrefillResult:
-    logits: Tensor                 # [V] logits of the last prompt token
-    past_k: list[Tensor]           # per layer [1, KVH, T, d]
-    past_v: list[Tensor]
-    chunks: int
-    timings: dict = field(default_factory=dict)
-    # Activation elements of this prompt that entered shadowed linears, and those sent to the shadow path.
-    seen_elements: int = 0
-    outlier_elements: int = 0
-
-    @property
-    def outlier_share(self) -> float:
-        return self.outlier_elements / self.seen_elements if self.seen_elements else 0.0
-
-    @property
-    def tokens(self) -> int:
-        return self.past_k[0].shape[2]
-
-
-def check_prompt(input_ids, max_context: int, vocab: int) -> Tensor:
-    """``input_ids`` as a 1-D int64 tensor, or an LlmNpuError that says what is wrong with it."""
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise LlmNpuError(f"prefill runs one prompt at a time (batch 1), got a batch of {ids.shape[0]}")
-        ids = ids[0]
-    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
-        raise LlmNpuError(f"input_ids must be a 1-D (or [1, T]) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
-    if ids.numel() == 0:
-        raise LlmNpuError("the prompt is empty: give at least one token")
-    if ids.numel() > max_context:
-        raise LlmNpuError(f"the prompt has {ids.numel()} tokens, more than the context of "
-                          f"{max_context}: shorten it")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise LlmNpuError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-    return ids.to(torch.int64)
 
 
 class Prefiller:
@@ -227,13 +183,10 @@ class Prefiller:
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
             self.profile.save(self._profile_path())
         self.last_run = stats
-        total = ids.numel()
-        past_k = [out[k][:, :, :total] for k in self.program.out_k]
-        past_v = [out[v][:, :, :total] for v in self.program.out_v]
-        logits = out[self.program.out_logits].reshape(-1)
+        result = gather(self.program, out, ids.numel(), len(feeds), stats)
         seen, outliers = self._outlier_counts()
-        return PrefillResult(logits, past_k, past_v, len(feeds), {"prefill_s": stats.wall_s},
-                             seen - seen0, outliers - outliers0)
+        result.seen_elements, result.outlier_elements = seen - seen0, outliers - outliers0
+        return result
 
     def _outlier_counts(self) -> tuple[int, int]:
         shadows = self.program.shadow.values()
@@ -259,8 +212,6 @@ class Prefiller:
 def default_calibration(lm: LoadedModel | None, progress: bool = True, config: CalibConfig = CalibConfig(),
                         text_file=None) -> Calibration:
     """The cached calibration of ``lm`` on the shipped calibration text (or ``text_file``)."""
-    from .evaluate import calibration_ids
-
     if lm is None:
         raise LlmNpuError("a quantized prefill needs a calibration: pass calibration=..., or a LoadedModel "
                           "(load_model(...)) so the shipped calibration text can be tokenized")
@@ -322,3 +273,18 @@ def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_
             engines[key] = Prefiller(model, chunk_len, backend, quant, calibration, progress=progress)
         engine = engines[key]
     return engine(input_ids)
+
+
+def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True):
+    """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
+    ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
+    (planned on the whole model first, so pruning ranks every layer as in the full model)."""
+    if quant is None:
+        raise LlmNpuError("export writes INT8 NPU subgraphs: use quant w8a8-shadow or w8a8, not fp32")
+    lm = load_model(spec)
+    calib = default_calibration(lm, progress)
+    if blocks is not None:
+        plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
+        keep_first_blocks(lm, blocks)
+    # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
+    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32")

@@ -11,8 +11,12 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .errors import LlmNpuError
-from .kernels import int8_path
 from .hf import LlmNpuForCausalLM
+from .kernels import int8_path
+from .runtime.native import run_native
+from .runtime.pte_runner import PteRunner, load_sidecar
+from .runtime.sampling import check_sampling
+from .runtime.trace import read_trace, write_timeline, write_trace
 
 
 class TokenClock(BaseStreamer):
@@ -88,8 +92,6 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
 
 def write_prefill_trace(summary: dict, stats, trace_dir: str, title: str) -> None:
     """The prefill's Chrome/Perfetto trace and timeline picture in ``trace_dir``; their paths go into ``summary``."""
-    from .runtime.trace import write_timeline, write_trace
-
     summary["trace"] = str(write_trace(stats, Path(trace_dir) / "prefill.trace.json"))
     summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", title))
 
@@ -113,9 +115,6 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
             native: bool = False, trace_dir: str | None = None) -> dict:
     """Generate from ``prompt`` with an exported program alone: the Python reference runner
     (``PteRunner``) or, with ``native``, the C++ one (``llmnpu-runner``); the same summary as ``run``."""
-    from .runtime.pte_runner import PteRunner, load_sidecar
-    from .runtime.sampling import check_sampling
-
     pte = Path(pte)
     runner = None if native else PteRunner(pte, policy=policy)     # checks the program and its files
     meta = runner.meta if runner else load_sidecar(pte)
@@ -125,8 +124,6 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
     printer = TextStreamer(tok, skip_special_tokens=True) if stream else None
     on_token = (lambda t: printer.put(torch.tensor([t]))) if printer else None
     if native:
-        from .runtime.native import run_native
-
         trace = Path(trace_dir) / "prefill.trace.json" if trace_dir is not None else None
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +154,6 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
         "text": tok.decode(out["tokens"], skip_special_tokens=True),
     }
     if trace_dir is not None:
-        from .runtime.trace import read_trace, write_timeline
-
         title = f"prefill of {summary['prompt_tokens']} tokens (.pte, {engine})"
         if native:
             summary["trace"] = str(trace)

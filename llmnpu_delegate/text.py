@@ -23,6 +23,9 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from .errors import LlmNpuError
 from .paths import atomic_path, cache_dir
 
@@ -104,6 +107,45 @@ def default_text_file(role: str) -> Path:
             if not path.is_file():
                 prepare_text(folder)
     return path
+
+
+def read_text(path: Path | None, role: str) -> str:
+    """Text of ``path``, or the shipped default for ``role`` ("calib" or "eval")."""
+    path = Path(path) if path is not None else default_text_file(role)
+    if not path.is_file():
+        raise LlmNpuError(f"text file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise LlmNpuError(f"text file {path} is empty: give a file with prose")
+    return text
+
+
+def tokenize(lm, text: str) -> Tensor:
+    """``text`` as token ids (no special tokens) with the tokenizer of ``lm`` (a ``LoadedModel``)."""
+    if lm.tokenizer is None:
+        raise LlmNpuError(f"model '{lm.spec}' has no tokenizer: give a model folder with tokenizer files")
+    ids = lm.tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def calibration_ids(lm, path: Path | None = None) -> Tensor:
+    """The calibration token stream: the text of ``path``, or the shipped calibration text in which, when
+    the tokenizer has a chat template, every other paragraph is wrapped in it as a user turn (chat is
+    the main job, and its special tokens and role headers shape the activations too)."""
+    text = read_text(path, "calib")
+    tok = lm.tokenizer
+    if path is not None or tok is None or not getattr(tok, "chat_template", None):
+        return tokenize(lm, text)
+    parts = []
+    for i, paragraph in enumerate(p for p in text.split("\n") if p.strip()):
+        if i % 2:
+            parts.append(torch.tensor(tok.apply_chat_template([{"role": "user", "content": paragraph}],
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"], dtype=torch.int64))
+        else:
+            parts.append(tokenize(lm, paragraph + "\n"))
+    return torch.cat(parts)
+
 
 
 def prepare_text(out: Path, wheel: Path | None = None) -> dict:

@@ -7,13 +7,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.kernels import int8_path, native_ops
 from llmnpu_delegate.kernels.attention import _attend, causal_mask, chunk_attention_bf16, resolve_precision
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
-from llmnpu_delegate.runtime.graph_cache import GraphCache
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -157,7 +157,7 @@ def test_bf16_attention_keeps_the_embedded_model_within_40_db_and_its_perplexity
     two 1,024-token windows of evaluation text, the float model otherwise unchanged (measured:
     48 dB, +0.02 %). In the INT8 engine the same change moves the logits by about the INT8 noise
     itself (roundings flip), so the gate isolates what attention's precision does."""
-    from llmnpu_delegate.evaluate import read_text, tokenize
+    from llmnpu_delegate.text import read_text, tokenize
 
     ids = tokenize(smollm2, read_text(None, "eval"))[:2048].view(2, 1024)
     model, before = smollm2.model, smollm2.model.config._attn_implementation

@@ -61,7 +61,7 @@ def test_auto_needs_held_apart_text_and_bad_rates_are_refused():
 
 
 def test_default_calibration_text_has_chat_formatted_samples(smollm2):
-    from llmnpu_delegate.evaluate import calibration_ids, read_text, tokenize
+    from llmnpu_delegate.text import calibration_ids, read_text, tokenize
 
     ids = calibration_ids(smollm2)
     start = smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")

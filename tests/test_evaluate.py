@@ -8,9 +8,10 @@ import torch
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.cli import main
-from llmnpu_delegate.quantize.auto import GRID
-from llmnpu_delegate.evaluate import eval_windows, perplexity, read_text
+from llmnpu_delegate.evaluate import eval_windows, perplexity
 from llmnpu_delegate.models import load_model
+from llmnpu_delegate.quantize.auto import GRID
+from llmnpu_delegate.text import read_text
 
 
 def test_eval_windows():

@@ -11,13 +11,13 @@ from conftest import inject_outliers, on_int64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmnpu_delegate.backends.graph_cache import GraphCache
+from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
 from llmnpu_delegate.runtime.executor import POLICIES, Scheduler, TaskError, Workers
-from llmnpu_delegate.runtime.graph_cache import GraphCache
 from llmnpu_delegate.runtime.program import ChunkProgram, Step, program_digest
-from llmnpu_delegate.runtime.tasks import build_tasks
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_ooo_reorders_and_cuts_bubbles_when_the_profile_says_so(engine, monkeypa
 
 
 def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
-    from llmnpu_delegate.runtime.tasks import Task
+    from llmnpu_delegate.format.tasks import Task
 
     # cpu task 0 unlocks an NPU task of 5 s; cpu task 1 unlocks nothing; npu tasks score -cost
     tasks = [Task(0, 1, 0, "cpu", [], [2], 1.0), Task(1, 0, 1, "cpu", [], [], 1.0),
@@ -153,7 +153,7 @@ def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
 
 
 def test_ooo_breaks_ties_by_the_chain_of_work_after_a_task():
-    from llmnpu_delegate.runtime.tasks import Task
+    from llmnpu_delegate.format.tasks import Task
 
     # two NPU tasks of the same cost (the same subgraph of chunks 0 and 1): chunk 1's has 3 s of work
     # after it, chunk 0's none; the longer chain runs first, not the earlier chunk

@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 from test_artefacts import BYTES, damage_bytes, mutated, structure
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.lower.pte import export_pte, sidecar_path
-from llmnpu_delegate.lower.validate import sqnr_db, validate_pte
+from llmnpu_delegate.format.sidecar import sidecar_path
+from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller, quant_config
 from llmnpu_delegate.quantize import CalibConfig, calibrate
 from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
 
 CHUNK = 32
 
@@ -163,15 +164,9 @@ def test_export_and_validate_commands_cpu_int8(tmp_path, capsys):
 def test_outsized_output_channels_get_their_own_encoding():
     """Two output channels with 100-300x the others' range: split out, each gets its own output
     encoding, and the ordinary channels keep their resolution (the embedded model's down_proj case)."""
-    from executorch.extension.pybindings.portable_lib import (
-        _load_for_executorch_from_buffer,
-    )
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
-    from llmnpu_delegate.lower.npu_subgraphs import (
-        lower_region,
-        output_groups,
-        region_spec,
-    )
+    from llmnpu_delegate.lower.npu_subgraphs import lower_region, output_groups, region_spec
     from llmnpu_delegate.quantize.apply import LinearPlan
 
     torch.manual_seed(0)
@@ -318,7 +313,7 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
     """A key deleted or a value of another type, with the checksum made to fit (a buggy or foreign
     exporter): the Python runner refuses in one line or gives the same logits; the native runner
     (--dry-run reads the whole sidecar) exits 0, or 2 with one line, and never crashes."""
-    from llmnpu_delegate.lower.pte import sidecar_digest
+    from llmnpu_delegate.format.sidecar import sidecar_digest
     from llmnpu_delegate.runtime.native import find_runner
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
@@ -344,7 +339,7 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
 def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path, static):
     """Found by the property test above: a profile whose step table is not a table of step numbers
     once escaped as a bare `stoi` from the native runner (exit 1)."""
-    from llmnpu_delegate.lower.pte import sidecar_digest
+    from llmnpu_delegate.format.sidecar import sidecar_digest
     from llmnpu_delegate.runtime.native import find_runner
 
     pte, side = _program_copy(exported[0], tmp_path / "program")

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmnpu_delegate.lower.pte import sidecar_path
+from llmnpu_delegate.format.sidecar import sidecar_path
+from llmnpu_delegate.format.tasks import expand
 from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
 from llmnpu_delegate.runtime.profile import Profile
 from llmnpu_delegate.runtime.pte_runner import PteRunner
-from llmnpu_delegate.runtime.tasks import expand
 
 ASAN_BUILD = _REPO_BUILD.parents[1] / "build-asan" / _REPO_BUILD.name
 PROMPT = ("The committee met on Tuesday to review the budget for the coming year. After a long debate, "
@@ -29,9 +29,9 @@ PROMPT = ("The committee met on Tuesday to review the budget for the coming year
 def program(tmp_path_factory):
     """A cpu-int8 program of the embedded model's first 2 blocks (chunk 64, INT8 decode) and a prompt
     of 2-3 chunks whose last chunk is padded."""
-    from llmnpu_delegate.evaluate import read_text, tokenize
-    from llmnpu_delegate.lower.pte import export_engine, export_pte
-    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.lower.pte import export_pte
+    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.text import read_text, tokenize
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=2, progress=False)
     out = tmp_path_factory.mktemp("native") / "smol.pte"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from llmnpu_delegate.kernels import native_ops
-from llmnpu_delegate.kernels.native_ops import native_available, shadow_product, shadow_product_reference
+from llmnpu_delegate.kernels.native_ops import native_available
+from llmnpu_delegate.kernels.ops import shadow_product, shadow_product_reference
 
 
 def _activations(m, k, rate, seed):

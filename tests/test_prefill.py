@@ -8,13 +8,13 @@ from conftest import assert_within_quant_effect, inject_outliers, on_int64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
-from llmnpu_delegate.runtime.graph_cache import GraphCache
-from llmnpu_delegate.runtime.tasks import build_tasks
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned

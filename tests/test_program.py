@@ -9,14 +9,15 @@ from torch import fx, nn
 
 from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
 from llmnpu_delegate.capture import kv_shape
+from llmnpu_delegate.format import kv as kv_format
+from llmnpu_delegate.format.rows import ColdRows, write_cold_rows
 from llmnpu_delegate.lower import decode as program_decode
-from llmnpu_delegate.lower.cpu_subgraphs import shadow_branches
-from llmnpu_delegate.lower.pte import write_cold_rows
-from llmnpu_delegate.lower.validate import sqnr_db
+from llmnpu_delegate.lower.cpu_subgraphs import cold_channels, shadow_branches
 from llmnpu_delegate.partitioner.regions import shadow_delta
 from llmnpu_delegate.quantize.apply import LinearPlan
 from llmnpu_delegate.quantize.shadow import ShadowWeights, weight_rows_file
-from llmnpu_delegate.runtime.pte_runner import ColdRows, PteRunner
+from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.validate import sqnr_db
 
 CLIP = 3.0
 
@@ -58,7 +59,7 @@ def test_sparse_shadow_branch_equals_the_engine_product_with_hot_and_cold_outlie
     (delta, hits), branches = _shadow_program(lin, plan, x, "sparse")
     assert branches == [{"linear": "lin", "input": 0, "output": 0, "hits": 1}]
     assert sorted(torch.nonzero(hits).flatten().tolist()) == [3, 17, 20]      # channels that crossed the clip
-    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": lin.weight}, {"lin": plan}, tmp_path / "r.bin"))
+    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": (lin.weight, cold_channels(plan, 32), CLIP)}, tmp_path / "r.bin"))
     cold = rows.product("lin", x, hits)
     assert rows.fetched == 2                    # channels 17 and 20, read from the file
     got = delta + cold
@@ -76,7 +77,7 @@ def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_ho
     lin, x = _inputs()
     plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]))
     (delta, hits), _ = _shadow_program(lin, plan, x, "sparse")
-    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": lin.weight}, {"lin": plan}, tmp_path / "r.bin"))
+    rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": (lin.weight, cold_channels(plan, 32), CLIP)}, tmp_path / "r.bin"))
     assert rows.product("lin", x, hits) is None and rows.fetched == 0
     with torch.no_grad():
         dense = nn.functional.linear(x - x.clamp(-CLIP, CLIP), lin.weight)
@@ -110,18 +111,18 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
     ids = torch.randint(0, 1000, (1, 80), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():   # every layer's whole K/V (a config-less cache crops no sliding window)
         cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
-    from llmnpu_delegate.prefill import PrefillResult
+    from llmnpu_delegate.runtime.prompt import PrefillResult
 
     programs = {mode: _load(program_decode.export_decode(model, kv, context, mode, ids)) for mode in ("fp32", "int8")}
     for t in (40, 80):                      # gemma2's window is 64: the second step must drop early keys
         pre = PrefillResult(torch.zeros(1), [layer.keys[:, :, :t] for layer in cache.layers],
                             [layer.values[:, :, :t] for layer in cache.layers], 1)
         want = _hf_decode_step(model, pre, 7)
-        k_cache, v_cache = program_decode.empty_cache(kv, context)
+        k_cache, v_cache = kv_format.empty_cache(kv, context)
         for k_all, v_all in zip(k_cache, v_cache):
             k_all.fill_(1e3)                # slots past the position must not be read
             v_all.fill_(1e3)
-        assert program_decode.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v) == t
+        assert kv_format.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v) == t
         got = {mode: p.forward((torch.tensor([[7]]), torch.tensor([t]), *k_cache, *v_cache)) for mode, p in programs.items()}
         torch.testing.assert_close(got["fp32"][0][0], want, rtol=0, atol=1e-4)
         # the new token's K/V: what HF appends to its cache
@@ -146,15 +147,15 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
                             "passing the rocks at night", return_tensors="pt").input_ids
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
-    from llmnpu_delegate.prefill import PrefillResult
+    from llmnpu_delegate.runtime.prompt import PrefillResult
 
     t = ids.shape[1]
     pre = PrefillResult(torch.zeros(1), [la.keys for la in cache.layers], [la.values for la in cache.layers], 1)
     token = int(ids[0, -1])
     want = _hf_decode_step(model, pre, token)
     pte = _load(program_decode.export_decode(model, kv, context, "int8", ids, keep))
-    k_cache, v_cache = program_decode.empty_cache(kv, context)
-    program_decode.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v)
+    k_cache, v_cache = kv_format.empty_cache(kv, context)
+    kv_format.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v)
     got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
     assert sqnr_db(got, want) >= 25, sqnr_db(got, want)
 
@@ -190,10 +191,10 @@ def _teacher_forced_wrapper(wrapper, ids, ref) -> float:
 def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_path):
     """A cpu-int8 program of the embedded model's first 4 blocks, fp32 decode, 2 chunks of prompt: its
     greedy tokens against the wrapper's (same model, calibration and settings; HF float decode)."""
-    from llmnpu_delegate.evaluate import read_text, tokenize
     from llmnpu_delegate.hf import LlmNpuForCausalLM
-    from llmnpu_delegate.lower.pte import export_engine, export_pte
-    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.lower.pte import export_pte
+    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.text import read_text, tokenize
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=4, progress=False)
     out = tmp_path / "smol.pte"

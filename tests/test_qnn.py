@@ -105,8 +105,8 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     from test_export import CHUNK
 
     from llmnpu_delegate.lower.pte import export_pte
-    from llmnpu_delegate.lower.validate import validate_pte
     from llmnpu_delegate.runtime.pte_runner import PteRunner
+    from llmnpu_delegate.runtime.validate import validate_pte
 
     ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
     # output encodings observed on the very rows compared: rounding alone is left

@@ -7,9 +7,9 @@ import pytest
 
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.format.tasks import expand
 from llmnpu_delegate.runtime import executor
 from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
-from llmnpu_delegate.runtime.tasks import expand
 from llmnpu_delegate.runtime.trace import metrics
 from llmnpu_delegate.simulate import cost
 from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device, socs
@@ -60,7 +60,7 @@ def test_flops_and_bytes_of_a_linear_region_match_a_hand_count(tiny):
 @pytest.mark.parametrize("past", [0, C, 5 * C])
 def test_attention_work_grows_with_the_keys_it_reads(tiny, past):
     att = next(s for s in tiny.partition.subgraphs if not s.static and s.layer == 0)
-    node = next(n for n in att.nodes if n.target in cost._ATTENTION_TARGETS)
+    node = next(n for n in att.nodes if n.target in cost.ATTENTION_TARGETS)
     w = cost.node_work(node, past, 2, {})
     heads, d, keys = 4, 16, past + C
     assert w.flops == 2 * 2 * heads * C * keys * d                 # QK^T and PV

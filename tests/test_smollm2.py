@@ -5,14 +5,9 @@ import pytest
 import torch
 from conftest import on_int64
 
-from llmnpu_delegate.evaluate import eval_windows, perplexity, read_text, tokenize
-from llmnpu_delegate.quantize import (
-    CalibConfig,
-    QuantConfig,
-    calibrate,
-    outlier_counters,
-    quantize_,
-)
+from llmnpu_delegate.evaluate import eval_windows, perplexity
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, outlier_counters, quantize_
+from llmnpu_delegate.text import read_text, tokenize
 
 pytestmark = pytest.mark.slow
 

@@ -10,19 +10,18 @@ With ``plans=None`` the same subgraphs run as float linears: the float reference
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels as K
-from ..kernels.native_ops import shadow_product
 from ..errors import LlmNpuError
+from ..kernels.ops import shadow_product
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
 from ..quantize.shadow import ShadowWeights, shadow_weights
-from ..runtime.graph_cache import GraphCache
+from .graph_cache import GraphCache
 
 NAME = "cpu-int8"
 
@@ -68,7 +67,7 @@ class ShadowDelta(nn.Module):
     """One linear's shadow product ``(x - clip(x)) @ W^T`` (a [.., N] float tensor), or a scalar zero
     when no element crossed the threshold.
 
-    Its cost follows the outliers: ``kernels.native_ops.shadow_product`` scans ``x`` once and adds one
+    Its cost follows the outliers: ``kernels.ops.shadow_product`` scans ``x`` once and adds one
     row of W^T (memory-mapped: only hit rows are read) per outlier element. A chunk's outliers spread
     over hundreds of channels, ~4 each, so a dense block of the hit columns is mostly zeros."""
 
@@ -116,7 +115,7 @@ class CpuInt8Backend:
     def quantized(self) -> bool:
         return self.plans is not None
 
-    def _linear(self, name: str) -> nn.Linear:
+    def linear(self, name: str) -> nn.Linear:
         mod = self.modules.get(name)
         if not isinstance(mod, nn.Linear):
             raise LlmNpuError(f"{name} is not a float nn.Linear of the model (was the model quantized in place?)")
@@ -126,7 +125,7 @@ class CpuInt8Backend:
         if not all(is_linear(n) or n.op == "get_attr" for n in sub.nodes):
             raise LlmNpuError(f"NPU subgraph {sub.index} holds non-linear work; {NAME} runs INT8 linears only")
         if not self.quantized:
-            return FloatRegion([self._linear(n) for n in sub.linears], sub.linears)
+            return FloatRegion([self.linear(n) for n in sub.linears], sub.linears)
         scales = [self.plans[n].act_scale for n in sub.linears]
         fields = {"backend": NAME, "model": self.fingerprint, "chunk_len": self.chunk_len, "weights": self.weights,
                   "linears": sub.linears, "act_scale": scales}
@@ -136,7 +135,7 @@ class CpuInt8Backend:
     def _compile(self, names: list[str], scales: list[float]) -> dict:
         w_q, w_scale, bias = [], [], []
         for name in names:
-            lin = self._linear(name)
+            lin = self.linear(name)
             q, s = quantize_weight(lin.weight, self.weights)
             w_q.append(q)
             w_scale.append(s)
@@ -148,7 +147,7 @@ class CpuInt8Backend:
         if not isinstance(payload, dict) or payload.get("names") != list(names) or payload.get("act_scale") != list(scales):
             raise ValueError("payload is not for these linears")
         for i, name in enumerate(names):
-            lin = self._linear(name)
+            lin = self.linear(name)
             n, k = lin.weight.shape
             w_q, w_scale, bias = payload["w_q"][i], payload["w_scale"][i], payload["bias"][i]
             if not (isinstance(w_q, torch.Tensor) and w_q.dtype == torch.int8 and w_q.shape == (n, k)):
@@ -162,6 +161,6 @@ class CpuInt8Backend:
         plan = self.plans[name] if self.plans else None
         if plan is None or not plan.shadow:
             raise LlmNpuError(f"{name} has no shadow path in this quantization plan")
-        lin = self._linear(name)
+        lin = self.linear(name)
         rows = shadow_weights(self.fingerprint, name, lin.weight, plan.hot)
         return ShadowDelta(name, plan.clip, rows, lin.out_features)

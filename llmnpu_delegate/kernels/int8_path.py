@@ -32,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
-from dataclasses import dataclass
+
+import torch
 
 from ..errors import LlmNpuError
+from .cpu import Cpu, detect  # noqa: F401 - part of this module's API
+from .native_ops import native_available
 
 DECODE_PATHS = ("vnni", "avx2", "portable")
 PATHS = ("onednn", "avx512", "avx2", "portable", "int_mm", "int64")
@@ -50,54 +52,6 @@ _ONEDNN_VNNI512 = {"", "ALL", "DEFAULT", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
 _ONEDNN_VNNI256 = {"", "ALL", "DEFAULT", "AVX2_VNNI", "AVX2_VNNI_2"}
 # FBGEMM_ENABLE_INSTRUCTIONS values that leave fbgemm its VNNI kernels
 _FBGEMM_VNNI = {"", "AVX512_E1", "AVX512_VNNI"}
-
-
-@dataclass(frozen=True)
-class Cpu:
-    """What the chooser needs to know of a CPU: a plain value, so tests can describe any CPU."""
-    arch: str                    # platform.machine(): "x86_64", "aarch64", ...
-    flags: frozenset[str]        # /proc/cpuinfo flags (x86) or features (Arm)
-    model: str = ""
-    onednn_cap: str = ""         # ONEDNN_MAX_CPU_ISA, upper case, "" when unset
-    fbgemm_cap: str = ""         # FBGEMM_ENABLE_INSTRUCTIONS, upper case, "" when unset
-
-    @property
-    def x86(self) -> bool:
-        return self.arch in ("x86_64", "AMD64", "i686")
-
-    def has(self, *flags: str) -> bool:
-        return all(f in self.flags for f in flags)
-
-
-# LLMNPU_CPU_ISA=avx2 makes this process treat the CPU as an AVX2-only one (AMD Zen 2/3, Intel before
-# Ice Lake): every feature above AVX2 is dropped from what ``detect`` reports. `make test-avx2` sets
-# it, with oneDNN, fbgemm, MKL and torch capped alike, so one machine can test the other's paths.
-_ABOVE_AVX2 = ("avx512", "avx_vnni", "avx10", "amx")
-
-
-def detect() -> Cpu:
-    """This machine's CPU, read from /proc/cpuinfo (Linux) and the environment."""
-    flags: set[str] = set()
-    model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("flags", "features") and not flags:
-                    flags = set(value.split())
-                elif key in ("model name", "cpu model") and value.strip():
-                    model = value.strip()
-    except OSError:
-        pass
-    emulate = os.environ.get("LLMNPU_CPU_ISA", "").strip().lower()
-    if emulate == "avx2":
-        flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
-    elif emulate:
-        raise LlmNpuError(f"LLMNPU_CPU_ISA={emulate} is not an ISA class this project emulates: use avx2, or unset it")
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return Cpu(platform.machine(), frozenset(flags), model, cap.strip().upper(),
-               os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").strip().upper())
 
 
 def isa_class(cpu: Cpu) -> str:
@@ -189,7 +143,6 @@ def current() -> str:
 @functools.cache
 def _process_path() -> str:
     """``$LLMNPU_INT8_KERNEL`` if set (checked), else ``choose(detect(), ...)``."""
-    from .native_ops import native_available      # here: native_ops imports ops, which imports this
     cpu = detect()
     forced = os.environ.get(ENV, "").strip().lower()
     if forced in ("", "auto"):
@@ -208,7 +161,6 @@ def _process_path() -> str:
 
 
 def _onednn_available() -> bool:
-    import torch
     return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
@@ -226,7 +178,6 @@ def decode_path(cpu: Cpu) -> str:
 def decode_kernel() -> str:
     """What decode's dynamic linear runs in this process: ``native-<path>`` (``Int8Gemv``), else the
     fbgemm fallback: ``fbgemm`` where exact in 8 bits, ``fbgemm-7bit`` (``reduce_range``) elsewhere."""
-    from .native_ops import native_available      # here: native_ops imports ops, which imports this
     cpu = detect()
     if native_available():
         return f"native-{decode_path(cpu)}"

@@ -8,14 +8,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from .ops import outlier_extract
+from .cpu import detect
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,6 @@ def native_available() -> bool:
 def missing_build_features(library: Path) -> list[str]:
     """The SIMD features the build of ``library`` assumed (``build-isa.txt`` beside it, written by its
     CMakeLists) that this CPU lacks; empty when it can run here, or when the build recorded none."""
-    from .int8_path import detect
     record = library.parent / "build-isa.txt"
     if not record.is_file():
         return []
@@ -105,30 +103,6 @@ def pieces_helped() -> int:
         _state["pieces_helped"] = _c_function("llmnpu_pieces_helped", [], ctypes.c_int64)
     fn = _state["pieces_helped"]
     return int(fn()) if fn is not None else 0
-
-
-def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
-    """The shadow branch of one linear: ``(x - clamp(x, -t, t)) @ table`` for ``x`` [M, K] and
-    ``table`` = W^T [K, N] (float, e.g. memory-mapped: only the rows of hit channels are read).
-    Returns the product [M, N], the hit input channels (sorted) and the number of outlier elements.
-    Native: one scan of ``x`` and one row of W^T per outlier."""
-    if native_available():
-        return torch.ops.llmnpu_native.shadow_product(x, threshold, table)
-    return shadow_product_reference(x, threshold, table)
-
-
-def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
-    """``shadow_product`` on torch ops: the hit columns compacted, their residue as a sparse (CSR)
-    matrix with its columns renamed to input channels, times W^T where it lies."""
-    channels, residue = outlier_extract(x, threshold)          # [k], [M, k]: the hit columns only
-    if channels.numel() == 0:
-        return x.new_zeros((x.shape[0], table.shape[1])), channels, 0
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
-        warnings.simplefilter("ignore", UserWarning)
-        local = residue.to_sparse_csr()
-        sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
-                                         tuple(x.shape), check_invariants=False)
-        return torch.sparse.mm(sparse, table), channels, local.values().numel()
 
 
 def bf16_attention_available() -> bool:

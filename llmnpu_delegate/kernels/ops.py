@@ -19,7 +19,8 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import int8_path
+from . import int8_path, native_ops
+from .native_ops import native_available
 
 QMAX = 127  # symmetric int8: -128 is never produced, so -x quantizes to -q
 
@@ -161,7 +162,6 @@ def quantize_u8(x: Tensor, scale: float) -> Tensor:
     and if compilation is impossible here (no C++ compiler), the eager form: five passes over ``x``,
     524 us for 256x4864 on one core against 144 us compiled.
     """
-    from . import native_ops      # here: native_ops imports this module
     if native_ops.native_available():
         return torch.ops.llmnpu_native.quantize_u8(x, float(scale))
     return quantize_u8_torch(x, scale)
@@ -245,6 +245,30 @@ def _(x, threshold):
     return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.shape[0], k))
 
 
+def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The shadow branch of one linear: ``(x - clamp(x, -t, t)) @ table`` for ``x`` [M, K] and
+    ``table`` = W^T [K, N] (float, e.g. memory-mapped: only the rows of hit channels are read).
+    Returns the product [M, N], the hit input channels (sorted) and the number of outlier elements.
+    Native: one scan of ``x`` and one row of W^T per outlier."""
+    if native_available():
+        return torch.ops.llmnpu_native.shadow_product(x, threshold, table)
+    return shadow_product_reference(x, threshold, table)
+
+
+def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``shadow_product`` on torch ops: the hit columns compacted, their residue as a sparse (CSR)
+    matrix with its columns renamed to input channels, times W^T where it lies."""
+    channels, residue = outlier_extract(x, threshold)          # [k], [M, k]: the hit columns only
+    if channels.numel() == 0:
+        return x.new_zeros((x.shape[0], table.shape[1])), channels, 0
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
+        warnings.simplefilter("ignore", UserWarning)
+        local = residue.to_sparse_csr()
+        sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
+                                         tuple(x.shape), check_invariants=False)
+        return torch.sparse.mm(sparse, table), channels, local.values().numel()
+
+
 def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) -> Tensor:
     """``residue [M, k] @ w_rows [k, N]`` (added into ``out`` if given), sparse when that is faster.
 
@@ -275,7 +299,6 @@ def prepack_dynamic(w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None):
     """An INT8 weight [N, K] with per-output-channel scales, packed once for ``dynamic_linear``: the
     native ``Int8Gemv`` on its path for this CPU (``int8_path.decode_path``), or, without the native
     kernels, fbgemm's packed weight (u8 x s8 with int32 accumulation)."""
-    from .native_ops import native_available      # here: native_ops imports this module
     if native_available():
         return torch.classes.llmnpu_native.Int8Gemv(w_q.contiguous(), w_scale.float().contiguous(),
                                                     None if bias is None else bias.float().contiguous(),

@@ -31,9 +31,11 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from ..capture import attention_implementation
 from ..errors import LlmNpuError
+from ..format.kv import empty_cache
+from ..partitioner.regions import linear_names
 
-METHOD = "decode"
 MODES = ("int8", "fp32")
 # A per-token INT8 scale is set by the row's largest value: where calibration saw inputs whose
 # maximum exceeds this many times their clip percentile, ordinary values would get fewer than 8 of
@@ -99,41 +101,6 @@ class DecodeStep(nn.Module):
         return out.logits.reshape(1, -1), [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
 
-def empty_cache(kv, context: int) -> tuple[list[Tensor], list[Tensor]]:
-    """The method's K/V inputs: per layer K [1, KVH, d, context] (transposed) and V [1, KVH, context, d]."""
-    return ([torch.zeros(1, kv.kv_heads, kv.head_dim, context) for _ in range(kv.layers)],
-            [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)])
-
-
-def fill_cache(k_cache: list[Tensor], v_cache: list[Tensor], past_k: list[Tensor], past_v: list[Tensor]) -> int:
-    """Write a prefill's per-layer K/V [1, KVH, T, d] into slots 0..T-1; returns T."""
-    t = past_k[0].shape[2]
-    for k_all, v_all, k, v in zip(k_cache, v_cache, past_k, past_v):
-        k_all[..., :t] = k.transpose(2, 3)
-        v_all[:, :, :t] = v
-    return t
-
-
-def write_slot(k_cache: list[Tensor], v_cache: list[Tensor], pos: int, k_new, v_new) -> None:
-    """Write one step's new K/V (per layer [1, KVH, 1, d], the method's outputs) into slot ``pos``."""
-    for k_all, v_all, k, v in zip(k_cache, v_cache, k_new, v_new):
-        k_all[0, :, :, pos] = k[0, :, 0]
-        v_all[0, :, pos] = v[0, :, 0]
-
-
-def describe(mode: str, kv, context: int, keep_float: list[str]) -> dict:
-    """The sidecar's ``decode`` entry: the method, its inputs and outputs, and the K/V layout."""
-    L = kv.layers
-    return {"method": METHOD, "mode": mode, "backend": "xnnpack", "float_linears": keep_float,
-            "inputs": ["input_ids [1, 1] int64", "cache_position [1] int64",
-                       f"k_cache x {L}: [1, {kv.kv_heads}, {kv.head_dim}, {context}] float32 (K transposed)",
-                       f"v_cache x {L}: [1, {kv.kv_heads}, {context}, {kv.head_dim}] float32"],
-            "outputs": ["logits [1, vocab] float32", f"k_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]",
-                        f"v_new x {L}: [1, {kv.kv_heads}, 1, {kv.head_dim}]"],
-            "kv_layout": "static cache of `context` slots per layer, read in place (not memory-planned); "
-                         "slots >= cache_position are not read; the runner writes k_new/v_new at slot cache_position"}
-
-
 def example_inputs(kv, context: int, position: int = 3) -> tuple:
     return (torch.zeros(1, 1, dtype=torch.long), torch.tensor([position]), *empty_cache(kv, context))
 
@@ -153,8 +120,6 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from ..capture import attention_implementation
-
     if mode not in MODES:
         raise LlmNpuError(f"unknown decode mode '{mode}': use one of {', '.join(MODES)}")
     step = DecodeStep(model).eval()
@@ -173,8 +138,6 @@ def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None, keep_float):
         get_symmetric_quantization_config,
     )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from ..partitioner.regions import linear_names
 
     class Quantizer(XNNPACKQuantizer):
         # XNNPACKQuantizer cannot leave a named module unquantized (set_module_name refuses None)

@@ -15,15 +15,18 @@ without Qualcomm libraries).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import LlmNpuError
-from ..kernels import quantize
+from ..format.regions import RegionSpec
+from ..qnn.sdk import activate
 from ..quantize.apply import LinearPlan
+from .encodings import LlmNpuQuantizer
+from .qnn import DEFAULT_SOC, to_qnn_edge
 
 TARGETS = ("qnn", "cpu-int8")
 
@@ -92,50 +95,6 @@ def _rows(lin: nn.Linear, channels: list[int]) -> nn.Linear:
     return sub
 
 
-@dataclass
-class RegionSpec:
-    method: str                       # method name in the .pte
-    names: list[str]                  # linear names, in output order
-    groups: list[list[int]]           # activation-scale groups: indices into names
-    scales: list[float]               # one activation scale per group
-    # linear index -> its split output channel groups (each an extra method output, in index order)
-    splits: dict[int, list[list[int]]] = field(default_factory=dict)
-
-    def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
-        # distinct buffers: the runtime aliases one tensor object passed to two inputs
-        return (x, *(x.clone() for _ in self.groups[1:]))
-
-    def grid_inputs(self, x: Tensor) -> tuple[Tensor, ...]:
-        """What the CPU side hands the method: each group's rows already on its activation grid,
-        ``clamp(round(x / scale), +-127) * scale``, the codes of our ``quantize``. HTP's own float ->
-        int8 conversion of raw rows disagrees with that rounding by a code now and then (up to 3
-        output steps on the embedded model's v_proj); values on the grid convert exactly."""
-        if len(self.scales) != len(self.groups):
-            raise LlmNpuError(f"{self.method}: one activation scale per input group is needed")
-        return tuple(quantize(x, s).to(x.dtype).mul_(s) for s in self.scales)
-
-    def plan_names(self, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
-        """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
-        local = {f"lins.{i}": plans[n] for i, n in enumerate(self.names)}
-        parts = [i for i in sorted(self.splits) for _ in self.splits[i]]
-        local.update({f"outs.{j}": plans[self.names[i]] for j, i in enumerate(parts)})
-        return local
-
-    def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
-        """The method's outputs back to one tensor per linear, channels in their places."""
-        n = len(self.names)
-        merged, k = list(outs[:n]), n
-        for i in sorted(self.splits):
-            groups = self.splits[i]
-            parts = [merged[i], *outs[k:k + len(groups)]]
-            k += len(groups)
-            split = [c for chans in groups for c in chans]
-            width = sum(p.shape[-1] for p in parts)
-            keep = [c for c in range(width) if c not in set(split)]
-            merged[i] = torch.cat(parts, -1).index_select(-1, torch.tensor(keep + split).argsort())
-        return merged
-
-
 def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan],
                 splits: dict[int, list[list[int]]] | None = None) -> RegionSpec:
     by_scale: dict[float, list[int]] = {}
@@ -145,6 +104,15 @@ def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan],
                       {i: c for i, c in (splits or {}).items() if c})
 
 
+def plan_names(spec: RegionSpec, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
+    """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
+    local = {f"lins.{i}": plans[n] for i, n in enumerate(spec.names)}
+    parts = [i for i in sorted(spec.splits) for _ in spec.splits[i]]
+    local.update({f"outs.{j}": plans[spec.names[i]] for j, i in enumerate(parts)})
+    return local
+
+
+
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
                      calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None):
     """The region exported for ``rows_per_call`` rows (default: all of ``calib_rows``), annotated with
@@ -152,18 +120,14 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     Returns (graph, example inputs)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from .encodings import LlmNpuQuantizer
-
     n = rows_per_call or calib_rows.shape[0]
     if calib_rows.shape[0] % n:
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {n}-row calls")
     module = RegionModule(linears, spec.groups, spec.splits).eval()
     example = spec.inputs(calib_rows[:n])
     graph = torch.export.export(module, example, strict=True).module()
-    ours = LlmNpuQuantizer(spec.plan_names(plans), granularity, flavour="qnn" if target == "qnn" else "xnnpack")
+    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour="qnn" if target == "qnn" else "xnnpack")
     if target == "qnn":
-        from ..qnn.sdk import activate
-
         activate()      # before the Qualcomm package is imported: it looks for the SDK then
         from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
 
@@ -207,13 +171,9 @@ def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, Li
     graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call)
     encodings = output_encodings(graph)
     if target == "qnn":
-        from .qnn import DEFAULT_SOC, to_qnn_edge
-
         edge = to_qnn_edge(spec.method, graph, example, soc or DEFAULT_SOC)
     else:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-            XnnpackPartitioner,
-        )
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import to_edge_transform_and_lower
 
         ep = torch.export.export(graph, example, strict=True)

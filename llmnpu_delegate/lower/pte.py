@@ -37,43 +37,22 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from ..format import kv as kv_format
+from ..format.rows import write_cold_rows
+from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
+from ..format.tasks import dependency_table
+from ..partitioner.regions import is_linear
 from ..paths import atomic_path
+from . import decode as decode_step
+from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
-from .sidecar import FORMAT, VERSION, sidecar_digest, sidecar_path  # noqa: F401 - sidecar_path: part of this API
+from .qnn import check_soc
 
 DEFAULT_CONTEXT = 1024
-ROW_DTYPE = "float32"    # cold rows file: little-endian float32 rows of W^T, one block per shadowed linear
-
-
-def rows_path(pte: Path) -> Path:
-    return Path(pte).with_suffix(".rows.bin")
-
-
-def tokenizer_path(pte: Path) -> Path:
-    return Path(pte).with_suffix(".tokenizer")
 
 
 def method_name(sub) -> str:
     return f"{'npu' if sub.kind == 'npu' else 'cpu'}_{sub.index}"
-
-
-def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True):
-    """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
-    ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
-    (planned on the whole model first, so pruning ranks every layer as in the full model)."""
-    from ..models import keep_first_blocks, load_model
-    from ..prefill import Prefiller, default_calibration
-    from ..quantize import plan_linears
-
-    if quant is None:
-        raise LlmNpuError("export writes INT8 NPU subgraphs: use quant w8a8-shadow or w8a8, not fp32")
-    lm = load_model(spec)
-    calib = default_calibration(lm, progress)
-    if blocks is not None:
-        plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
-        keep_first_blocks(lm, blocks)
-    # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
-    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32")
 
 
 def _check_args(engine, target: str, soc: str, context: int) -> None:
@@ -86,8 +65,6 @@ def _check_args(engine, target: str, soc: str, context: int) -> None:
         raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.max_context} "
                           f"(chunk length .. the model's context), got {context!r}")
     if target == "qnn":
-        from .qnn import check_soc
-
         check_soc(soc)
 
 
@@ -143,17 +120,10 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import (
-        EdgeCompileConfig,
-        ExecutorchBackendConfig,
-        to_edge_transform_and_lower,
-    )
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.program import EdgeProgramManager
     from tqdm.auto import tqdm
-
-    from . import decode as decode_step
-    from .cpu_subgraphs import SHADOW_FORMS, export_cpu_subgraph
 
     context = context or min(DEFAULT_CONTEXT, engine.max_context)
     _check_args(engine, target, soc, context)
@@ -175,7 +145,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
                  "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
                  "linears": sub.linears}
         if sub.kind == "npu":
-            linears = [engine.backend._linear(n) for n in sub.linears]
+            linears = [engine.backend.linear(n) for n in sub.linears]
             # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
             splits = ({j: output_groups(lin, rows[i]) for j, lin in enumerate(linears)}
                       if engine.backend.weights == "channel" else {})
@@ -205,21 +175,20 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
     keep_float = decode_step.float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
-    programs[decode_step.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
+    programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
                                                             keep_float).exported_program("forward")
     merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
     # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
-    planning = {decode_step.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
+    planning = {kv_format.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
     buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
 
     out = Path(out)
-    shadow_meta = (write_cold_rows({n: engine.backend._linear(n).weight for n in _shadowed(engine)}, engine.plans,
-                                   rows_path(out)) if shadow == "sparse" else {"form": "dense"})
+    shadow_meta = write_cold_rows(_cold_blocks(engine), rows_path(out)) if shadow == "sparse" else {"form": "dense"}
     tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
     with atomic_path(out) as tmp:
         tmp.write_bytes(buffer)
     meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
-    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=decode_step.describe(decode, engine.kv, context, keep_float))
+    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=kv_format.describe(decode, engine.kv, context, keep_float))
     meta["sidecar_sha256"] = sidecar_digest(meta)
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
@@ -232,8 +201,6 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
 
 
 def _holds_model_linear(sub) -> bool:
-    from ..partitioner.regions import is_linear
-
     return sub.kind == "cpu" and any(is_linear(n) for n in sub.nodes)
 
 
@@ -241,24 +208,13 @@ def _shadowed(engine) -> list[str]:
     return [n for n, p in engine.plans.items() if p.shadow]
 
 
-def write_cold_rows(weights: dict[str, Tensor], plans: dict, path: Path) -> dict:
-    """The cold channels' float rows of W^T of each shadowed linear (``weights``: name -> W [N, K]), one
-    block after another, into ``path``; returns the sidecar's ``shadow`` entry."""
-    from .cpu_subgraphs import cold_channels
-
-    linears, offset = {}, 0
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        for name, w in weights.items():
-            w = w.detach().float()
-            cold = cold_channels(plans[name], w.shape[1])
-            block = w.t()[cold].contiguous().numpy().astype("<f4")           # [cold, N]
-            f.write(block.tobytes())
-            linears[name] = {"cold_channels": cold, "rows_offset": offset, "in_features": w.shape[1],
-                             "out_features": w.shape[0], "clip": plans[name].clip}
-            offset += block.nbytes
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"form": "sparse", "rows_file": path.name, "rows_dtype": ROW_DTYPE, "bytes": offset, "rows_sha256": digest,
-            "linears": linears}
+def _cold_blocks(engine) -> dict:
+    """Per shadowed linear: its weight, the input channels whose rows stay out of the program, its clip."""
+    blocks = {}
+    for name in _shadowed(engine):
+        w = engine.backend.linear(name).weight
+        blocks[name] = (w, cold_channels(engine.plans[name], w.shape[1]), engine.plans[name].clip)
+    return blocks
 
 
 def _write_tokenizer(tokenizer, folder: Path) -> dict:
@@ -274,11 +230,9 @@ def shadow_cost(engine, form: str) -> dict:
     """Float work and float weight bytes of the shadow branches per chunk: ``dense`` (the whole linear
     on the residue) and the program's own ``form``. Cold products (data-dependent, from the rows file)
     are not counted here: the runner counts them (``PteRunner.cold_rows``)."""
-    from .cpu_subgraphs import program_hot_channels
-
     m, dense_flops, sparse_flops, dense_bytes, sparse_bytes = engine.chunk_len, 0, 0, 0, 0
     for name in _shadowed(engine):
-        n, k = engine.backend._linear(name).weight.shape
+        n, k = engine.backend.linear(name).weight.shape
         h = program_hot_channels(engine.plans[name]).numel()
         dense_flops += 2 * m * k * n
         sparse_flops += 2 * m * h * n
@@ -290,8 +244,6 @@ def shadow_cost(engine, form: str) -> dict:
 
 
 def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, buffer: bytes) -> dict:
-    from ..runtime.tasks import dependency_table
-
     plans, quant = engine.plans, engine.quant
     linears = {}
     for name, outputs in npu_outputs.items():

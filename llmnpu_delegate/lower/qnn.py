@@ -9,6 +9,7 @@ out as in our INT8 engine, and the validation compares the very same encodings.
 from __future__ import annotations
 
 from ..errors import LlmNpuError
+from ..qnn.sdk import activate
 
 DEFAULT_SOC = "SM8650"     # Snapdragon 8 Gen 3, the paper's device
 
@@ -23,8 +24,6 @@ def _quiet_qualcomm_logs() -> None:
 
 
 def chipsets() -> dict:
-    from ..qnn.sdk import activate
-
     activate()
     from executorch.backends.qualcomm.utils.utils import get_soc_to_chipset_map
 

@@ -31,7 +31,7 @@ from ..errors import LlmNpuError
 NORM_POLICIES = ("cpu", "npu")
 SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
-_ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
+ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
 
 
 def shadow_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Subgraph:
 
     def flops(self, past: int) -> int:
         """Multiply-adds x 2 of the linears and attention in this subgraph for a chunk at past length ``past``."""
-        return sum(_node_flops(n, past) for n in self.nodes)
+        return sum(node_flops(n, past) for n in self.nodes)
 
     def structure(self) -> tuple:
         """What it computes, without names: per node its op, its operands' shapes and its result's.
@@ -177,15 +177,15 @@ class Subgraph:
                                  for n in self.nodes if n.op == "call_function"))
 
 
-def _size(v, past: int) -> int:
+def dim_size(v, past: int) -> int:
     if isinstance(v, torch.SymInt):
         expr = v.node.expr
         return int(expr.subs({s: past for s in expr.free_symbols}))
     return int(v)
 
 
-def _shape(node: Node, past: int) -> list[int]:
-    return [_size(d, past) for d in node.meta["val"].shape]
+def node_shape(node: Node, past: int) -> list[int]:
+    return [dim_size(d, past) for d in node.meta["val"].shape]
 
 
 def _val_shape(v):
@@ -197,13 +197,13 @@ def _val_shape(v):
     return tuple(tuple(str(d) for d in x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in vals)
 
 
-def _node_flops(node: Node, past: int) -> int:
+def node_flops(node: Node, past: int) -> int:
     if is_linear(node) and "val" in node.meta:
-        out = _shape(node, past)
-        k = _shape(node.args[0], past)[-1]
+        out = node_shape(node, past)
+        k = node_shape(node.args[0], past)[-1]
         return 2 * math.prod(out) * k
-    if node.op == "call_function" and node.target in _ATTENTION_TARGETS:
-        q, k = _shape(node.args[0], past), _shape(node.args[1], past)
+    if node.op == "call_function" and node.target in ATTENTION_TARGETS:
+        q, k = node_shape(node.args[0], past), node_shape(node.args[1], past)
         return 2 * 2 * q[1] * q[2] * k[2] * q[3]       # QK^T and PV
     return 0
 

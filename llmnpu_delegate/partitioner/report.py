@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .regions import Partition, _shape, is_linear
+from .regions import Partition, is_linear, node_shape
 
 
 def _output_bytes(partition: Partition, sub, past: int) -> int:
@@ -20,7 +20,7 @@ def _output_bytes(partition: Partition, sub, past: int) -> int:
     for name in sub.outputs:
         val = by_name[name].meta.get("val")
         if isinstance(val, torch.Tensor):
-            total += math.prod(_shape(by_name[name], past)) * val.element_size()
+            total += math.prod(node_shape(by_name[name], past)) * val.element_size()
     return total
 
 

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from ..format.tasks import Task, build_tasks, past_name
 from ..kernels import int8_path, native_ops
-from .program import ChunkProgram, past_name
-from .tasks import Task, build_tasks
+from .program import ChunkProgram
 
 POLICIES = ("inorder", "overlap", "ooo", "cp")
 COST_POLICIES = ("ooo", "cp")    # policies that read the profiled task costs

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import LlmNpuError
+from ..qnn.sdk import native_env
 
 BINARY = "llmnpu-runner"
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "runner" / "build" / BINARY
@@ -37,8 +38,6 @@ def runner_env(meta: dict) -> dict:
     """The environment the binary needs: for a QNN program, Qualcomm's libraries (``qnn.sdk``)."""
     env = dict(os.environ)
     if meta.get("target") == "qnn":
-        from ..qnn.sdk import native_env
-
         env.update(native_env())
     return env
 

@@ -15,13 +15,9 @@ import torch
 from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
+from ..format.tasks import past_name
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from .fuse import fuse_cpu_subgraph
-
-
-def past_name(kind: str, layer: int) -> str:
-    """Input name of one layer's past K (``kind="k"``) or V in the chunk step."""
-    return f"past_{kind}_{layer}"
 
 
 @dataclass
@@ -130,19 +126,3 @@ def program_digest(program: ChunkProgram) -> str:
         code = step.fn.code if isinstance(step.fn, fx.GraphModule) else ""
         h.update(f"{step.sub.kind}|{step.sub.inputs}|{step.sub.outputs}|{code}\n".encode())
     return h.hexdigest()[:16]
-
-
-def chunk_feeds(ids: Tensor, chunk_len: int, kv) -> list[dict[str, Tensor]]:
-    """Per chunk of a checked 1-D prompt: its ids (the last chunk padded with 0 at its end),
-    positions and the row whose logits are wanted; the first chunk also gets the empty past K/V
-    (later chunks get theirs from the chunk before)."""
-    c = chunk_len
-    feeds = []
-    for position, start in enumerate(range(0, ids.numel(), c)):
-        part = ids[start:start + c]
-        chunk = torch.nn.functional.pad(part, (0, c - part.numel()))[None]
-        feeds.append({"input_ids": chunk, "cache_position": torch.arange(start, start + c),
-                      "logits_index": torch.tensor([part.numel() - 1])})
-    empty = torch.zeros(1, kv.kv_heads, 0, kv.head_dim)
-    feeds[0].update({past_name(kind, i): empty for kind in "kv" for i in range(kv.layers)})
-    return feeds

@@ -14,90 +14,27 @@ No model, weights or calibration are loaded from anywhere else.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from ..capture import KVShape
 from ..errors import LlmNpuError
-from ..kernels import outlier_product
+from ..format.kv import empty_cache, fill_cache, write_slot
+from ..format.regions import RegionSpec
+from ..format.rows import ColdRows
+from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
+from ..qnn.sdk import activate
 from .executor import COST_POLICIES, POLICIES, Executor, Workers
 from .profile import Profile
-from .program import ChunkProgram, Step, chunk_feeds
+from .program import ChunkProgram, Step
+from .prompt import check_prompt, chunk_feeds, gather
 from .sampling import check_sampling, next_token
-
-def load_sidecar(pte: str | Path) -> dict:
-    """The sidecar of ``pte``, checked: right format and version, unaltered, and written for this very file."""
-    from ..lower.sidecar import FORMAT, VERSION, check_sidecar, sidecar_digest, sidecar_path
-
-    pte = Path(pte)
-    if not pte.is_file():
-        raise LlmNpuError(f"no such .pte file: {pte}")
-    path = sidecar_path(pte)
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LlmNpuError(f"{pte} has no sidecar {path.name} beside it: export writes both; copy them together") from None
-    except (ValueError, OSError) as e:
-        raise LlmNpuError(f"sidecar {path} is not valid JSON ({type(e).__name__}): export the program again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise LlmNpuError(f"{path} is not an llmnpu sidecar: export the program again (llmnpu export)")
-    if meta.get("version") != VERSION:
-        raise LlmNpuError(f"{path} was written by another version of llmnpu export (format {meta.get('version')}, "
-                          f"this runner reads {VERSION}): export the program again with this version")
-    if problem := check_sidecar(meta):
-        raise LlmNpuError(f"sidecar {path} is malformed ({problem}): export the program again")
-    if meta["sidecar_sha256"] != sidecar_digest(meta):
-        raise LlmNpuError(f"sidecar {path} was altered or damaged since export (its checksum fails): export the "
-                          f"program again")
-    digest = hashlib.sha256(pte.read_bytes()).hexdigest()
-    if meta["pte_sha256"] != digest:
-        raise LlmNpuError(f"{path.name} was written for another {meta['pte']}: the .pte and sidecar do not match")
-    return meta
-
-
-class ColdRows:
-    """The cold channels' float rows of W^T (the rows file beside the ``.pte``), memory-mapped and
-    read when a channel is hit; counts the rows read. ``shadow``: the sidecar's ``shadow`` entry."""
-
-    def __init__(self, path: Path | None, shadow: dict):
-        self.linears: dict[str, tuple] = {}
-        self.fetched = 0
-        self._file = None
-        if shadow.get("form") != "sparse":
-            return
-        if path is None or not Path(path).is_file():
-            raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
-        if Path(path).stat().st_size != shadow["bytes"] or hashlib.sha256(Path(path).read_bytes()).hexdigest() != shadow["rows_sha256"]:
-            raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
-        if shadow["bytes"]:
-            self._file = np.memmap(path, dtype="<f4", mode="r")
-        for name, lin in shadow["linears"].items():
-            cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
-            slot = torch.full((lin["in_features"],), -1, dtype=torch.int64)
-            slot[cold] = torch.arange(cold.numel())
-            self.linears[name] = (cold, slot, lin["rows_offset"] // 4, lin["out_features"], lin["clip"])
-
-    def product(self, name: str, x: Tensor, hits: Tensor) -> Tensor | None:
-        """``(x - clip(x))[:, hit] @ W^T[hit]`` over the cold channels that ``hits`` flags, or None."""
-        cold, slot, start, n, clip = self.linears[name]
-        hit = cold[hits[cold] > 0]
-        if hit.numel() == 0:
-            return None
-        x2 = x.reshape(-1, x.shape[-1])
-        cols = x2.index_select(1, hit)
-        residue = cols - cols.clamp(-clip, clip)
-        block = self._file[start:start + cold.numel() * n].reshape(cold.numel(), n)
-        rows = torch.from_numpy(np.ascontiguousarray(block[slot[hit].numpy()]))
-        self.fetched += hit.numel()
-        return outlier_product(residue, rows).view(*x.shape[:-1], n)
 
 
 def _check_arity(module, entry: dict) -> None:
@@ -116,8 +53,6 @@ def _check_arity(module, entry: dict) -> None:
 
 
 def _npu_call(module, entry: dict, linears: dict):
-    from ..lower.npu_subgraphs import RegionSpec
-
     names = entry["linears"]
     splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
     scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
@@ -188,13 +123,9 @@ class PteRunner:
         self.policy = policy
 
     def _build(self, pte: Path, meta: dict, workers: Workers | None) -> None:
-        from executorch.extension.pybindings.portable_lib import (
-            _load_for_executorch_from_buffer,
-        )
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
         if meta["target"] == "qnn":
-            from ..qnn.sdk import activate
-
             activate()            # the QNN libraries (and the shim) before the program loads
         shadow = meta["shadow"]
         self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
@@ -210,8 +141,6 @@ class PteRunner:
             steps.append(Step(sub, fn))
         m = meta["model"]
         self.chunk_len, self.context, self.vocab = meta["chunk_len"], meta["context"], m["vocab_size"]
-        from ..capture import KVShape
-
         self.kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
         self.program = ChunkProgram(steps, meta["graph"]["outputs"], self.chunk_len, self.kv.layers)
         self.executor = Executor(self.program, workers)
@@ -219,8 +148,6 @@ class PteRunner:
 
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None):
-        from ..prefill import PrefillResult, check_prompt
-
         ids = check_prompt(input_ids, self.context, self.vocab)
         policy = policy or self.policy
         if policy not in POLICIES:
@@ -229,17 +156,11 @@ class PteRunner:
         costs = self.profile.costs(len(feeds)) if self.profile else None
         out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)
         self.last_run = stats
-        total = ids.numel()
-        return PrefillResult(out[self.program.out_logits].reshape(-1),
-                             [out[k][:, :, :total] for k in self.program.out_k],
-                             [out[v][:, :, :total] for v in self.program.out_v],
-                             len(feeds), {"prefill_s": stats.wall_s})
+        return gather(self.program, out, ids.numel(), len(feeds), stats)
 
     # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
         """The decode cache, filled with a prefill's K/V (``PrefillResult``)."""
-        from ..lower.decode import empty_cache, fill_cache
-
         k, v = empty_cache(self.kv, self.context)
         return KVCache(k, v, fill_cache(k, v, prefill.past_k, prefill.past_v))
 
@@ -252,8 +173,6 @@ class PteRunner:
                               f"--context or generate fewer tokens")
         outs = self.module.run_method(self.meta["decode"]["method"],
                                       (torch.tensor([[token]]), torch.tensor([pos]), *cache.k, *cache.v))
-        from ..lower.decode import write_slot
-
         layers = self.kv.layers
         write_slot(cache.k, cache.v, pos, outs[1:1 + layers], outs[1 + layers:1 + 2 * layers])
         cache.length = pos + 1
@@ -263,8 +182,6 @@ class PteRunner:
                  seed: int | None = None, eos_ids=(), on_token: Callable[[int], None] | None = None,
                  policy: str | None = None) -> Generation:
         """Prefill ``input_ids``, then decode up to ``max_new_tokens`` (stopping after an ``eos_ids`` token)."""
-        from ..prefill import check_prompt
-
         check_sampling(temperature, top_p)
         if max_new_tokens < 1:
             raise LlmNpuError(f"max new tokens must be at least 1, got {max_new_tokens}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..partitioner.regions import _ATTENTION_TARGETS, Subgraph, _node_flops, _shape, _size, is_linear, shadow_delta
+from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
 from .device import Device
 
 # Ops that move no data: views, shape arithmetic, metadata.
@@ -56,7 +56,7 @@ def op_name(node: Node) -> str:
 def tensor_bytes(val, past: int, float_bytes: float) -> float:
     if not isinstance(val, torch.Tensor):
         return 0.0
-    n = math.prod(_size(d, past) for d in val.shape)
+    n = math.prod(dim_size(d, past) for d in val.shape)
     return n * (float_bytes if val.dtype.is_floating_point else val.dtype.itemsize)
 
 
@@ -75,8 +75,8 @@ def node_work(node: Node, past: int, float_bytes: float, outlier_rate: dict[str,
     out_bytes = _val_bytes(node, past, float_bytes)
     if node.target is shadow_delta:
         x, name = node.args
-        xs = _shape(x, past)
-        k, n = xs[-1], _shape(node, past)[-1]
+        xs = node_shape(x, past)
+        k, n = xs[-1], node_shape(node, past)[-1]
         elements = math.prod(xs)
         outliers = outlier_rate.get(name, 0.0) * elements
         # threshold test over x, the outlier values times their weight rows, the [C, N] delta out
@@ -87,10 +87,10 @@ def node_work(node: Node, past: int, float_bytes: float, outlier_rate: dict[str,
     in_bytes = sum(_val_bytes(a, past, float_bytes) for a in node.all_input_nodes
                    if a.op != "get_attr" and not (is_linear(node) and a is node.args[1]))
     if is_linear(node):
-        k, n = _shape(node.args[0], past)[-1], _shape(node, past)[-1]
-        return Work(_node_flops(node, past), in_bytes + out_bytes, float(k * n), 1)
-    if node.target in _ATTENTION_TARGETS:
-        return Work(_node_flops(node, past), in_bytes + out_bytes, 0.0, 1)
+        k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
+        return Work(node_flops(node, past), in_bytes + out_bytes, float(k * n), 1)
+    if node.target in ATTENTION_TARGETS:
+        return Work(node_flops(node, past), in_bytes + out_bytes, 0.0, 1)
     if op_name(node) == "add" and not isinstance(node.meta.get("val"), torch.Tensor):
         return Work()   # SymInt arithmetic
     if op_name(node) == "embedding":
@@ -111,8 +111,8 @@ def npu_seconds(sub: Subgraph, past: int, device: Device) -> float:
     io = 0.0
     for node in sub.nodes:
         if is_linear(node):
-            k, n = _shape(node.args[0], past)[-1], _shape(node, past)[-1]
-            t += max(_node_flops(node, past) / device["npu.int8_ops_per_s"], k * n / device["npu.weight_bytes_per_s"])
+            k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
+            t += max(node_flops(node, past) / device["npu.int8_ops_per_s"], k * n / device["npu.weight_bytes_per_s"])
         else:
             io += node_work(node, past, fb, {}).bytes     # a norm folded into the region (norms="npu")
     if sub.nodes:   # the graph's float inputs and outputs cross the shared memory

@@ -8,7 +8,7 @@ RAM here) gets the embedded model's plan carried over by depth and role (layer l
 decision and outlier share of the embedded model's layer at the same relative depth, q/k/v from
 q/k/v, and so on): random weights have no outliers of their own.
 
-``simulate_prefill`` builds the task graph of a prompt with ``runtime.tasks`` and drives the very
+``simulate_prefill`` builds the task graph of a prompt with ``format.tasks`` and drives the very
 ``Scheduler`` the threaded executor uses through ``runtime.executor.simulate``, each task taking the
 cost model's time. Energy integrates each processor's busy and idle power over the timeline.
 """
@@ -23,13 +23,16 @@ from torch import nn
 
 from ..capture import export_chunk_step, kv_shape, max_context
 from ..errors import LlmNpuError
+from ..evaluate import eval_windows, run_quantized
+from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
 from ..partitioner.regions import Partition, partition_graph
-from ..quantize import QuantConfig, quantizable_linears
+from ..prefill import default_calibration, quant_config
+from ..quantize import QuantConfig, auto, plan_linears, quantizable_linears
 from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, simulate
 from ..runtime.program import ChunkProgram, Step
-from ..runtime.tasks import build_tasks
 from ..runtime.trace import metrics, step_label, write_timeline, write_trace
+from ..text import read_text, tokenize
 from . import cost
 from .device import Device, load_device
 
@@ -99,9 +102,6 @@ def embedded_plan(quant: QuantConfig, progress: bool) -> tuple[dict[str, float],
 def model_plan(lm, quant: QuantConfig, progress: bool) -> tuple[dict[str, float], float | None]:
     """Shadowed linear -> calibrated outlier share, and the pruning rate that chose them (an
     automatic rate resolved to the one it picked)."""
-    from ..prefill import default_calibration
-    from ..quantize import auto, plan_linears
-
     calib = default_calibration(lm, progress)
     plans = plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
     rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
@@ -111,8 +111,6 @@ def model_plan(lm, quant: QuantConfig, progress: bool) -> tuple[dict[str, float]
 def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,
             norms: str = "cpu", progress: bool = True, plan: dict[str, float] | None = None) -> Scenario:
     """Partition ``model``'s chunk step and attach its shadow plan (``plan`` overrides it: tests)."""
-    from ..prefill import quant_config
-
     if quant not in QUANT_MODES:
         raise LlmNpuError(f"simulate runs INT8 NPU graphs: --quant must be one of {', '.join(QUANT_MODES)}, got '{quant}'")
     config = quant_config(quant, pruning_rate)
@@ -204,9 +202,6 @@ SWEEP_CHUNKS = (64, 128, 256, 512)
 def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, progress: bool = True) -> list[dict]:
     """Predicted ooo prefill speed for each chunk length and pruning rate, with the embedded model's
     measured perplexity at that pruning rate (the paper's Figure 16 form)."""
-    from ..evaluate import eval_windows, read_text, run_quantized, tokenize
-    from ..prefill import default_calibration, quant_config
-
     lm = _embedded.get("model") or load_model(DEFAULT_MODEL)
     _embedded["model"] = lm
     windows = eval_windows(tokenize(lm, read_text(None, "eval")), 512, 2048)

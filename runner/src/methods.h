@@ -1,7 +1,7 @@
 // The program's methods as callables over named values: an NPU method gets its input rows on each
 // activation group's INT8 grid and gives back one output per linear (split channels put back in
 // place); a CPU method's shadow branches get their cold channels' products added from the rows file.
-// Mirrors runtime/pte_runner.py (_npu_call, _cpu_call, ColdRows).
+// Mirrors runtime/pte_runner.py (_npu_call, _cpu_call) and format/rows.py (ColdRows).
 #pragma once
 #include <atomic>
 #include <memory>

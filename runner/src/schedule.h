@@ -1,4 +1,4 @@
-// The prefill's task graph and the policies that order it: a port of runtime/tasks.py `expand`
+// The prefill's task graph and the policies that order it: a port of format/tasks.py `expand`
 // and runtime/executor.py `Scheduler` / `simulate`. The dependency rules are not restated here:
 // they arrive as data (the sidecar's task table). The policies must decide exactly as the Python
 // ones do; tests/test_native.py checks that on simulated time (--dry-run against `simulate`).

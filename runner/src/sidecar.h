@@ -1,4 +1,4 @@
-// The sidecar JSON beside a .pte (written by llmnpu_delegate/lower/pte.py, which owns the format):
+// The sidecar JSON beside a .pte (written by llmnpu_delegate/lower/pte.py; the format is llmnpu_delegate/format/):
 // read once, checked, and turned into plain structs.
 #pragma once
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 4;  // lower/pte.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
+constexpr int kSidecarVersion = 4;  // format/sidecar.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
 
 struct ShadowBranch {
   std::string linear;
@@ -39,7 +39,7 @@ struct ColdLinear {
   double clip = 0;
 };
 
-struct TaskTable {  // runtime/tasks.py dependency_table
+struct TaskTable {  // format/tasks.py dependency_table
   std::vector<std::vector<int>> after, after_previous;
   std::vector<int> needed_kv, needed_final;
   std::vector<std::string> processors;

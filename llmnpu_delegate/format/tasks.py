@@ -7,13 +7,18 @@ of chunk i-1 produced, which covers chunks 0..i-1). Non-final chunks skip what o
 logits (the last layer's MLP and lm_head).
 
 ``dependency_table`` states the rules once, as data: the exported program carries it in its
-sidecar, and every runner (this executor, the native one) expands it with ``expand``'s logic.
+sidecar, and every runner (the executor, the native one) and ``llmnpu simulate`` expand it with
+``expand``'s logic.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .program import ChunkProgram, past_name
+
+def past_name(kind: str, layer: int) -> str:
+    """Input name of one layer's past K (``kind="k"``) or V in the chunk step."""
+    return f"past_{kind}_{layer}"
+
 
 
 @dataclass
@@ -31,8 +36,8 @@ class Task:
         return (self.chunk, self.step)
 
 
-def dependency_table(program: ChunkProgram) -> dict:
-    """Per step: ``after`` (steps of its own chunk that produce its inputs) and ``after_previous``
+def dependency_table(program) -> dict:
+    """Of a ``runtime.program.ChunkProgram`` (its steps' subgraphs and the K/V it hands on), per step: ``after`` (steps of its own chunk that produce its inputs) and ``after_previous``
     (steps of the chunk before that produce its past K/V); ``needed_kv`` / ``needed_final``: the
     steps a non-final / the final chunk runs; ``processors``: each step's processor."""
     after, after_previous = data_flow([(s.sub.inputs, s.sub.outputs) for s in program.steps],
@@ -74,5 +79,5 @@ def expand(table: dict, chunks: int) -> list[Task]:
     return tasks
 
 
-def build_tasks(program: ChunkProgram, chunks: int) -> list[Task]:
+def build_tasks(program, chunks: int) -> list[Task]:
     return expand(dependency_table(program), chunks)

@@ -11,9 +11,12 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..errors import LlmNpuError
+from .tasks import data_flow
+
 FORMAT = "llmnpu-pte-sidecar"
 # 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
-# 3: the task dependency table (``runtime/tasks.py``), which the native runner expands;
+# 3: the task dependency table (``format/tasks.py``), which the native runner expands;
 # 4: ``sidecar_sha256``, a checksum of the sidecar's own content (an altered scale is caught)
 VERSION = 4
 
@@ -47,6 +50,14 @@ SCHEMA = {
 
 def sidecar_path(pte: Path) -> Path:
     return Path(pte).with_suffix(".json")
+
+
+def rows_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".rows.bin")
+
+
+def tokenizer_path(pte: Path) -> Path:
+    return Path(pte).with_suffix(".tokenizer")
 
 
 def sidecar_digest(meta: dict) -> str:
@@ -121,11 +132,9 @@ def check_sidecar(meta: dict) -> str | None:
 
 
 def _dependency_problem(meta: dict) -> str | None:
-    """The task table must be the data flow of the subgraphs (``runtime/tasks.py``): a missing
+    """The task table must be the data flow of the subgraphs (``format/tasks.py``): a missing
     dependency would let a task read a value not yet made (a race), a step left out of the needed
     sets one that never is (a stall)."""
-    from ..runtime.tasks import data_flow
-
     subs, tasks, layers = meta["subgraphs"], meta["tasks"], meta["model"]["layers"]
     outs = meta["graph"]["outputs"]
     made = {x for e in subs for x in e["outputs"]}
@@ -144,3 +153,31 @@ def _dependency_problem(meta: dict) -> str | None:
     if not {producer[x] for x in outs[1:]} <= kv or producer[outs[0]] not in final:
         return "the needed steps do not make the K/V and logits"
     return None
+
+
+def load_sidecar(pte: str | Path) -> dict:
+    """The sidecar of ``pte``, checked: right format and version, unaltered, and written for this very file."""
+    pte = Path(pte)
+    if not pte.is_file():
+        raise LlmNpuError(f"no such .pte file: {pte}")
+    path = sidecar_path(pte)
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LlmNpuError(f"{pte} has no sidecar {path.name} beside it: export writes both; copy them together") from None
+    except (ValueError, OSError) as e:
+        raise LlmNpuError(f"sidecar {path} is not valid JSON ({type(e).__name__}): export the program again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise LlmNpuError(f"{path} is not an llmnpu sidecar: export the program again (llmnpu export)")
+    if meta.get("version") != VERSION:
+        raise LlmNpuError(f"{path} was written by another version of llmnpu export (format {meta.get('version')}, "
+                          f"this runner reads {VERSION}): export the program again with this version")
+    if problem := check_sidecar(meta):
+        raise LlmNpuError(f"sidecar {path} is malformed ({problem}): export the program again")
+    if meta["sidecar_sha256"] != sidecar_digest(meta):
+        raise LlmNpuError(f"sidecar {path} was altered or damaged since export (its checksum fails): export the "
+                          f"program again")
+    digest = hashlib.sha256(pte.read_bytes()).hexdigest()
+    if meta["pte_sha256"] != digest:
+        raise LlmNpuError(f"{path.name} was written for another {meta['pte']}: the .pte and sidecar do not match")
+    return meta

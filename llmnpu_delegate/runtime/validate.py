@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from .pte_runner import PteRunner
 
 
 @dataclass
@@ -82,8 +83,6 @@ def check_engine_matches(engine, meta: dict) -> None:
 
 def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None, runner=None) -> dict:
     """Compare ``pte``'s NPU methods and a whole prefill from it with ``engine`` (see module docstring)."""
-    from ..runtime.pte_runner import PteRunner
-
     runner = runner or PteRunner(pte)
     meta = runner.meta
     check_engine_matches(engine, meta)
