@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from .backends.cpu_int8 import CpuInt8Backend
+from . import backends
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
@@ -37,7 +37,7 @@ from .quantize.apply import LinearPlan
 from .runtime.program import build_steps
 
 NAME = "llmnpu"
-_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms", "fallback", "counters"}
+_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms", "fallback", "counters", "backend"}
 FALLBACKS = ("error", "eager")
 
 
@@ -55,21 +55,25 @@ class CompileCounters:
 
 def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | None = "w8a8-shadow",
                     calibration: Calibration | None = None, pruning_rate: float | None = None,
-                    clip_percentile: float | None = None, progress: bool = True, fallback: str = "error") -> dict:
+                    clip_percentile: float | None = None, progress: bool = True, fallback: str = "error",
+                    backend: str = backends.DEFAULT) -> dict:
     """The ``options`` of ``torch.compile(..., backend="llmnpu")``: the quantization plan of ``model``
     (calibrated on the shipped text unless ``calibration`` is given; cached on disk).
 
     ``quant="fp32"`` gives the float reference: the same partition, NPU regions as float linears.
     ``fallback``: what a partitioned graph that fails at run time does, ``"error"`` (raise) or
     ``"eager"`` (warn once, then run the float graph). ``options["counters"]`` counts both paths.
+    ``backend``: the NPU backend whose engine runs the regions (``backends.names(engine=True)``).
     """
+    backends.get(backend, engine=True)
     lm = model if isinstance(model, LoadedModel) else None
     module = lm.model if lm else model
     fp = lm.fingerprint if lm else model_fingerprint(module)
     _check_fallback(fallback)
     config = quant_config(quant, pruning_rate, clip_percentile)
     linears = sorted(quantizable_linears(module))
-    common = {"linears": linears, "fingerprint": fp, "fallback": fallback, "counters": CompileCounters()}
+    common = {"linears": linears, "fingerprint": fp, "fallback": fallback, "counters": CompileCounters(),
+              "backend": backend}
     if config is None:
         return {**common, "plans": None, "weights": "channel"}
     calib = calibration if calibration is not None else default_calibration(lm, progress)
@@ -133,7 +137,8 @@ class _PartitionedGraph:
     def _lower(self, args) -> None:
         shells = _linear_shells(self.gm, args, self.names)
         o = self.options
-        backend = CpuInt8Backend(shells, o["fingerprint"], 0, o["plans"], o.get("weights", "channel"))
+        backend = backends.get(o.get("backend", backends.DEFAULT), engine=True).engine(
+            shells, o["fingerprint"], 0, o["plans"], o.get("weights", "channel"))
         self.steps, self.shadow = build_steps(self.partition, backend)
 
     def _run(self, *args):

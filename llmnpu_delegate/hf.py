@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import backends
 from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
 from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
@@ -87,7 +88,7 @@ class LlmNpuForCausalLM:
     """
 
     def __init__(self, model: LoadedModel | nn.Module, tokenizer=None, *, chunk_len: int = DEFAULT_CHUNK,
-                 backend: str = "cpu-int8", quant: QuantConfig | str | None = "w8a8-shadow",
+                 backend: str = backends.DEFAULT, quant: QuantConfig | str | None = "w8a8-shadow",
                  pruning_rate: float | None = None, clip_percentile: float | None = None,
                  calibration: Calibration | None = None, policy: str = "ooo", decode: str = "auto",
                  progress: bool = True):

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import kernels as K
-from .backends.cpu_int8 import NAME as CPU_INT8
-from .backends.cpu_int8 import CpuInt8Backend
+from . import backends
 from .backends.graph_cache import GraphCache, entry_key
 from .capture import export_chunk_step, kv_shape, max_context
 from .errors import LlmNpuError
@@ -37,7 +36,6 @@ from .runtime.program import ChunkProgram, program_digest
 from .runtime.prompt import PrefillResult, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
 from .text import calibration_ids
 
-BACKENDS = (CPU_INT8,)
 DEFAULT_CHUNK = 256
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 # Named quantization modes of the engine (the eval harness's names); a QuantConfig works too.
@@ -74,7 +72,8 @@ class Prefiller:
     Args:
         model: a ``LoadedModel`` (``load_model(...)``) or a transformers causal LM.
         chunk_len: tokens per chunk graph (the paper's default: 256).
-        backend: ``"cpu-int8"``, the INT8 stand-in NPU.
+        backend: an NPU backend whose engine runs here (``backends.names(engine=True)``): ``"cpu-int8"``,
+            the INT8 stand-in NPU.
         quant: ``"w8a8-shadow"`` (default), ``"w8a8"``, ``"fp32"`` (the float reference) or a QuantConfig.
         calibration: a Calibration; by default the cached one on the shipped calibration text.
         norms: where norms run (``"cpu"``; ``"npu"`` is refused by ``cpu-int8``).
@@ -86,7 +85,7 @@ class Prefiller:
             modes where the native kernels run; fp32 for the float reference), ``"fp32"`` or ``"bf16"``.
     """
 
-    def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
+    def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
                  norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
                  policy: str = "ooo", workers: Workers | None = None, attention: str = "auto"):
@@ -98,8 +97,7 @@ class Prefiller:
         if not isinstance(chunk_len, int) or not 0 < chunk_len <= self.max_context:
             raise LlmNpuError(f"chunk length must be an integer in 1..{self.max_context} (the model's context), "
                               f"got {chunk_len!r}")
-        if backend not in BACKENDS:
-            raise LlmNpuError(f"unknown backend '{backend}': available here: {', '.join(BACKENDS)}")
+        npu = backends.get(backend, engine=True)
         if policy not in POLICIES:
             raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
         self.chunk_len, self.backend_name, self.policy = chunk_len, backend, policy
@@ -107,7 +105,7 @@ class Prefiller:
         self.attention = resolve_precision(attention, self.quant is not None)
         self.kv = kv_shape(config)
         self.timings: dict[str, float] = {}
-        CpuInt8Backend.check_policy(norms)       # before the slow steps
+        npu.check_norms(norms)       # before the slow steps
         tune_malloc()
 
         if self.quant is not None and calibration is None:
@@ -119,7 +117,7 @@ class Prefiller:
         t = time.perf_counter()
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
-        self.backend = CpuInt8Backend(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
+        self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
         self.program = ChunkProgram.build(self.partition, self.backend, chunk_len, self.kv.layers, progress,
                                           self.attention)
         self.timings["compile_s"] = time.perf_counter() - t
@@ -250,7 +248,7 @@ def _weights_state(model: nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
-def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = CPU_INT8,
+def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
             quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
             progress: bool = True) -> PrefillResult:
     """Chunked prefill of one prompt: last-token logits and the KV cache.

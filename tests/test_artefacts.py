@@ -18,7 +18,7 @@ from conftest import inject_outliers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmnpu_delegate.backends.cpu_int8 import CpuInt8Backend
+from llmnpu_delegate.backends.cpu_int8 import CpuInt8Engine
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
@@ -165,7 +165,7 @@ def engine(tiny, tmp_path_factory):
 
 def _lower_all(engine, root):
     """Every NPU subgraph lowered through a fresh cache on ``root``; its outputs on a fixed input."""
-    backend = CpuInt8Backend(engine.model, engine.fingerprint, engine.chunk_len, engine.plans, cache=GraphCache(root))
+    backend = CpuInt8Engine(engine.model, engine.fingerprint, engine.chunk_len, engine.plans, cache=GraphCache(root))
     outs = []
     for sub in engine.partition.by_kind("npu"):
         region = backend.lower_npu(sub)

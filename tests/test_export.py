@@ -125,7 +125,7 @@ def test_bad_artefacts_and_prompts_are_refused(exported, tmp_path):
 
 def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
     ids = torch.randint(0, 1000, (3 * CHUNK,))
-    with pytest.raises(LlmNpuError, match="unknown export backend 'gpu'"):
+    with pytest.raises(LlmNpuError, match="unknown backend 'gpu': use one of cpu-int8, qnn"):
         export_pte(engine, tmp_path / "a.pte", ids, target="gpu")
     with pytest.raises(LlmNpuError, match="context must be an integer"):
         export_pte(engine, tmp_path / "a.pte", ids, target="cpu-int8", context=CHUNK - 1)

@@ -55,7 +55,7 @@ def test_user_sdk_root_wins(tmp_path, monkeypatch):
 
 
 def test_unknown_soc_is_refused_with_the_list():
-    from llmnpu_delegate.lower.qnn import check_soc
+    from llmnpu_delegate.backends.qnn import check_soc
 
     check_soc("SM8650")
     with pytest.raises(LlmNpuError, match="unknown SoC 'SM9999'.*SM8550.*SM8650"):
@@ -85,7 +85,7 @@ def test_encodings_are_ours(engine):
 
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     spec = region_spec("m", names, engine.plans)
-    linears = [engine.backend._linear(n) for n in names]
+    linears = [engine.backend.linear(n) for n in names]
     graph, _ = quantized_region(spec, linears, engine.plans, "channel", torch.randn(64, 64), "qnn", rows_per_call=32)
     nodes = list(graph.graph.nodes)
     inputs = [n for n in nodes if "quantize_per_tensor" in str(n.target) and n.args[0].op == "placeholder"]

@@ -1,4 +1,5 @@
-"""``cpu-int8``: the stand-in NPU. It runs the partition's NPU subgraphs with integer kernels only.
+"""``cpu-int8``: the stand-in NPU. It runs the partition's NPU subgraphs with integer kernels only,
+and exports them to ExecuTorch's XNNPACK INT8 kernels (the same program without Qualcomm libraries).
 
 Like an NPU graph it takes a float tensor at its entry, quantizes it once with a static per-tensor
 scale, runs INT8 x INT8 -> INT32 GEMMs and dequantizes at its exit (per-output-channel weight
@@ -22,6 +23,7 @@ from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
 from ..quantize.shadow import ShadowWeights, shadow_weights
 from .graph_cache import GraphCache
+from .registry import register
 
 NAME = "cpu-int8"
 
@@ -88,7 +90,7 @@ class ShadowDelta(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class CpuInt8Backend:
+class CpuInt8Engine:
     """Compiles NPU subgraphs to INT8 kernels (or float references) and binds shadow paths."""
 
     name = NAME
@@ -164,3 +166,38 @@ class CpuInt8Backend:
         lin = self.linear(name)
         rows = shadow_weights(self.fingerprint, name, lin.weight, plan.hot)
         return ShadowDelta(name, plan.clip, rows, lin.out_features)
+
+
+@register
+class CpuInt8:
+    name = NAME
+    summary = "the INT8 stand-in NPU: integer kernels on this CPU; exports to XNNPACK INT8"
+    runs_engine = True
+    encodings = "xnnpack"
+    uses_soc = False
+
+    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
+               norms: str = "cpu") -> CpuInt8Engine:
+        return CpuInt8Engine(model, fingerprint, chunk_len, plans, weights, cache, norms)
+
+    def check_norms(self, norms: str) -> None:
+        CpuInt8Engine.check_policy(norms)
+
+    def check_target(self, soc: str | None) -> None:
+        pass
+
+    def quantizer(self, ours):
+        return ours
+
+    def lower(self, method: str, graph, example: tuple, soc: str | None):
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+
+        ep = torch.export.export(graph, example, strict=True)
+        return to_edge_transform_and_lower({method: ep}, partitioner=[XnnpackPartitioner()])
+
+    def prepare_runtime(self) -> None:
+        pass
+
+    def native_env(self) -> dict:
+        return {}

@@ -8,9 +8,9 @@ shadowed one) get one method input each: QNN keeps one encoding per tensor. Only
 encodings are observed, on calibration rows. Output channels of outsized range come out on their
 own, in groups with their own encodings (``output_groups``); ``RegionSpec.merge`` puts them back.
 
-Two targets: ``qnn`` (ExecuTorch's Qualcomm delegate, an HTP context binary per method; on this
-host it runs on Qualcomm's simulator) and ``cpu-int8`` (XNNPACK's INT8 kernels: the same artefact
-without Qualcomm libraries).
+The target is an NPU backend (``backends/``): its quantizer takes our encodings, and it lowers the
+converted graph to one delegate call (``qnn``: an HTP context binary per method; ``cpu-int8``:
+XNNPACK's INT8 kernels, the same artefact without Qualcomm libraries).
 """
 from __future__ import annotations
 
@@ -21,14 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import backends
 from ..errors import LlmNpuError
 from ..format.regions import RegionSpec
-from ..qnn.sdk import activate
 from ..quantize.apply import LinearPlan
 from .encodings import LlmNpuQuantizer
-from .qnn import DEFAULT_SOC, to_qnn_edge
 
-TARGETS = ("qnn", "cpu-int8")
 
 
 # Output channels are peeled off a linear's output, largest range first, while the largest left
@@ -112,7 +110,6 @@ def plan_names(spec: RegionSpec, plans: dict[str, LinearPlan]) -> dict[str, Line
     return local
 
 
-
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
                      calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None):
     """The region exported for ``rows_per_call`` rows (default: all of ``calib_rows``), annotated with
@@ -126,16 +123,9 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     module = RegionModule(linears, spec.groups, spec.splits).eval()
     example = spec.inputs(calib_rows[:n])
     graph = torch.export.export(module, example, strict=True).module()
-    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour="qnn" if target == "qnn" else "xnnpack")
-    if target == "qnn":
-        activate()      # before the Qualcomm package is imported: it looks for the SDK then
-        from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
-
-        quantizer = QnnQuantizer()
-        quantizer.add_custom_quant_annotations((ours.annotate,))
-    else:
-        quantizer = ours
-    prepared = prepare_pt2e(graph, quantizer)
+    backend = backends.get(target)
+    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour=backend.encodings)
+    prepared = prepare_pt2e(graph, backend.quantizer(ours))
     with torch.no_grad():
         for block in calib_rows.split(n):
             prepared(*spec.inputs(block))
@@ -166,18 +156,10 @@ def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, Li
                  calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None):
     """One NPU subgraph lowered for ``target`` (``rows_per_call`` rows a call; output encodings from
     ``calib_rows``); returns (edge program manager, its output encodings)."""
-    if target not in TARGETS:
-        raise LlmNpuError(f"unknown target '{target}': use one of {', '.join(TARGETS)}")
+    backend = backends.get(target)
     graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call)
     encodings = output_encodings(graph)
-    if target == "qnn":
-        edge = to_qnn_edge(spec.method, graph, example, soc or DEFAULT_SOC)
-    else:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
-
-        ep = torch.export.export(graph, example, strict=True)
-        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    edge = backend.lower(spec.method, graph, example, soc)
     _check_delegated(edge, spec, target)
     return edge, encodings
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
 from ..format.rows import write_cold_rows
@@ -45,8 +46,7 @@ from ..partitioner.regions import is_linear
 from ..paths import atomic_path
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
-from .npu_subgraphs import TARGETS, lower_region, output_groups, region_spec
-from .qnn import check_soc
+from .npu_subgraphs import lower_region, output_groups, region_spec
 
 DEFAULT_CONTEXT = 1024
 
@@ -56,16 +56,14 @@ def method_name(sub) -> str:
 
 
 def _check_args(engine, target: str, soc: str, context: int) -> None:
-    if target not in TARGETS:
-        raise LlmNpuError(f"unknown export backend '{target}': use one of {', '.join(TARGETS)}")
+    backend = backends.get(target)
     if engine.plans is None:
         raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
                           "(w8a8-shadow or w8a8), not fp32")
     if not isinstance(context, int) or not engine.chunk_len <= context <= engine.max_context:
         raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.max_context} "
                           f"(chunk length .. the model's context), got {context!r}")
-    if target == "qnn":
-        check_soc(soc)
+    backend.check_target(soc)
 
 
 def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
@@ -170,7 +168,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
                     _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
             else:
                 edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
-        programs[name] = edge.exported_program(name if sub.kind == "npu" and target == "qnn" else "forward")
+        programs[name] = edge.exported_program(name if sub.kind == "npu" else "forward")
         table.append(entry)
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
@@ -193,7 +191,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
-            "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if target == "qnn" else None,
+            "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
             "rows_bytes": shadow_meta.get("bytes", 0), "tokenizer": tok_meta["folder"] if tok_meta else None,
@@ -256,7 +254,7 @@ def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path,
     return {
         "format": FORMAT, "version": VERSION,
         "pte": out.name, "pte_sha256": hashlib.sha256(buffer).hexdigest(), "pte_bytes": len(buffer),
-        "target": target, "soc": soc if target == "qnn" else None,
+        "target": target, "soc": soc if backends.get(target).uses_soc else None,
         "model": {**(model or {}), "fingerprint": engine.fingerprint, "layers": kv.layers, "kv_heads": kv.kv_heads,
                   "head_dim": kv.head_dim, "vocab_size": engine.model.config.vocab_size},
         "chunk_len": engine.chunk_len, "context": context,

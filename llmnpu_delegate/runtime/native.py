@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .. import backends
 from ..errors import LlmNpuError
-from ..qnn.sdk import native_env
 
 BINARY = "llmnpu-runner"
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "runner" / "build" / BINARY
@@ -35,11 +35,8 @@ def find_runner() -> Path:
 
 
 def runner_env(meta: dict) -> dict:
-    """The environment the binary needs: for a QNN program, Qualcomm's libraries (``qnn.sdk``)."""
-    env = dict(os.environ)
-    if meta.get("target") == "qnn":
-        env.update(native_env())
-    return env
+    """The environment the binary needs: its backend's (for a QNN program, Qualcomm's libraries)."""
+    return {**os.environ, **backends.get(meta["target"]).native_env()}
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .. import backends
 from ..capture import KVShape
 from ..errors import LlmNpuError
 from ..format.kv import empty_cache, fill_cache, write_slot
@@ -29,7 +30,6 @@ from ..format.regions import RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
-from ..qnn.sdk import activate
 from .executor import COST_POLICIES, POLICIES, Executor, Workers
 from .profile import Profile
 from .program import ChunkProgram, Step
@@ -125,8 +125,7 @@ class PteRunner:
     def _build(self, pte: Path, meta: dict, workers: Workers | None) -> None:
         from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
-        if meta["target"] == "qnn":
-            activate()            # the QNN libraries (and the shim) before the program loads
+        backends.get(meta["target"]).prepare_runtime()
         shadow = meta["shadow"]
         self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
         self._buffer = Path(pte).read_bytes()     # the runtime reads the program in place: keep it alive

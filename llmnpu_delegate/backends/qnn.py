@@ -1,7 +1,9 @@
-"""ExecuTorch's Qualcomm (QNN/HTP) delegate: SoC table and the lowering of one quantized graph.
+"""``qnn``: ExecuTorch's Qualcomm (QNN/HTP) delegate, a real NPU's backend: no engine on this host
+(the engine runs ``cpu-int8``); export lowers each NPU subgraph to an HTP context binary for a SoC,
+and the runners load Qualcomm's libraries (on an x86 host, the HTP simulator: numerics only).
 
-Import this module only after ``qnn.sdk.activate()`` (``chipsets`` does it): ExecuTorch's Qualcomm
-package looks for the SDK when it is imported.
+ExecuTorch's Qualcomm package looks for the SDK when it is imported: every path here calls
+``qnn.sdk.activate()`` first.
 
 Linears stay QNN FullyConnected ops (``convert_linear_to_conv2d`` off): the weights are then laid
 out as in our INT8 engine, and the validation compares the very same encodings.
@@ -9,7 +11,8 @@ out as in our INT8 engine, and the validation compares the very same encodings.
 from __future__ import annotations
 
 from ..errors import LlmNpuError
-from ..qnn.sdk import activate
+from ..qnn.sdk import activate, native_env
+from .registry import register
 
 DEFAULT_SOC = "SM8650"     # Snapdragon 8 Gen 3, the paper's device
 
@@ -51,3 +54,38 @@ def to_qnn_edge(method: str, graph, example: tuple, soc: str = DEFAULT_SOC):
     specs = generate_qnn_executorch_compiler_spec(soc_model=chipset,
                                                   backend_options=generate_htp_compiler_spec(use_fp16=False))
     return to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
+
+
+@register
+class Qnn:
+    name = "qnn"
+    summary = "Qualcomm HTP through ExecuTorch's QNN delegate; export only, run on the HTP simulator here"
+    runs_engine = False
+    encodings = "qnn"
+    uses_soc = True
+
+    def engine(self, *args, **kwargs):
+        raise LlmNpuError("backend 'qnn' has no engine on this host: prefill with cpu-int8")
+
+    def check_norms(self, norms: str) -> None:
+        pass
+
+    def check_target(self, soc: str | None) -> None:
+        check_soc(soc or DEFAULT_SOC)
+
+    def quantizer(self, ours):
+        activate()
+        from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
+
+        quantizer = QnnQuantizer()
+        quantizer.add_custom_quant_annotations((ours.annotate,))
+        return quantizer
+
+    def lower(self, method: str, graph, example: tuple, soc: str | None):
+        return to_qnn_edge(method, graph, example, soc or DEFAULT_SOC)
+
+    def prepare_runtime(self) -> None:
+        activate()            # the QNN libraries (and the shim) before the program loads
+
+    def native_env(self) -> dict:
+        return native_env()

@@ -1,0 +1,79 @@
+"""The NPU backend interface and the registry that names backends.
+
+A backend is one class, registered under one name, that answers for every stage that meets an NPU:
+
+- the engine on this host: ``check_norms(norms)`` refuses a norm placement its regions cannot
+  hold, before anything slow; ``engine(...)`` returns the object that lowers the partition's NPU
+  subgraphs to runnable regions (``lower_npu``) and binds shadow paths (``shadow_module``); a
+  backend without a host engine (``runs_engine = False``: a real NPU's, such as QNN) refuses it;
+- export: ``check_target(soc)`` before anything slow, ``quantizer(ours)`` wraps our encodings in
+  the quantizer its delegate needs, ``lower(method, graph, example, soc)`` lowers one quantized
+  NPU subgraph to one delegate call named ``method``;
+- the runners: ``prepare_runtime()`` before a program of this backend is loaded in Python,
+  ``native_env()`` the environment the C++ runner needs.
+
+``get(name)`` and ``names()`` are the only way the engine, ``torch.compile``, export, the runners and
+the CLI reach a backend, so a new one is a module that calls ``register`` and nothing else.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ..errors import LlmNpuError
+
+
+@runtime_checkable
+class NpuBackend(Protocol):
+    name: str
+    summary: str                      # one line for --help and docs
+    runs_engine: bool                 # whether the engine runs its NPU regions on this host
+    encodings: str                    # our encodings' flavour for its delegate: "qnn" | "xnnpack"
+    uses_soc: bool                    # whether export targets a SoC (--soc)
+
+    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
+               norms: str = "cpu"): ...
+
+    def check_norms(self, norms: str) -> None: ...
+
+    def check_target(self, soc: str | None) -> None: ...
+
+    def quantizer(self, ours): ...
+
+    def lower(self, method: str, graph, example: tuple, soc: str | None): ...
+
+    def prepare_runtime(self) -> None: ...
+
+    def native_env(self) -> dict: ...
+
+
+DEFAULT = "cpu-int8"
+_REGISTRY: dict[str, NpuBackend] = {}
+
+
+def register(backend: type) -> type:
+    """Class decorator: register an instance of ``backend`` under its ``name``."""
+    instance = backend()
+    if not isinstance(instance, NpuBackend):
+        raise TypeError(f"{backend.__name__} does not implement NpuBackend")
+    _REGISTRY[instance.name] = instance
+    return backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names(engine: bool = False) -> tuple[str, ...]:
+    """Registered backend names (``engine=True``: those whose engine runs on this host), default first."""
+    return tuple(n for n, b in _REGISTRY.items() if b.runs_engine or not engine)
+
+
+def get(name: str, engine: bool = False) -> NpuBackend:
+    """The backend called ``name``; ``engine=True`` also requires that its engine runs on this host."""
+    if name not in _REGISTRY:
+        raise LlmNpuError(f"unknown backend '{name}': use one of {', '.join(_REGISTRY)}")
+    backend = _REGISTRY[name]
+    if engine and not backend.runs_engine:
+        raise LlmNpuError(f"backend '{name}' has no engine on this host ({backend.summary}): prefill here with "
+                          f"{' or '.join(names(engine=True))}, or export a program for it (llmnpu export --backend {name})")
+    return backend

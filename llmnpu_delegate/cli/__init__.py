@@ -1,0 +1,43 @@
+"""The ``llmnpu`` command line: one module per command, each with its options (``add_parser``), its
+action and the formatter of its result beside it; ``common`` holds what they share."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import quiet_third_party_logs
+
+quiet_third_party_logs()     # before the commands import torchao and transformers, which log on import
+
+from .. import __version__  # noqa: E402
+from ..errors import LlmNpuError  # noqa: E402
+from . import bench, calibrate, eval, export, info, partition, prepare_text, run, simulate, validate  # noqa: E402
+
+# in the order ``llmnpu --help`` lists them
+COMMANDS = (run, calibrate, eval, partition, bench, simulate, export, validate, info, prepare_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="llmnpu", description="Fast LLM prefill on phone NPUs (llm.npu) for PyTorch.",
+        epilog="start with: llmnpu run --prompt 'What is a lighthouse?' --chat   "
+               "(each command: llmnpu COMMAND --help)")
+    ap.add_argument("--version", action="version", version=f"llmnpu_delegate {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except LlmNpuError as e:
+        print(f"llmnpu: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(result, indent=1) if args.json or not hasattr(args, "text") else args.text)
+    return 1 if getattr(args, "failed", False) else 0

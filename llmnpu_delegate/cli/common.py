@@ -1,0 +1,80 @@
+"""What the commands share: model and output options, set-up, prompt reading."""
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import LlmNpuError
+from ..models import load_model
+from ..quantize import CalibConfig
+
+
+def quiet_third_party_logs() -> None:
+    # torchao (pulled in by transformers) logs missing CUDA kernels and pytree notices on import.
+    for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils",
+                 "transformers.distributed.tensor_parallel"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # torch's own deprecation notice, once per graph copied during export
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--calib-text-file", default=None,
+                   help="calibration text (default: the shipped news text, disjoint from the evaluation text)")
+    p.add_argument("--calib-samples", type=int, default=8, help="calibration sequences (default 8)")
+    p.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calib-percentiles", type=float, nargs="+", default=None,
+                   help="percentiles of |x| to record (default 99 99.5 99.9 99.99); clipping uses one of them")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_output_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--json", action="store_true", help=json_help)
+
+
+def setup(args):
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LlmNpuError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    lm = load_model(args.model)
+    extra = {"percentiles": tuple(args.calib_percentiles)} if args.calib_percentiles else {}
+    calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens, **extra)
+    return lm, calib_config
+
+
+def pruning_rate(value: str):
+    """``--pruning-rate``: "auto" or a share in [0, 1]."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1], got '{value}'") from None
+
+
+def read_prompt(args) -> str:
+    if args.prompt_file is None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise LlmNpuError(f"prompt file {path} does not exist")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def machine_line(r: dict) -> str:
+    m = r["machine"]
+    return (f"on {m['cpu']} ({m['isa']}), INT8 kernel {m['int8_kernel']}, "
+            f"decode {m.get('decode_kernel', 'fbgemm')} ({m['decode_activation_bits']}-bit activations)")

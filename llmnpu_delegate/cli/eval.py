@@ -1,0 +1,56 @@
+"""``llmnpu eval``."""
+from __future__ import annotations
+
+import json
+
+from ..evaluate import MODES, evaluate, sweep
+from ..text import calibration_ids, read_text, tokenize
+from .common import add_model_args, pruning_rate, setup
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity of fp32 and each quantization mode",
+                       description="Perplexity of the float model and of each W8A8 mode on held-out text.")
+    add_model_args(p)
+    p.add_argument("--text-file", default=None, help="evaluation text (default: the shipped Wikipedia text)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
+    p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
+    p.add_argument("--clip-percentile", type=float, default=None, help="shadow clipping percentile (default 99.5)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="pruning rate of pruned modes: auto (default: the highest within 1 %% perplexity on "
+                        "held-apart calibration text) or a share in [0, 1]")
+    p.add_argument("--importance", choices=["output", "ratio"], default=None,
+                   help="layer ranking for pruning (default: output)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also print the trade-off curve over clipping percentiles and pruning rates")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args) -> dict:
+    lm, calib_config = setup(args)
+    eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
+    calib_ids = calibration_ids(lm, args.calib_text_file)
+    overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
+                                   ("pruning_rate", args.pruning_rate),
+                                   ("importance", args.importance)) if v is not None}
+    modes = args.modes or list(MODES)
+    result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
+                      overrides, progress=not args.no_progress)
+    if args.sweep:
+        result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
+                                progress=not args.no_progress)
+    args.text = format_eval(result)
+    return result
+
+
+def format_eval(result: dict) -> str:
+    lines = [f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}"]
+    base = result["results"].get("fp32", {}).get("ppl")
+    lines.append(f"{'mode':<22}{'ppl':>9}{'vs fp32':>9}{'outliers':>10}")
+    for mode, r in result["results"].items():
+        rel = f"{r['ppl'] / base:.3f}x" if base else ""
+        frac = f"{100 * r['outlier_fraction']:.2f}%" if "outlier_fraction" in r else ""
+        lines.append(f"{mode:<22}{r['ppl']:>9.3f}{rel:>9}{frac:>10}")
+    lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
+    return "\n".join(lines)

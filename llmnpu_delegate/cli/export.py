@@ -1,0 +1,65 @@
+"""``llmnpu export``."""
+from __future__ import annotations
+
+from .. import backends
+from ..backends.qnn import DEFAULT_SOC
+from ..lower.pte import DEFAULT_CONTEXT, export_pte
+from ..prefill import DEFAULT_CHUNK, QUANT_MODES, export_engine, quant_config
+from ..text import calibration_ids
+from .common import add_output_args, pruning_rate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a deployable .pte (QNN/HTP or cpu-int8 NPU methods) and its sidecar",
+                       description="Lower the partitioned chunk step into one ExecuTorch .pte: a method per static "
+                                   "NPU subgraph (ExecuTorch's Qualcomm QNN delegate with our INT8 encodings, or "
+                                   "XNNPACK INT8 for cpu-int8), a float method per CPU subgraph (portable kernels; "
+                                   "attention with a symbolic past up to --context), and a sidecar JSON with what "
+                                   "a runner needs (names, scales, thresholds, hot channels, pruned layers, profile).")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--backend", choices=list(backends.names()), default="qnn",
+                   help="NPU backend the NPU methods are lowered for (default qnn)")
+    p.add_argument("--soc", default=DEFAULT_SOC, help=f"Snapdragon SoC for qnn (default {DEFAULT_SOC}, 8 Gen 3)")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"longest prompt the .pte serves (default {DEFAULT_CONTEXT} or the model's context)")
+    p.add_argument("--blocks", type=int, default=None, help="keep the first N decoder blocks (a quick check)")
+    p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"], default="w8a8-shadow",
+                   help="quantization (default w8a8-shadow)")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None,
+                   help="share of layers without a shadow path (w8a8-shadow): auto (default) or a share in [0, 1]")
+    p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
+                   help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
+                        "in a file read when hit) or dense (the whole linear on the residue: a reference)")
+    p.add_argument("--decode", choices=["int8", "fp32"], default="int8",
+                   help="decode method on XNNPACK: int8 (default: INT8 weights, per-token dynamic activations) "
+                        "or fp32 (the float reference)")
+    p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .rows.bin cold "
+                                                "shadow rows, .tokenizer/ folder)")
+    add_output_args(p, "print the summary as JSON")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> dict:
+    quant = quant_config(args.quant, args.pruning_rate)
+    backend = backends.get(args.backend)
+    backend.check_target(args.soc)       # before the model is loaded and planned
+    lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
+    calib_ids = calibration_ids(lm, None)
+    summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
+                         model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
+                         shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer)
+    sh = summary["shadow"]
+    flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
+    args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
+                 f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
+                 f"{summary['cpu_methods']} CPU methods, decode {summary['decode']} on XNNPACK) and "
+                 f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
+                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s\n"
+                 f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
+                 f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
+                 f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}); cold rows on disk "
+                 f"{summary['rows_bytes'] / 2**20:.1f} MiB\n"
+                 f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
+    return summary

@@ -1,0 +1,37 @@
+"""``llmnpu partition``."""
+from __future__ import annotations
+
+from ..errors import LlmNpuError
+from ..partitioner.report import format_summary, partition_summary
+from ..prefill import DEFAULT_CHUNK, QUANT_MODES, default_calibration, plan_and_partition, resolve_quant
+from .common import add_model_args, setup
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("partition", help="cut a chunk step into NPU/CPU subgraphs and print the table",
+                       description="Export one prefill chunk step, partition it into NPU (INT8 linears) and CPU "
+                                   "(float) subgraphs, and print counts, sharing, NPU FLOP share and memory "
+                                   "against one graph set per chunk position.")
+    add_model_args(p)
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt length for FLOPs and memory (default 1024)")
+    p.add_argument("--quant", choices=list(QUANT_MODES), default="w8a8-shadow",
+                   help="quantization mode (default w8a8-shadow: shadow paths where calibration keeps them)")
+    p.add_argument("--norms", choices=["cpu", "npu"], default="cpu",
+                   help="where norms run (default cpu; npu folds them into the NPU region they feed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_partition)
+
+
+def cmd_partition(args) -> dict:
+    lm, calib_config = setup(args)
+    if args.prompt_len < 1:
+        raise LlmNpuError(f"--prompt-len must be positive, got {args.prompt_len}")
+    quant = resolve_quant(args.quant)
+    calib = (default_calibration(lm, not args.no_progress, calib_config, args.calib_text_file)
+             if quant is not None else None)
+    _, partition = plan_and_partition(lm.model, lm, lm.fingerprint, args.chunk, quant, calib, args.norms,
+                                      not args.no_progress)
+    summary = partition_summary(partition, args.chunk, args.prompt_len, quantized=quant is not None)
+    args.text = format_summary(lm.spec, summary)
+    return {"model": lm.spec, "quant": args.quant, **summary}

@@ -1,0 +1,66 @@
+"""``llmnpu validate``."""
+from __future__ import annotations
+
+from ..errors import LlmNpuError
+from ..prefill import export_engine
+from ..quantize import QuantConfig
+from ..runtime.pte_runner import PteRunner
+from ..runtime.validate import validate_pte
+from ..text import read_text, tokenize
+from .common import add_output_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("validate", help="run an exported .pte on this host and compare it with the cpu-int8 engine",
+                       description="Run each NPU method of the .pte (QNN methods on Qualcomm's HTP simulator) on one "
+                                   "chunk of evaluation text and compare with the cpu-int8 engine in output "
+                                   "quantization steps and SQNR; then prefill a short prompt from the .pte alone "
+                                   "(reference runner, out-of-order executor) and compare the next token. Exit "
+                                   "status 1 when the next token differs. Simulator times are not speed.")
+    p.add_argument("--pte", required=True, help="the .pte written by llmnpu export (its .json beside it)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="tokens of the whole-prefill prompt (default 1.5 chunks)")
+    add_output_args(p)
+    p.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(args) -> dict:
+    runner = PteRunner(args.pte)             # checks the .pte and its sidecar first
+    meta = runner.meta
+    model = meta["model"]
+    if "spec" not in model:
+        raise LlmNpuError(f"{args.pte}'s sidecar does not say which model it was exported from")
+    lm, engine = export_engine(model["spec"], meta["chunk_len"], QuantConfig.from_dict(meta["quant"]),
+                               model.get("blocks"), progress=not args.no_progress)
+    ids = tokenize(lm, read_text(None, "eval"))
+    prompt = ids[: args.prompt_tokens] if args.prompt_tokens else None
+    result = validate_pte(args.pte, engine, ids, prompt, runner=runner)
+    args.text = _format_validate(result)
+    args.failed = not result["prefill"]["same_next_token"]
+    return result
+
+
+def _format_validate(r: dict) -> str:
+    where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['soc'] else ''}"
+    lines = [f"NPU subgraphs of the .pte ({where}) against the cpu-int8 engine, one chunk of evaluation text:",
+             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'max steps':>9} {'<= 2 steps':>10} {'saturated':>9} "
+             f"{'SQNR dB':>8}"]
+    for x in r["linears"]:
+        steps = f"{x['max_steps']:.2f}" if x["max_steps"] is not None else "-"
+        lines.append(f"{x['subgraph']:>8} {x['layer'] if x['layer'] is not None else '-':>5}  "
+                     f"{x['linear'].split('.', 3)[-1]:<28} {steps:>9} {100 * x['within_2_steps']:>9.2f}% "
+                     f"{100 * x['saturated']:>8.3f}% {x['sqnr_db']:>8.1f}")
+    inside = [x["max_steps"] for x in r["linears"] if x["max_steps"] is not None]
+    lines.append(f"{len(r['linears'])} linears: elements within 2 output steps >= "
+                 f"{100 * min(x['within_2_steps'] for x in r['linears']):.2f} % in every linear; largest difference "
+                 f"{max(inside):.2f} steps where the engine's value is inside the output range; "
+                 f"{100 * max(x['saturated'] for x in r['linears']):.3f} % saturated at most")
+    p = r["prefill"]
+    verdict = "same next token" if p["same_next_token"] else "DIFFERENT next token"
+    lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "
+                 f"schedule): {verdict} (pte {p['next_token_pte']}, engine {p['next_token_engine']}); logits SQNR "
+                 f"{p['logits_sqnr_db']:.1f} dB, K/V SQNR >= {p['kv_sqnr_db_min']:.1f} dB")
+    vs = p["logits_sqnr_db_vs_fp32"]
+    lines.append(f"against the float model: logits SQNR pte {vs['pte']:.1f} dB, engine {vs['engine']:.1f} dB; "
+                 f"fp32 next token {p['next_token_fp32']}")
+    return "\n".join(lines)
