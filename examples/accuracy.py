@@ -8,8 +8,9 @@ Same numbers as `llmnpu eval --model smollm2-135m`.
 import argparse
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.evaluate import MODES, evaluate, read_text, tokenize
+from llmnpu_delegate.evaluate import MODES, evaluate
 from llmnpu_delegate.quantize import CalibConfig
+from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")

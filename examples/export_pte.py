@@ -21,18 +21,16 @@ import torch
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir import to_edge_transform_and_lower
 from executorch.exir.backend.partitioner import DelegationSpec
-from executorch.extension.pybindings.portable_lib import (
-    _load_for_executorch_from_buffer,
-)
+from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.evaluate import read_text, tokenize
 from llmnpu_delegate.lower.encodings import LlmNpuQuantizer
 from llmnpu_delegate.lower.shadow import add_shadow_paths
 from llmnpu_delegate.partitioner.executorch import LlmNpuPartitioner
 from llmnpu_delegate.prefill import Prefiller, default_calibration
 from llmnpu_delegate.quantize import QuantConfig, plan_linears, quantizable_linears
+from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")

@@ -18,51 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from .errors import LlmNpuError
+from .families import ENGINE_FAMILIES, SHAPES, family_of
 from .paths import atomic_path, cache_dir
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "phi3")
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096)
-# model_type -> config kwargs. Real shapes are the published configs of those models.
-RANDOM_SHAPES: dict[str, tuple[str, dict]] = {
-    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                 max_position_embeddings=32768, rope_theta=1_000_000.0,
-                                 tie_word_embeddings=True, rms_norm_eps=1e-6)),
-    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                               vocab_size=128256, max_position_embeddings=131072,
-                               rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)),
-    # The paper's five models (section 4.1), for `llmnpu simulate`; the 7B ones do not fit in this
-    # machine's RAM as fp32 weights and are simulated from their shapes only (``model_skeleton``).
-    "qwen1.5-1.8b": ("qwen2", dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
-                                   num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
-                                   max_position_embeddings=32768, rope_theta=1_000_000.0,
-                                   tie_word_embeddings=False, rms_norm_eps=1e-6)),
-    "gemma-2b": ("gemma", dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
-                               num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
-                               max_position_embeddings=8192, rms_norm_eps=1e-6)),
-    "phi-2": ("phi", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=32, vocab_size=51200,
-                          max_position_embeddings=2048, partial_rotary_factor=0.4, layer_norm_eps=1e-5)),
-    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                                 max_position_embeddings=4096, rms_norm_eps=1e-5)),
-    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
-                                   max_position_embeddings=32768, rope_theta=10_000.0, sliding_window=None,
-                                   rms_norm_eps=1e-5)),
-    "tiny-llama": ("llama", dict(_TINY)),
-    "tiny-qwen2": ("qwen2", dict(_TINY)),
-    "tiny-mistral": ("mistral", dict(_TINY, sliding_window=None)),
-    "tiny-gemma": ("gemma", dict(_TINY, head_dim=16)),
-    "tiny-gemma2": ("gemma2", dict(_TINY, head_dim=16, sliding_window=64)),
-    "tiny-gemma3": ("gemma3_text", dict(_TINY, head_dim=16, sliding_window=64)),
-    "tiny-phi3": ("phi3", dict(_TINY, pad_token_id=0)),
-}
+SUPPORTED_FAMILIES = ENGINE_FAMILIES
+RANDOM_SHAPES = SHAPES     # the families' shapes (``families.py``): the paper's five models, real ones, tiny ones
 
 
 @dataclass
@@ -112,11 +74,7 @@ def keep_first_blocks(lm: LoadedModel, blocks: int) -> LoadedModel:
 
 
 def check_family(config) -> None:
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise LlmNpuError(
-            f"unsupported architecture '{config.model_type}': supported decoder-only families are "
-            f"{', '.join(SUPPORTED_FAMILIES)}"
-        )
+    family_of(config)          # raises, naming the supported families
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -292,15 +250,22 @@ def _llm_like_outliers(model: nn.Module) -> None:
     def channels(n: int) -> Tensor:
         return torch.randperm(n, generator=gen)[: max(2, round(OUTLIER_CHANNEL_SHARE * n))]
 
+    family = family_of(model.config)
     for layer in decoder_layers(model):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            w = getattr(layer, norm).weight
+        for norm in family.norms:
+            w = layer.get_submodule(norm).weight
             w[channels(w.numel())] *= OUTLIER_GAIN           # q/k/v and gate/up inputs
-        mlp, attn = layer.mlp, layer.self_attn
-        up = mlp.up_proj.weight
-        up[channels(up.shape[0])] *= OUTLIER_GAIN            # down_proj input channels
-        v = attn.v_proj.weight
-        v[channels(v.shape[0])] *= OUTLIER_GAIN              # o_proj input channels
+        up = layer.get_submodule(family.gate_up[-1]).weight
+        up = up[up.shape[0] // 2:] if len(family.gate_up) == 1 else up     # a fused gate/up: its up half
+        up[channels(up.shape[0])] *= OUTLIER_GAIN            # down projection's input channels
+        v = layer.get_submodule(family.qkv[-1]).weight
+        v = v[v.shape[0] - _kv_width(model.config):] if len(family.qkv) == 1 else v     # a fused qkv: its v rows
+        v[channels(v.shape[0])] *= OUTLIER_GAIN              # output projection's input channels
+
+
+def _kv_width(config) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads * head_dim
 
 
 def _shared_tokenizer(vocab_size: int):

@@ -8,8 +8,9 @@ from transformers import DynamicCache
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.kernels.native_ops import native_available
+from llmnpu_delegate.families import tiny_shapes
 from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+from llmnpu_delegate.kernels.native_ops import native_available
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.quantize.linear import quantize_weight
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear
@@ -65,7 +66,10 @@ def _prefilled(lm, ids):
     return out, Result()
 
 
-@pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-qwen2"])
+INT8_DECODE = [f"random:{shape}" for shape in tiny_shapes(int8_decode=True)]     # families.py
+
+
+@pytest.mark.parametrize("spec", INT8_DECODE)
 def test_float_decode_loop_equals_hf_decode_steps(spec):
     """The loop itself (fp32 mode): logits of 5 steps at positions 40..44 equal HF's, and each step
     writes one cache row in place (the buffer never moves)."""
@@ -144,8 +148,7 @@ def test_bench_e2e_needs_one_prompt(capsys):
     assert "--e2e times one prompt" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec,act", [("random:tiny-llama", None), ("random:tiny-qwen2", None),
-                                      ("random:tiny-llama", "gelu_pytorch_tanh")])
+@pytest.mark.parametrize("spec,act", [(spec, None) for spec in INT8_DECODE] + [("random:tiny-llama", "gelu_pytorch_tanh")])
 def test_native_decode_step_is_the_python_loop(spec, act):
     """kernels/native/decode_step.cpp against the Python loop it replaces (same INT8 kernels, its own
     norm / RoPE / outlier loops): 40 steps from an empty cache agree to float rounding, logits and

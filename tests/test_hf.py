@@ -5,11 +5,12 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.families import tiny_shapes
 from llmnpu_delegate.hf import LlmNpuForCausalLM
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import quant_config
 
-FAMILIES = ["random:tiny-llama", "random:tiny-qwen2", "random:tiny-gemma2", "random:tiny-gemma3", "random:tiny-phi3"]
+FAMILIES = [f"random:{shape}" for shape in tiny_shapes()]     # one per declared family (families.py)
 
 
 @pytest.fixture(scope="module")

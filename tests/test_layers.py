@@ -17,7 +17,7 @@ STAGES = {
     "errors": 0, "paths": 1,
     "kernels": 2, "qnn": 2, "text": 2,
     "format": 3,                                   # the program format: lower/ writes it, runtime/ reads it
-    "models": 4, "capture": 4,                     # the model
+    "families": 4, "models": 4, "capture": 4,      # the model
     "quantize": 5,
     "partitioner": 6,
     "backends": 7, "lower": 7,                     # an NPU backend lowers a region; lower/ exports a program

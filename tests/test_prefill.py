@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.families import tiny_shapes
 from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+FAMILIES = tiny_shapes()     # one per declared family (families.py)
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned
 # Chunked against unchunked: attention in fp32 on both sides, so that only chunking and quantization
 # are compared (bf16 attention has its own tests: test_attention_precision.py).

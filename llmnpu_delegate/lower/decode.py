@@ -33,6 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..capture import attention_implementation
 from ..errors import LlmNpuError
+from ..families import family_of
 from ..format.kv import empty_cache
 from ..partitioner.regions import linear_names
 
@@ -117,7 +118,10 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
     ``keep_float``: linears (model names) that stay float in ``int8`` mode (``float_linears``)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackDynamicallyQuantizedPartitioner,
+        XnnpackPartitioner,
+    )
     from executorch.exir import to_edge_transform_and_lower
 
     if mode not in MODES:
@@ -129,7 +133,12 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
         ep = torch.export.export(step, example, strict=False)
         if mode == "int8":
             ep = _quantize_dynamic(ep, example, calib_ids, keep_float)
-    return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    partitioners = [XnnpackPartitioner()]
+    if mode == "int8" and family_of(model.config).qk_norm:
+        # XNNPACK's one partition of the whole step closes a dependency cycle around the q/k norms that
+        # sit between dynamically quantized projections and RoPE: its quantized linears are taken first
+        partitioners.insert(0, XnnpackDynamicallyQuantizedPartitioner())
+    return to_edge_transform_and_lower(ep, partitioner=partitioners)
 
 
 def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None, keep_float):

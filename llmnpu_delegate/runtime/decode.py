@@ -30,18 +30,20 @@ from transformers import StaticCache
 
 from .. import kernels as K
 from ..errors import LlmNpuError
+from ..families import FAMILIES
 from ..kernels.native_ops import native_available
 from ..quantize.linear import quantize_weight
 
-FAMILIES = ("llama", "qwen2", "mistral")
 MODES = ("int8", "bf16", "fp32")
 OUTLIERS = 16
 
 
 def unsupported(config) -> str | None:
     """Why ``Int8Decoder`` cannot run this model (None when it can)."""
-    if config.model_type not in FAMILIES:
-        return f"the {config.model_type} family (INT8 decode runs {', '.join(FAMILIES)})"
+    family = FAMILIES.get(config.model_type)
+    if family is None or not family.int8_decode:
+        runs = ", ".join(n for n, f in FAMILIES.items() if f.int8_decode)
+        return f"the {config.model_type} family (INT8 decode runs {runs})"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "a sliding-window attention"
     if getattr(config, "hidden_act", "silu") not in ("silu", "gelu", "gelu_pytorch_tanh"):
@@ -97,6 +99,8 @@ class _Block:
     norm2: Tensor
     gate_up: _Linear
     down: _Linear
+    q_norm: Tensor | None = None     # per-head RMSNorm weights of q and k before RoPE (Qwen3)
+    k_norm: Tensor | None = None
 
 
 class Int8Decoder:
@@ -135,13 +139,19 @@ class Int8Decoder:
         def linear(*mods: nn.Linear, outliers: int = outliers) -> _Linear:
             return _Linear(*_stack(list(mods)), kind, outliers)
 
-        # o_proj's input (the attention output) has no outliers to speak of: alone in INT8 it keeps the
-        # logits at 42 dB against float, the others at 31-33 dB (benchmarks/decode_accuracy.py)
-        self.blocks = [_Block(blk.input_layernorm.weight.detach().float(),
-                              linear(blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj),
-                              linear(blk.self_attn.o_proj, outliers=0), blk.post_attention_layernorm.weight.detach().float(),
-                              linear(blk.mlp.gate_proj, blk.mlp.up_proj), linear(blk.mlp.down_proj))
-                       for blk in base.layers]
+        family = FAMILIES[cfg.model_type]
+
+        def block(blk: nn.Module) -> _Block:
+            mods = lambda names: [blk.get_submodule(n) for n in names]          # noqa: E731
+            weight = lambda name: blk.get_submodule(name).weight.detach().float()  # noqa: E731
+            # the output projection's input (the attention output) has no outliers to speak of: alone
+            # in INT8 it keeps the logits at 42 dB against float, the others at 31-33 dB
+            # (benchmarks/decode_accuracy.py)
+            return _Block(weight(family.norms[0]), linear(*mods(family.qkv)), linear(*mods([family.o]), outliers=0),
+                          weight(family.norms[1]), linear(*mods(family.gate_up)), linear(*mods([family.down])),
+                          *(map(weight, family.qk_norm) if family.qk_norm else ()))
+
+        self.blocks = [block(blk) for blk in base.layers]
         self.final_norm = base.norm.weight.detach().float()
         # the lm_head in INT8 with the outlier rows agrees with float decode as often as in bf16 on the
         # gate's prompts (0.964 both) and costs ~1 ms a token less (mkldnn's one-row bf16 GEMM is
@@ -162,8 +172,10 @@ class Int8Decoder:
         def parts(lin: _Linear) -> tuple:
             return lin.packed, lin.rows if lin.rows is not None else torch.empty(0), lin.outliers
 
+        none = torch.empty(0)
         for b in self.blocks:
-            step.add_block(b.norm1, b.norm2, *parts(b.qkv), *parts(b.o), *parts(b.gate_up), *parts(b.down))
+            step.add_block(b.norm1, b.norm2, *parts(b.qkv), *parts(b.o), *parts(b.gate_up), *parts(b.down),
+                           none if b.q_norm is None else b.q_norm, none if b.k_norm is None else b.k_norm)
         step.set_head(self.final_norm, *parts(self.lm_head))
         return step
 
@@ -185,7 +197,10 @@ class Int8Decoder:
         h = h.reshape(1, self.hidden)
         for i, b in enumerate(self.blocks):
             q, k, v = b.qkv(F.rms_norm(h, b.norm1.shape, b.norm1, self.eps)).split([nq * d, nkv * d, nkv * d], dim=-1)
-            qk = _rope(torch.cat([q, k], -1).view(nq + nkv, d), cos, sin)
+            if b.q_norm is not None:
+                q = F.rms_norm(q.view(nq, d), (d,), b.q_norm, self.eps)
+                k = F.rms_norm(k.view(nkv, d), (d,), b.k_norm, self.eps)
+            qk = _rope(torch.cat([q.reshape(nq, d), k.reshape(nkv, d)]), cos, sin)
             q, k = qk[:nq].view(1, nq, 1, d), qk[nq:].view(1, nkv, 1, d)
             keys, values = cache.layers[i].keys[:, :, :pos + 1], cache.layers[i].values[:, :, :pos + 1]
             keys[:, :, pos].copy_(k[:, :, 0])       # the token's row, in place (StaticLayer.update's

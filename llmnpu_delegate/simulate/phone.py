@@ -24,6 +24,7 @@ from torch import nn
 from ..capture import export_chunk_step, kv_shape, max_context
 from ..errors import LlmNpuError
 from ..evaluate import eval_windows, run_quantized
+from ..families import FAMILIES
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
 from ..partitioner.regions import Partition, partition_graph
@@ -56,13 +57,8 @@ class Scenario:
 
 
 def _role(name: str) -> str:
-    """A linear's role in its block, across families' names."""
-    leaf = name.rsplit(".", 1)[-1]
-    for role, names in (("qkv", ("q_proj", "k_proj", "v_proj", "qkv_proj")), ("o", ("o_proj", "dense")),
-                        ("up", ("gate_proj", "up_proj", "gate_up_proj", "fc1")), ("down", ("down_proj", "fc2"))):
-        if leaf in names:
-            return role
-    return leaf
+    """A linear's role in its block (``qkv``, ``o``, ``up``, ``down``), across the families' names."""
+    return next((r for f in FAMILIES.values() if (r := f.role(name))), name.rsplit(".", 1)[-1])
 
 
 def _layer(name: str) -> int:

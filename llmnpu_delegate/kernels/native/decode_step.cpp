@@ -72,6 +72,7 @@ Linear make_linear(Packed packed, at::Tensor rows, int64_t outliers) {
 struct Block {
   at::Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
+  at::Tensor q_norm, k_norm;   // per-head RMSNorm weights [d] of q and k before RoPE (Qwen3); empty: none
 };
 
 struct DecodeStep : torch::CustomClassHolder {
@@ -90,9 +91,12 @@ struct DecodeStep : torch::CustomClassHolder {
 
   void add_block(at::Tensor norm1, at::Tensor norm2, Packed qkv, at::Tensor qkv_rows, int64_t qkv_k, Packed o,
                  at::Tensor o_rows, int64_t o_k, Packed gate_up, at::Tensor gate_up_rows, int64_t gate_up_k, Packed down,
-                 at::Tensor down_rows, int64_t down_k) {
+                 at::Tensor down_rows, int64_t down_k, at::Tensor q_norm, at::Tensor k_norm) {
+    TORCH_CHECK(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || q_norm.numel() == head_dim),
+                "DecodeStep: q/k norms are both absent or both [head_dim]");
     blocks.push_back(Block{norm1, norm2, make_linear(qkv, qkv_rows, qkv_k), make_linear(o, o_rows, o_k),
-                           make_linear(gate_up, gate_up_rows, gate_up_k), make_linear(down, down_rows, down_k)});
+                           make_linear(gate_up, gate_up_rows, gate_up_k), make_linear(down, down_rows, down_k),
+                           q_norm.contiguous(), k_norm.contiguous()});
   }
 
   void set_head(at::Tensor norm, Packed packed, at::Tensor rows, int64_t outliers) {
@@ -135,6 +139,7 @@ struct DecodeStep : torch::CustomClassHolder {
     const float* cp = c.const_data_ptr<float>();
     const float* sp = s.const_data_ptr<float>();
     at::Tensor q = at::empty({1, nq, 1, d}, h.options());
+    std::vector<float> qk_normed;
     for (size_t i = 0; i < blocks.size(); ++i) {
       const Block& b = blocks[i];
       const int64_t size = keys[i].size(2);
@@ -143,11 +148,19 @@ struct DecodeStep : torch::CustomClassHolder {
                   "DecodeStep: K/V buffers must be contiguous [1, KVH, size, d]");
       const at::Tensor qkv = b.qkv(norm(h, b.norm1));
       const float* y = qkv.const_data_ptr<float>();
+      const float* qk = y;     // q and k heads as RoPE takes them
+      if (b.q_norm.numel()) {
+        qk_normed.resize((nq + nkv) * d);
+        llmnpu::rms_norm_rows(y, b.q_norm.const_data_ptr<float>(), static_cast<float>(eps), nq, d, qk_normed.data());
+        llmnpu::rms_norm_rows(y + nq * d, b.k_norm.const_data_ptr<float>(), static_cast<float>(eps), nkv, d,
+                              qk_normed.data() + nq * d);
+        qk = qk_normed.data();
+      }
       float* kp = keys[i].data_ptr<float>();
       float* vp = values[i].data_ptr<float>();
-      for (int64_t j = 0; j < nq; ++j) llmnpu::rope_row(y + j * d, cp, sp, d, q.data_ptr<float>() + j * d);
+      for (int64_t j = 0; j < nq; ++j) llmnpu::rope_row(qk + j * d, cp, sp, d, q.data_ptr<float>() + j * d);
       for (int64_t j = 0; j < nkv; ++j) {
-        llmnpu::rope_row(y + (nq + j) * d, cp, sp, d, kp + (j * size + pos) * d);
+        llmnpu::rope_row(qk + (nq + j) * d, cp, sp, d, kp + (j * size + pos) * d);
         std::memcpy(vp + (j * size + pos) * d, y + (nq + nkv + j) * d, d * sizeof(float));
       }
       const at::Tensor a = at::scaled_dot_product_attention(q, keys[i].narrow(2, 0, pos + 1),
