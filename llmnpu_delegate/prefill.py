@@ -30,7 +30,7 @@ from .models import keep_first_blocks, load_model
 from .partitioner.regions import partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .runtime.allocator import tune_malloc
-from .runtime.executor import COST_POLICIES, POLICIES, Executor, RunStats, Workers
+from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, check_policy
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, program_digest
 from .runtime.prompt import PrefillResult, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
@@ -98,8 +98,7 @@ class Prefiller:
             raise LlmNpuError(f"chunk length must be an integer in 1..{self.max_context} (the model's context), "
                               f"got {chunk_len!r}")
         npu = backends.get(backend, engine=True)
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        check_policy(policy)
         self.chunk_len, self.backend_name, self.policy = chunk_len, backend, policy
         self.quant = resolve_quant(quant)
         self.attention = resolve_precision(attention, self.quant is not None)
@@ -164,9 +163,7 @@ class Prefiller:
     def __call__(self, input_ids, policy: str | None = None) -> PrefillResult:
         """Prefill one prompt. Safe to call from several threads: prompts run one after another."""
         ids = self.check_prompt(input_ids)
-        policy = policy or self.policy
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        policy = check_policy(policy or self.policy)
         with self._lock:
             return self._run(ids, policy)
 

@@ -202,7 +202,7 @@ def test_an_unknown_soc_names_the_known_ones(capsys):
 def test_a_prompt_past_the_context_is_refused(tiny):
     with pytest.raises(LlmNpuError, match=r"prompt length must be in 1\.\.4096"):
         simulate_prefill(tiny, "SM8650", 4097)
-    with pytest.raises(LlmNpuError, match="unknown policies"):
+    with pytest.raises(LlmNpuError, match="unknown policy 'fifo': use one of inorder, overlap, ooo, cp"):
         simulate_prefill(tiny, "SM8650", 16, ("fifo",))
 
 

@@ -48,6 +48,13 @@ from .program import ChunkProgram
 POLICIES = ("inorder", "overlap", "ooo", "cp")
 COST_POLICIES = ("ooo", "cp")    # policies that read the profiled task costs
 PROCESSORS = ("npu", "cpu")
+
+
+def check_policy(policy: str) -> str:
+    """``policy`` if it is one of ``POLICIES``, else an LlmNpuError naming them."""
+    if policy not in POLICIES:
+        raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+    return policy
 _RUN_LOCK = threading.Lock()
 SPIN_S = 2e-3      # how long an idle worker spins for the next hand-off before it blocks (see _Wakeup)
 HELP_S = 1.0       # ... and the CPU worker, which helps the NPU's kernels meanwhile (Workers.help)
@@ -176,9 +183,7 @@ class Scheduler:
     scheduler per prompt shape and pays only the reset."""
 
     def __init__(self, tasks: list[Task], policy: str):
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
-        self.tasks, self.policy = tasks, policy
+        self.tasks, self.policy = tasks, check_policy(policy)
         self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].key)     # program order
         self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
         self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
@@ -356,8 +361,7 @@ class Executor:
         """``feeds[i]``: chunk i's inputs except the past K/V. Returns the last chunk's outputs.
         ``fail=(chunk, step)`` injects a failure (for tests of the error path). The run's wall time
         counts from here: the task graph and the scheduler are part of what a prompt waits for."""
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        check_policy(policy)
         with _RUN_LOCK:
             t0 = time.perf_counter()
             shape = self._shape(len(feeds))

@@ -30,7 +30,7 @@ from ..format.regions import RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
-from .executor import COST_POLICIES, POLICIES, Executor, Workers
+from .executor import COST_POLICIES, Executor, Workers, check_policy
 from .profile import Profile
 from .program import ChunkProgram, Step
 from .prompt import check_prompt, chunk_feeds, gather
@@ -111,8 +111,7 @@ class PteRunner:
     """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``."""
 
     def __init__(self, pte: str | Path, policy: str = "ooo", workers: Workers | None = None):
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        check_policy(policy)
         self.meta = meta = load_sidecar(pte)
         try:
             self._build(Path(pte), meta, workers)
@@ -148,9 +147,7 @@ class PteRunner:
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None):
         ids = check_prompt(input_ids, self.context, self.vocab)
-        policy = policy or self.policy
-        if policy not in POLICIES:
-            raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+        policy = check_policy(policy or self.policy)
         feeds = chunk_feeds(ids, self.chunk_len, self.kv)
         costs = self.profile.costs(len(feeds)) if self.profile else None
         out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)

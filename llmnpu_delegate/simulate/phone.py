@@ -30,7 +30,7 @@ from ..models import DEFAULT_MODEL, load_model, model_skeleton
 from ..partitioner.regions import Partition, partition_graph
 from ..prefill import default_calibration, quant_config
 from ..quantize import QuantConfig, auto, plan_linears, quantizable_linears
-from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, simulate
+from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
 from ..runtime.program import ChunkProgram, Step
 from ..runtime.trace import metrics, step_label, write_timeline, write_trace
 from ..text import read_text, tokenize
@@ -164,9 +164,10 @@ def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES
     device = load_device(soc)
     if not isinstance(prompt_len, int) or not 0 < prompt_len <= scn.context:
         raise LlmNpuError(f"prompt length must be in 1..{scn.context} (the model's context), got {prompt_len}")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies:
-        raise LlmNpuError(f"unknown policies {unknown}: use {', '.join(POLICIES)}")
+    if not policies:
+        raise LlmNpuError(f"no scheduling policy given: use one or more of {', '.join(POLICIES)}")
+    for p in policies:
+        check_policy(p)
     chunks = math.ceil(prompt_len / scn.chunk)
     costs = step_costs(scn, device, chunks)
     out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "chunk": scn.chunk,
