@@ -20,44 +20,63 @@ def test_the_library_is_built_and_loaded():
     assert native_available()
 
 
+def _split(table, hot):
+    """W^T split as RowStore splits it: ``hot`` channels' rows in one table, the rest in another."""
+    k = table.shape[0]
+    is_hot = torch.zeros(k, dtype=torch.bool)
+    is_hot[hot] = True
+    hot_ch, cold_ch = torch.nonzero(is_hot).flatten(), torch.nonzero(~is_hot).flatten()
+    slot = torch.empty(k, dtype=torch.int64)
+    slot[hot_ch] = torch.arange(hot_ch.numel())
+    slot[cold_ch] = -1 - torch.arange(cold_ch.numel())
+    return table[hot_ch].contiguous(), table[cold_ch].contiguous(), slot
+
+
 @pytest.mark.parametrize("m,k,n,rate", [(256, 576, 1536, 0.01), (1, 64, 7, 0.1), (33, 100, 17, 0.5), (8, 16, 3, 0.0)])
 def test_shadow_product_is_the_residue_times_w_rows(m, k, n, rate):
     x = _activations(m, k, rate, seed=m + k)
     table = torch.randn(k, n, generator=torch.Generator().manual_seed(1))
+    hot, cold, slot = _split(table, torch.arange(0, k, 3))          # every third channel's row is hot
     t = 3.0
     residue = x - x.clamp(-t, t)
     dense = residue.double() @ table.double()
-    y, channels, outliers = torch.ops.llmnpu_native.shadow_product(x, t, table)
-    y_ref, channels_ref, outliers_ref = shadow_product_reference(x, t, table)
+    y, channels, outliers = torch.ops.llmnpu_native.shadow_product(x, t, hot, cold, slot)
+    y_ref, channels_ref, outliers_ref = shadow_product_reference(x, t, hot, cold, slot)
     assert outliers == outliers_ref == int((residue != 0).sum())
     assert channels.tolist() == channels_ref.tolist() == torch.nonzero((residue != 0).any(0)).flatten().tolist()
     # fp32 sums in another order: errors of a few ulps of the largest partial sums
     scale = (residue.abs().double() @ table.abs().double()).max().item() + 1e-30
     assert (y.double() - dense).abs().max().item() <= 1e-5 * scale
-    assert (y.double() - y_ref.double()).abs().max().item() <= 1e-5 * scale
+    assert (y_ref.double() - dense).abs().max().item() <= 1e-5 * scale
     # sparse for real: the rows of channels without an outlier are never read (NaN there would show,
-    # even multiplied by zero)
+    # even multiplied by zero), in either table
+    unhit = torch.ones(k, dtype=torch.bool)
+    unhit[channels] = False
     poisoned = table.clone()
-    cold = torch.ones(k, dtype=torch.bool)
-    cold[channels] = False
-    poisoned[cold] = float("nan")
-    y_poisoned, _, _ = torch.ops.llmnpu_native.shadow_product(x, t, poisoned)
-    assert torch.equal(y_poisoned, y)
+    poisoned[unhit] = float("nan")
+    for fn in (torch.ops.llmnpu_native.shadow_product, shadow_product_reference):
+        y_poisoned, _, _ = fn(x, t, *_split(poisoned, torch.arange(0, k, 3)))
+        assert torch.equal(y_poisoned, y) if fn is not shadow_product_reference else torch.equal(y_poisoned, y_ref)
 
 
 def test_shadow_product_at_threshold_zero_is_the_whole_product_and_takes_views():
     x = torch.randn(40, 24).t()                 # a non-contiguous [24, 40] view
     table = torch.randn(40, 9)
-    y, channels, outliers = shadow_product(x, 0.0, table)
+    y, channels, outliers = shadow_product(x, 0.0, *_split(table, torch.tensor([3, 39])))
     torch.testing.assert_close(y, x @ table, rtol=1e-5, atol=1e-5)
     assert outliers == x.numel() and channels.tolist() == list(range(40))
 
 
 def test_shadow_product_refuses_what_it_cannot_multiply():
-    with pytest.raises(RuntimeError, match="table must be"):
-        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, torch.randn(7, 3))
+    hot, cold, slot = _split(torch.randn(8, 3), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="slot must be"):
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, hot, cold, slot[:7])
     with pytest.raises(RuntimeError, match="x must be"):
-        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8).double(), 1.0, torch.randn(8, 3))
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8).double(), 1.0, hot, cold, slot)
+    with pytest.raises(RuntimeError, match="hot and cold must be"):
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, hot, torch.randn(7, 4), slot)
+    with pytest.raises(RuntimeError, match="names no row"):
+        torch.ops.llmnpu_native.shadow_product(torch.randn(4, 8), 1.0, hot, cold[:3], slot)
 
 
 def test_fused_rms_norm_is_the_decomposed_one():

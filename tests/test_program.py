@@ -15,7 +15,7 @@ from llmnpu_delegate.lower import decode as program_decode
 from llmnpu_delegate.lower.cpu_subgraphs import cold_channels, shadow_branches
 from llmnpu_delegate.partitioner.regions import shadow_delta
 from llmnpu_delegate.quantize.apply import LinearPlan
-from llmnpu_delegate.quantize.shadow import ShadowWeights, weight_rows_file
+from llmnpu_delegate.quantize.shadow import shadow_rows
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.validate import sqnr_db
 
@@ -64,7 +64,7 @@ def test_sparse_shadow_branch_equals_the_engine_product_with_hot_and_cold_outlie
     assert rows.fetched == 2                    # channels 17 and 20, read from the file
     got = delta + cold
 
-    engine = ShadowDelta("lin", CLIP, ShadowWeights(weight_rows_file("test-sparse", "lin", lin.weight), plan.hot), 24)
+    engine = ShadowDelta("lin", CLIP, shadow_rows(tmp_path.name, "lin", lin.weight, plan.hot))
     with torch.no_grad():
         want = engine(x)
     assert engine.outlier_elements == int((x.abs() > CLIP).sum()) > 10     # the engine saw the same outliers

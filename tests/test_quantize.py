@@ -1,11 +1,14 @@
 """Quantization stage: weight math, the shadow linear's exact equation, hot channels, calibration,
 the artefact, pruning, and quantize_ over every supported family."""
+import json
+
 import numpy as np
 import pytest
 import torch
 from conftest import inject_outliers
 
 from llmnpu_delegate import LlmNpuError
+from llmnpu_delegate.format.rows import ColdRows
 from llmnpu_delegate.models import RANDOM_SHAPES, load_model
 from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.quantize import (
@@ -20,13 +23,7 @@ from llmnpu_delegate.quantize import (
     quantize_weight,
 )
 from llmnpu_delegate.quantize.importance import layers_to_prune
-from llmnpu_delegate.quantize.shadow import (
-    HEADER_BYTES,
-    ShadowWeights,
-    hot_channels,
-    shadow_weights,
-    weight_rows_file,
-)
+from llmnpu_delegate.quantize.shadow import hot_channels, rows_files, shadow_rows
 
 TINY = [s for s in RANDOM_SHAPES if s.startswith("tiny-")]
 
@@ -53,7 +50,7 @@ def test_quantize_weight_roundtrip(granularity):
 # --------------------------------------------------------------------------- shadow linear
 def _shadow_layer(tmp_path, w, b, clip, hot):
     w_q, w_s = quantize_weight(w, "channel")
-    store = shadow_weights(tmp_path.name, "w", w, torch.tensor(hot, dtype=torch.int64))  # a model per test
+    store = shadow_rows(tmp_path.name, "w", w, torch.tensor(hot, dtype=torch.int64))  # a model per test
     layer = QuantLinear(w_q, w_s, b, clip / 127, full_scale=50.0 / 127, clip=clip, shadow=store)
     return layer, w_q, w_s, store
 
@@ -103,37 +100,55 @@ def test_hot_channels_cover_requested_share():
     assert hot_channels(torch.zeros(4, dtype=torch.int64), 0.8).numel() == 0
 
 
-def test_shadow_rows_file_and_cold_reads(tmp_path, monkeypatch):
+def test_shadow_rows_hot_in_ram_cold_from_the_rows_file(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
     w = torch.randn(6, 9)
-    path = weight_rows_file("fp", "layer.0", w)
-    store = ShadowWeights(path, torch.tensor([2, 7]))
-    rows = store.rows(torch.tensor([1, 2, 7, 8]))
-    torch.testing.assert_close(rows, w.t()[[1, 2, 7, 8]])
+    store = shadow_rows("fp", "layer.0", w, torch.tensor([2, 7]))
+    rows, desc = rows_files("fp", "layer.0", torch.tensor([2, 7]))
+    assert rows.stat().st_size == 7 * 6 * 4             # the 7 cold channels' rows only: hot ones live in RAM
+    torch.testing.assert_close(store.rows(torch.tensor([1, 2, 7, 8])), w.t()[[1, 2, 7, 8]])
     assert store.cold_fetches == 2 and store.hot_hits == 2
     assert store.resident_bytes == 2 * 6 * 4
-    assert not list(path.parent.glob(".*"))  # no temporary left behind
-    path.write_bytes(path.read_bytes()[:300])  # a damaged cache entry is detected and rebuilt
-    assert weight_rows_file("fp", "layer.0", w) == path
-    torch.testing.assert_close(ShadowWeights(path, torch.tensor([2])).rows(torch.tensor([4])), w.t()[[4]])
+    assert not [p for p in rows.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    # the same rows file layout as a program's: its description reads like a sidecar's shadow entry
+    assert ColdRows(rows, json.loads(desc.read_text())).stores["layer.0"].cold.tolist() == [0, 1, 3, 4, 5, 6, 8]
+    rows.write_bytes(rows.read_bytes()[:30])  # a damaged cache entry is detected and rebuilt
+    torch.testing.assert_close(shadow_rows("fp", "layer.0", w, torch.tensor([2, 7])).rows(torch.tensor([4])), w.t()[[4]])
+    assert rows.stat().st_size == 7 * 6 * 4
+    # another hot set is another file: the first one stays valid
+    assert shadow_rows("fp", "layer.0", w, torch.tensor([2])).cold.numel() == 8
+    assert rows.stat().st_size == 7 * 6 * 4
 
 
 def test_rows_file_of_another_model_is_never_read(tmp_path, monkeypatch, caplog):
     """A rows file carries the key it was built for: another model's file of the same shape, copied
     under this model's name, is rebuilt (a shape check alone would have served the foreign rows)."""
     monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
-    w, other = torch.randn(6, 9), torch.randn(6, 9)
-    mine = weight_rows_file("fp-a", "layer.0", w)
-    foreign = weight_rows_file("fp-b", "layer.0", other)
+    w, other, hot = torch.randn(6, 9), torch.randn(6, 9), torch.tensor([0])
+    shadow_rows("fp-a", "layer.0", w, hot)
+    shadow_rows("fp-b", "layer.0", other, hot)
+    (mine, mine_desc), (foreign, foreign_desc) = rows_files("fp-a", "layer.0", hot), rows_files("fp-b", "layer.0", hot)
     mine.write_bytes(foreign.read_bytes())
-    assert weight_rows_file("fp-a", "layer.0", w) == mine
+    mine_desc.write_bytes(foreign_desc.read_bytes())
+    torch.testing.assert_close(shadow_rows("fp-a", "layer.0", w, hot).rows(torch.tensor([5])), w.t()[[5]])
     assert "was built for fp-b" in caplog.text
-    torch.testing.assert_close(ShadowWeights(mine, torch.tensor([0])).rows(torch.tensor([5])), w.t()[[5]])
-    # a header that names this model over another weight's rows: caught by the hot rows read back
-    header = mine.read_bytes()[:HEADER_BYTES]
-    mine.write_bytes(header + foreign.read_bytes()[HEADER_BYTES:])
-    store = shadow_weights("fp-a", "layer.0", w, torch.tensor([1, 4]))
-    torch.testing.assert_close(store.rows(torch.tensor([1, 4, 8])), w.t()[[1, 4, 8]])
+    # a description that names this model over another weight's rows: caught by the rows read back
+    mine.write_bytes(foreign.read_bytes())
+    store = shadow_rows("fp-a", "layer.0", w, hot)
+    assert "does not hold this linear's weights" in caplog.text
+    torch.testing.assert_close(store.rows(torch.tensor([0, 1, 4, 8])), w.t()[[0, 1, 4, 8]])
+
+
+def test_a_store_product_is_the_residue_times_w_and_counts_hot_and_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
+    w = torch.randn(5, 12)
+    store = shadow_rows("fp", "l", w, torch.tensor([3, 4]))
+    x = torch.randn(7, 12).clamp(-1, 1)
+    x[0, 3], x[2, 3], x[5, 9] = 4.0, -6.0, 3.0          # two hot hits on one channel, one cold
+    y, outliers = store.product(x, 1.5)
+    torch.testing.assert_close(y, (x - x.clamp(-1.5, 1.5)) @ w.t(), rtol=1e-5, atol=1e-5)
+    assert outliers == 3 and (store.hot_hits, store.cold_fetches) == (1, 1)
+    assert store.product(x.clamp(-1, 1), 1.5) == (None, 0)
 
 
 # --------------------------------------------------------------------------- calibration

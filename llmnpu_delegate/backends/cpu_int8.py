@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..errors import LlmNpuError
-from ..kernels.ops import shadow_product
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
-from ..quantize.shadow import ShadowWeights, shadow_weights
+from ..format.rows import RowStore
+from ..quantize.shadow import shadow_rows
 from .graph_cache import GraphCache
 from .registry import register
 
@@ -69,25 +69,25 @@ class ShadowDelta(nn.Module):
     """One linear's shadow product ``(x - clip(x)) @ W^T`` (a [.., N] float tensor), or a scalar zero
     when no element crossed the threshold.
 
-    Its cost follows the outliers: ``kernels.ops.shadow_product`` scans ``x`` once and adds one
-    row of W^T (memory-mapped: only hit rows are read) per outlier element. A chunk's outliers spread
-    over hundreds of channels, ~4 each, so a dense block of the hit columns is mostly zeros."""
+    Its cost follows the outliers: ``RowStore.product`` scans ``x`` once and adds one row of W^T per
+    outlier element, from RAM for hot channels and from the rows file for cold ones. A chunk's
+    outliers spread over hundreds of channels, ~4 each, so a dense block of the hit columns is mostly
+    zeros."""
 
-    def __init__(self, name: str, clip: float, rows: ShadowWeights, out_features: int):
+    def __init__(self, name: str, clip: float, rows: RowStore):
         super().__init__()
-        self.name, self.clip, self.rows, self.out_features = name, clip, rows, out_features
+        self.name, self.clip, self.rows = name, clip, rows
         self.outlier_elements = 0
         self.seen_elements = 0
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         self.seen_elements += x2.numel()
-        y, channels, outliers = shadow_product(x2, self.clip, self.rows.table())
-        if outliers == 0:
+        y, outliers = self.rows.product(x2, self.clip)
+        if y is None:
             return x.new_zeros(())
         self.outlier_elements += outliers
-        self.rows.count(channels)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.rows.out_features)
 
 
 class CpuInt8Engine:
@@ -164,8 +164,7 @@ class CpuInt8Engine:
         if plan is None or not plan.shadow:
             raise LlmNpuError(f"{name} has no shadow path in this quantization plan")
         lin = self.linear(name)
-        rows = shadow_weights(self.fingerprint, name, lin.weight, plan.hot)
-        return ShadowDelta(name, plan.clip, rows, lin.out_features)
+        return ShadowDelta(name, plan.clip, shadow_rows(self.fingerprint, name, lin.weight, plan.hot))
 
 
 @register

@@ -1,13 +1,19 @@
-"""The cold rows file: the float rows of W^T that a shadowed linear's program does not hold.
+"""The shadow path's float rows of W^T: hot rows resident, cold rows in a rows file, read when hit.
 
-A sparse shadow branch multiplies only its hot input channels' rows (kept in the program); when a
-cold channel crosses its threshold, the runner reads that channel's row from this file (the paper
-keeps them on disk likewise). Layout: little-endian float32, one block per shadowed linear of
-``[cold channels, out_features]`` rows, at the byte offset the sidecar's ``shadow.linears`` gives.
+A shadowed linear saturates its INT8 input at ``clip``; the shadow product adds back
+``(x - clip(x)) @ W^T`` over the input channels that crossed it. Calibration shows a few channels
+produce most outliers, so only their rows stay in RAM (or in the program); a rare outlier elsewhere
+reads its row from the rows file (the paper keeps them on disk likewise).
+
+One layout serves the engine's cache and the ``.pte``'s rows file: little-endian float32, one block
+per shadowed linear of ``[cold channels, out_features]`` rows, at the byte offset its description
+(``write_cold_rows``'s return, the sidecar's ``shadow`` entry) gives. ``RowStore`` serves one linear's
+rows and its product; ``ColdRows`` is a program's rows file, one store per linear.
 """
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +22,7 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..kernels import outlier_product
+from ..kernels.ops import gather_rows, shadow_product
 from ..paths import atomic_path
 
 ROW_DTYPE = "float32"
@@ -23,14 +30,15 @@ ROW_DTYPE = "float32"
 
 def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path) -> dict:
     """Write each shadowed linear's cold rows (``blocks``: name -> (W [N, K], its cold input channels,
-    its clip threshold)) one block after another into ``path``; returns the sidecar's ``shadow`` entry."""
+    its clip threshold)) one block after another into ``path`` (atomically); returns the description:
+    the sidecar's ``shadow`` entry."""
     linears, offset = {}, 0
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for name, (w, cold, clip) in blocks.items():
             w = w.detach().float()
-            block = w.t()[cold].contiguous().numpy().astype("<f4")           # [cold, N]
+            block = w.t()[list(cold)].contiguous().numpy().astype("<f4")           # [cold, N]
             f.write(block.tobytes())
-            linears[name] = {"cold_channels": list(cold), "rows_offset": offset, "in_features": w.shape[1],
+            linears[name] = {"cold_channels": [int(c) for c in cold], "rows_offset": offset, "in_features": w.shape[1],
                              "out_features": w.shape[0], "clip": clip}
             offset += block.nbytes
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -38,38 +46,116 @@ def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Pa
             "linears": linears}
 
 
+def other_channels(channels: Tensor, in_features: int) -> Tensor:
+    """The input channels not in ``channels``, sorted: a linear's cold channels given its hot ones."""
+    rest = torch.ones(in_features, dtype=torch.bool)
+    rest[channels.to(torch.int64)] = False
+    return torch.nonzero(rest).flatten()
+
+
+def map_rows(path: Path, nbytes: int) -> Tensor | None:
+    """The rows file as a flat read-only float tensor over its mapping: nothing is read until used."""
+    if not nbytes:
+        return None
+    with warnings.catch_warnings():        # the mapping is read-only, and so is every use of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.memmap(path, dtype="<f4", mode="r"))
+
+
+class RowStore:
+    """One linear's rows of W^T [K, N]: the ``hot`` channels' rows in RAM (``hot_rows``, or None when
+    the program holds them), the ``cold`` channels' rows in ``cold_rows`` (a view of the mapped rows
+    file). Counts the rows it serves from RAM and from disk."""
+
+    def __init__(self, in_features: int, out_features: int, hot: Tensor, hot_rows: Tensor | None,
+                 cold: Tensor, cold_rows: Tensor | None):
+        self.in_features, self.out_features = in_features, out_features
+        self.hot, self.cold = hot.to(torch.int64), cold.to(torch.int64)
+        self.hot_rows = hot_rows
+        empty = torch.empty(0, out_features)
+        self._hot = hot_rows if hot_rows is not None else empty
+        self._cold = cold_rows if cold_rows is not None else empty
+        if self._cold.shape != (self.cold.numel(), out_features):
+            raise ValueError(f"cold rows are {tuple(self._cold.shape)}, not [{self.cold.numel()}, {out_features}]")
+        self.slot = torch.full((in_features,), -1 - in_features, dtype=torch.int64)   # out of both tables
+        self.slot[self.hot] = torch.arange(self.hot.numel()) if hot_rows is not None else -1 - in_features
+        self.slot[self.cold] = -1 - torch.arange(self.cold.numel())
+        self.hot_hits = 0        # rows served from RAM
+        self.cold_fetches = 0    # rows read from disk
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._hot.numel() * self._hot.element_size()
+
+    def count(self, channels: Tensor) -> None:
+        cold = int((self.slot[channels] < 0).sum())
+        self.cold_fetches += cold
+        self.hot_hits += channels.numel() - cold
+
+    def rows(self, channels: Tensor) -> Tensor:
+        """W^T[channels] as a [k, N] float tensor."""
+        self.count(channels)
+        return gather_rows(self._hot, self._cold, self.slot[channels])
+
+    def product(self, x: Tensor, clip: float) -> tuple[Tensor | None, int]:
+        """``(x - clip(x)) @ W^T`` for ``x`` [M, K] over every channel that crossed ``clip`` (None when
+        none did) and the number of outlier elements: one pass, one row per outlier."""
+        if self.hot_rows is None and self.hot.numel():
+            raise ValueError("this store does not hold its hot rows (the program does): use cold_product")
+        y, channels, outliers = shadow_product(x, clip, self._hot, self._cold, self.slot)
+        if outliers == 0:
+            return None, 0
+        self.count(channels)
+        return y, outliers
+
+    def cold_product(self, x: Tensor, clip: float, hits: Tensor) -> Tensor | None:
+        """The cold part only, ``(x - clip(x))[:, c] @ W^T[c]`` over the cold channels ``c`` that
+        ``hits`` [K] flags (a program's hot channels ran inside it), or None."""
+        hit = self.cold[hits[self.cold] > 0]
+        if hit.numel() == 0:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        cols = x2.index_select(1, hit)
+        return outlier_product(cols - cols.clamp(-clip, clip), self.rows(hit)).view(*x.shape[:-1], self.out_features)
+
+
+def row_stores(rows: Tensor | None, shadow: dict, hot_rows: dict[str, tuple[Tensor, Tensor]] | None = None) -> dict[str, RowStore]:
+    """A store per linear of a rows file's description ``shadow`` over its mapped ``rows``; ``hot_rows``
+    (name -> (hot channels, their rows)) when RAM holds them, else the hot channels are the rest."""
+    stores = {}
+    for name, lin in shadow["linears"].items():
+        k, n = lin["in_features"], lin["out_features"]
+        cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
+        start = lin["rows_offset"] // 4
+        block = rows[start:start + cold.numel() * n].view(cold.numel(), n) if rows is not None and cold.numel() else None
+        if hot_rows is not None:
+            hot, held = hot_rows[name]
+        else:
+            hot, held = other_channels(cold, k), None
+        stores[name] = RowStore(k, n, hot, held, cold, block)
+    return stores
+
+
 class ColdRows:
-    """The cold channels' float rows of W^T (the rows file beside the ``.pte``), memory-mapped and
-    read when a channel is hit; counts the rows read. ``shadow``: the sidecar's ``shadow`` entry."""
+    """A program's rows file (beside the ``.pte``), checked against the sidecar's ``shadow`` entry and
+    memory-mapped; the hot rows are in the program, so only the cold part runs here."""
 
     def __init__(self, path: Path | None, shadow: dict):
-        self.linears: dict[str, tuple] = {}
-        self.fetched = 0
-        self._file = None
+        self.stores: dict[str, RowStore] = {}
+        self.clips: dict[str, float] = {}
         if shadow.get("form") != "sparse":
             return
         if path is None or not Path(path).is_file():
             raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
         if Path(path).stat().st_size != shadow["bytes"] or hashlib.sha256(Path(path).read_bytes()).hexdigest() != shadow["rows_sha256"]:
             raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
-        if shadow["bytes"]:
-            self._file = np.memmap(path, dtype="<f4", mode="r")
-        for name, lin in shadow["linears"].items():
-            cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
-            slot = torch.full((lin["in_features"],), -1, dtype=torch.int64)
-            slot[cold] = torch.arange(cold.numel())
-            self.linears[name] = (cold, slot, lin["rows_offset"] // 4, lin["out_features"], lin["clip"])
+        self.stores = row_stores(map_rows(path, shadow["bytes"]), shadow)
+        self.clips = {name: lin["clip"] for name, lin in shadow["linears"].items()}
+
+    @property
+    def fetched(self) -> int:
+        return sum(s.cold_fetches for s in self.stores.values())
 
     def product(self, name: str, x: Tensor, hits: Tensor) -> Tensor | None:
         """``(x - clip(x))[:, hit] @ W^T[hit]`` over the cold channels that ``hits`` flags, or None."""
-        cold, slot, start, n, clip = self.linears[name]
-        hit = cold[hits[cold] > 0]
-        if hit.numel() == 0:
-            return None
-        x2 = x.reshape(-1, x.shape[-1])
-        cols = x2.index_select(1, hit)
-        residue = cols - cols.clamp(-clip, clip)
-        block = self._file[start:start + cold.numel() * n].reshape(cold.numel(), n)
-        rows = torch.from_numpy(np.ascontiguousarray(block[slot[hit].numpy()]))
-        self.fetched += hit.numel()
-        return outlier_product(residue, rows).view(*x.shape[:-1], n)
+        return self.stores[name].cold_product(x, self.clips[name], hits)

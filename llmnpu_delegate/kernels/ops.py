@@ -245,28 +245,36 @@ def _(x, threshold):
     return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.shape[0], k))
 
 
-def shadow_product(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
-    """The shadow branch of one linear: ``(x - clamp(x, -t, t)) @ table`` for ``x`` [M, K] and
-    ``table`` = W^T [K, N] (float, e.g. memory-mapped: only the rows of hit channels are read).
+def shadow_product(x: Tensor, threshold: float, hot: Tensor, cold: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The shadow branch of one linear: ``(x - clamp(x, -t, t)) @ W^T`` for ``x`` [M, K], with W^T's
+    rows in two float tables: ``hot`` [h, N] (in RAM) and ``cold`` [c, N] (e.g. memory-mapped: only
+    hit rows are read); ``slot`` [K] int64 maps channel k to hot row i >= 0 or to cold row -1 - slot[k].
     Returns the product [M, N], the hit input channels (sorted) and the number of outlier elements.
-    Native: one scan of ``x`` and one row of W^T per outlier."""
+    Native: one scan of ``x`` and one row per outlier."""
     if native_available():
-        return torch.ops.llmnpu_native.shadow_product(x, threshold, table)
-    return shadow_product_reference(x, threshold, table)
+        return torch.ops.llmnpu_native.shadow_product(x, threshold, hot, cold, slot)
+    return shadow_product_reference(x, threshold, hot, cold, slot)
 
 
-def shadow_product_reference(x: Tensor, threshold: float, table: Tensor) -> tuple[Tensor, Tensor, int]:
-    """``shadow_product`` on torch ops: the hit columns compacted, their residue as a sparse (CSR)
-    matrix with its columns renamed to input channels, times W^T where it lies."""
+def shadow_product_reference(x: Tensor, threshold: float, hot: Tensor, cold: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``shadow_product`` on torch ops: the hit columns compacted, their rows gathered from the two
+    tables, and a (sparse when that pays) product of the two."""
     channels, residue = outlier_extract(x, threshold)          # [k], [M, k]: the hit columns only
     if channels.numel() == 0:
-        return x.new_zeros((x.shape[0], table.shape[1])), channels, 0
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": a notice, not a problem
-        warnings.simplefilter("ignore", UserWarning)
-        local = residue.to_sparse_csr()
-        sparse = torch.sparse_csr_tensor(local.crow_indices(), channels[local.col_indices()], local.values(),
-                                         tuple(x.shape), check_invariants=False)
-        return torch.sparse.mm(sparse, table), channels, local.values().numel()
+        return x.new_zeros((x.shape[0], hot.shape[1])), channels, 0
+    return outlier_product(residue, gather_rows(hot, cold, slot[channels])), channels, int(torch.count_nonzero(residue))
+
+
+def gather_rows(hot: Tensor, cold: Tensor, slots: Tensor) -> Tensor:
+    """The rows ``slots`` name (``shadow_product``'s convention) as one [k, N] float tensor; only the
+    cold rows named are read."""
+    is_hot = slots >= 0
+    if bool(is_hot.all()):
+        return hot[slots]
+    out = hot.new_empty((slots.numel(), hot.shape[1]))
+    out[is_hot] = hot[slots[is_hot]]
+    out[~is_hot] = cold[-1 - slots[~is_hot]]
+    return out
 
 
 def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) -> Tensor:

@@ -17,6 +17,7 @@ from torch import Tensor, fx
 from torch.export import Dim, ExportedProgram
 
 from ..errors import LlmNpuError
+from ..format.rows import other_channels
 from ..kernels.attention import decompositions
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
@@ -82,8 +83,7 @@ def program_hot_channels(plan: LinearPlan) -> Tensor:
 
 def cold_channels(plan: LinearPlan, in_features: int) -> list[int]:
     """Input channels of a shadowed linear whose rows are not in the program (read from disk when hit)."""
-    hot = set(program_hot_channels(plan).tolist())
-    return [c for c in range(in_features) if c not in hot]
+    return other_channels(program_hot_channels(plan), in_features).tolist()
 
 
 def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:

@@ -19,7 +19,7 @@ from .importance import (
     ratio_importance,
 )
 from .linear import QuantLinear, quantize_weight
-from .shadow import hot_channels, shadow_weights
+from .shadow import hot_channels, shadow_rows
 
 
 @dataclass
@@ -52,7 +52,7 @@ def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, f
         clip = calib.threshold(name, config.clip_percentile)
         act = clip / QMAX
         hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
-        shadow = shadow_weights(fingerprint, name, lin.weight, hot)
+        shadow = shadow_rows(fingerprint, name, lin.weight, hot)
     return QuantLinear(w_q, w_scale, lin.bias, act, max(full, 1e-12), clip, shadow, smooth)
 
 

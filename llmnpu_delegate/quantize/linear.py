@@ -5,7 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels as K
-from .shadow import ShadowWeights
+from ..format.rows import RowStore
 
 
 def quantize_weight(w: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
@@ -30,7 +30,7 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, act_scale: float,
-                 full_scale: float, clip: float | None = None, shadow: ShadowWeights | None = None,
+                 full_scale: float, clip: float | None = None, shadow: RowStore | None = None,
                  smooth: Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
@@ -64,10 +64,10 @@ class QuantLinear(nn.Module):
             if max(-float(lo), float(hi)) > limit:
                 self.saturated_elements += int((x2.abs() > limit).sum())
         if shadow:
-            channels, residue = K.outlier_extract(x2, self.clip)
-            if channels.numel():
-                self.outlier_elements += int(torch.count_nonzero(residue))
-                y = K.outlier_compensate(y, residue, self.shadow.rows(channels))
+            delta, outliers = self.shadow.product(x2, self.clip)
+            if delta is not None:
+                self.outlier_elements += outliers
+                y = y + delta
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

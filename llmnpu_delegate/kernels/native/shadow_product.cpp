@@ -5,7 +5,11 @@
 // the elements, so the product is done per outlier: y[m, :] += residue[m, k] * W^T[k, :]. Work is
 // one scan of x plus one row of W^T per outlier, and only hit rows of the (memory-mapped) W^T are
 // read. Torch ops need a compaction, a CSR build and a sparse GEMM for the same (~0.6 ms a call on
-// the embedded model's shapes against ~0.2 ms here; kernels/native_ops.py keeps that version).
+// the embedded model's shapes against ~0.2 ms here; kernels/ops.py keeps that version).
+//
+// W^T's rows come from two tables: ``hot`` (rows kept in RAM) and ``cold`` (the rest, usually a
+// memory-mapped file, read only where hit); ``slot[k]`` says where channel k's row is: i >= 0 is
+// hot row i, -1 - j is cold row j (format/rows.py's RowStore builds all three).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -17,18 +21,28 @@
 namespace {
 
 // Returns y [M, N], the hit input channels (sorted) and the number of outlier elements.
-std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold,
-                                                          const at::Tensor& table) {
+std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold, const at::Tensor& hot,
+                                                          const at::Tensor& cold, const at::Tensor& slot) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "shadow_product: x must be a float [M, K] matrix");
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.size(0) == x.size(1),
-              "shadow_product: table must be the float W^T [K, N] of the linear whose input is x");
+  TORCH_CHECK(hot.dim() == 2 && cold.dim() == 2 && hot.scalar_type() == at::kFloat && cold.scalar_type() == at::kFloat &&
+                  hot.size(1) == cold.size(1),
+              "shadow_product: hot and cold must be float row tables [h, N] and [c, N] of one W^T");
+  TORCH_CHECK(slot.dim() == 1 && slot.scalar_type() == at::kLong && slot.size(0) == x.size(1),
+              "shadow_product: slot must be an int64 [K] map of x's channels to rows");
   TORCH_CHECK(threshold >= 0, "shadow_product: the threshold must not be negative");
+  const at::Tensor sc = slot.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t k = 0; k < sc.size(0); ++k)
+    TORCH_CHECK(sp[k] < hot.size(0) && -1 - sp[k] < cold.size(0), "shadow_product: slot[", k, "] = ", sp[k],
+                " names no row of the tables");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor wc = table.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(1);
+  const at::Tensor hc = hot.contiguous();
+  const at::Tensor cc = cold.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = hc.size(1);
   at::Tensor y = at::zeros({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
+  const float* hp = hc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float t = static_cast<float>(threshold);
   std::vector<uint8_t> hit(K, 0);
@@ -51,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
       for (int64_t k = k0; k < k1; ++k) {
         const float r = residue[k];
         if (r == 0.0f) continue;
-        const float* w = wp + k * N;
+        const float* w = sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N;
         for (int64_t n = 0; n < N; ++n) out[n] += r * w[n];
         hit[k] = 1;
         ++outliers;
@@ -69,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmnpu_native, m) {
-  m.def("shadow_product(Tensor x, float threshold, Tensor table) -> (Tensor, Tensor, int)");
+  m.def("shadow_product(Tensor x, float threshold, Tensor hot, Tensor cold, Tensor slot) -> (Tensor, Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(llmnpu_native, CPU, m) {
