@@ -1,12 +1,15 @@
 """How close INT8 decode (``runtime/decode.Int8Decoder``) stays to float decode, and what it costs, per
 number of per-token outliers taken out of the INT8 activation.
 
-    .venv/bin/python benchmarks/decode_accuracy.py [--outliers 0 2 4 8 16] [--windows 3]
+    .venv/bin/python benchmarks/decode_accuracy.py [--outliers 0 2 4 8 16] [--windows 3] [--policies]
 
 On the *calibration* text (news; the evaluation text is never used to choose a setting): for each
 window, the float model prefills 200 tokens, then decodes the next 100 teacher-forced, once with its
 own forward (the reference) and once with the decoder. Prints the share of steps whose greedy token
 agrees, the logits' SQNR against the reference, and the median step time (interleaved runs).
+``--policies`` adds the alternatives ``quantize/decode_outliers.py`` was chosen against (in the Python
+loop): the outliers through the INT8 weight's own codes, and whole linears kept float where calibration saw large
+outliers (the program's decode method, ``lower/decode.float_linears``); with the extra bytes each holds.
 """
 import argparse
 import json
@@ -17,20 +20,71 @@ import torch
 
 from llmnpu_delegate import load_model
 from llmnpu_delegate.hf import fill_cache
-from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder
+from llmnpu_delegate.families import family_of
+from llmnpu_delegate.lower.decode import float_linears
+from llmnpu_delegate.prefill import default_calibration
+from llmnpu_delegate.quantize import QuantConfig, quantize_weight
+from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")
 ap.add_argument("--outliers", type=int, nargs="+", default=[0, 2, 4, 8, 16])
 ap.add_argument("--windows", type=int, default=3)
+ap.add_argument("--policies", action="store_true")
 args = ap.parse_args()
+
+
+def linears(dec):
+    return [lin for b in dec.blocks for lin in (b.qkv, b.o, b.gate_up, b.down)] + [dec.lm_head]
+
+
+def extra_bytes(dec) -> int:
+    """Bytes beyond the INT8 weights: outlier rows (INT8 codes' rows as they would be stored: 1 byte),
+    and float weights kept."""
+    def size(lin):
+        if lin.kind == "fp32":
+            return lin.weight.numel() * 4
+        if lin.rows is None:
+            return 0
+        return lin.rows.numel() * (1 if getattr(lin, "int8_rows", False) else lin.rows.element_size())
+    return sum(size(lin) for lin in linears(dec))
+
+
+def per_linear(dec, model):
+    """(the decoder's linear, its attribute, its owner, its float modules, their names) for every linear."""
+    family = family_of(model.config)
+    for b, blk in zip(dec.blocks, model.model.layers):
+        for attr, names in (("qkv", family.qkv), ("o", [family.o]), ("gate_up", family.gate_up), ("down", [family.down])):
+            yield getattr(b, attr), attr, b, [blk.get_submodule(n) for n in names], names
+    yield dec.lm_head, "lm_head", dec, [model.lm_head], ["lm_head"]
+
+
+def int8_rows(dec, model):
+    for lin, _, _, mods, _ in per_linear(dec, model):
+        if lin.rows is not None:      # the outliers through the INT8 weight's own codes (held as their values)
+            w_q, w_scale = quantize_weight(_stack(mods)[0], "channel")
+            lin.rows = (w_q.float() * w_scale[:, None]).t().contiguous()
+            lin.int8_rows = True
+    return dec
+
+
+def kept_float(dec, model):
+    keep = set(float_linears(default_calibration(lm, False), QuantConfig().clip_percentile))
+    for i, (lin, attr, owner, mods, names) in enumerate(per_linear(dec, model)):
+        if attr != "lm_head" and any(f"model.layers.{i // 4}.{n}" in keep for n in names):
+            setattr(owner, attr, _Linear(*_stack(mods), "fp32"))
+    return dec
+
 
 lm = load_model(args.model)
 model = lm.model
 text = tokenize(lm, read_text(None, "calib"))
 decoders = {k: Int8Decoder(model, "int8", outliers=k) for k in args.outliers}
 decoders["bf16"] = Int8Decoder(model, "bf16")
+if args.policies:
+    decoders["16, INT8 weight rows"] = int8_rows(Int8Decoder(model, "int8", native=False), model)
+    decoders["calibrated linears kept float"] = kept_float(Int8Decoder(model, "int8", outliers=0, native=False), model)
 stats = {k: {"same": 0, "steps": 0, "err": 0.0, "ref": 0.0, "times": []} for k in decoders}
 with torch.inference_mode():
     for w in range(args.windows):
@@ -61,4 +115,5 @@ with torch.inference_mode():
 for k, s in stats.items():
     print(json.dumps({"outliers": k, "agreement": round(s["same"] / s["steps"], 3),
                       "sqnr_db": round(10 * torch.log10(torch.tensor(s["ref"] / s["err"])).item(), 1),
-                      "step_ms": round(1e3 * statistics.median(s["times"]), 2)}))
+                      "step_ms": round(1e3 * statistics.median(s["times"]), 2),
+                      "extra_mib": None if k == "bf16" else round(extra_bytes(decoders[k]) / 2**20, 1)}))

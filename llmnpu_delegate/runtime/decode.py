@@ -6,9 +6,9 @@ step outside arithmetic (module calls, masks, cache bookkeeping) and reads every
 
 - every linear of a block is an INT8 GEMM (per-output-channel weights, packed once) with the token's
   own dynamic activation scale (``kernels.dynamic_linear``); the linears that read one activation
-  (q/k/v, gate/up) are one GEMM. The token's few largest inputs to each linear skip the activation's
-  quantization (``quantize/decode_outliers.py``: the policy the program's decode method shares, and
-  its measurement); the lm_head is one more such linear;
+  (q/k/v, gate/up) are one GEMM. The token's few largest inputs to each linear go through float
+  weight rows instead (the shadow idea, per token; ``quantize/decode_outliers.py`` holds the policy
+  and its measurement); the lm_head is one more such linear;
 - the K/V live in a transformers ``StaticCache``, written once by the prefill; a step writes its one
   row in place and attends over a view of the filled rows: nothing is copied per step;
 - it runs with torch's threads, but a one-row GEMM does not split across them (fbgemm), so a second
@@ -33,6 +33,7 @@ from ..errors import LlmNpuError
 from ..families import FAMILIES
 from ..kernels.native_ops import native_available
 from ..quantize.decode_outliers import OUTLIERS, outlier_rows, outliers_of
+from ..quantize.linear import quantize_weight
 
 MODES = ("int8", "bf16", "fp32")
 
@@ -64,9 +65,9 @@ class _Linear:
         self.kind, self.bias = kind, b
         self.outliers = min(outliers, w.shape[1]) if kind == "int8" else 0
         if kind == "int8":
-            w_q, w_scale, rows = outlier_rows(w)
+            w_q, w_scale = quantize_weight(w, "channel")
             self.packed = K.prepack_dynamic(w_q, w_scale, b)
-            self.rows, self.scale = (rows, w_scale) if self.outliers else (None, None)
+            self.rows = outlier_rows(w) if self.outliers else None
         else:
             self.weight = w.to(torch.bfloat16 if kind == "bf16" else torch.float32).contiguous()
 
@@ -80,9 +81,7 @@ class _Linear:
             return K.dynamic_linear(x, self.packed)
         top = x[0].abs().topk(self.outliers).indices
         y = K.dynamic_linear(x.index_fill(1, top, 0.0), self.packed)
-        # summed in order of ``top`` (cumsum), each product rounded: the native step's arithmetic exactly
-        rows = self.rows.index_select(0, top).float().mul_(self.scale)
-        return y.add_(rows.mul_(x[0, top, None]).cumsum(0)[-1])
+        return y.addmm_(x.index_select(1, top), self.rows.index_select(0, top).float())
 
 
 def _stack(mods: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
@@ -112,8 +111,8 @@ class Int8Decoder:
         model: the float ``*ForCausalLM`` (left unchanged; its embedding and rotary module are used).
         mode: ``"int8"``; ``"bf16"`` (every linear in bf16: the accuracy reference of
             ``benchmarks/decode_accuracy.py``) or ``"fp32"``.
-        outliers: per token and linear, how many of the largest inputs skip the activation's
-            quantization (``quantize/decode_outliers.py``; the output projection takes none).
+        outliers: per token and linear, how many of the largest inputs go through the float rows
+            (``_Linear``); measured on calibration text (``benchmarks/decode_accuracy.py``).
         native: run the INT8 step as one C++ call (``kernels/native/decode_step.cpp``: the same
             INT8 kernels and SDPA, its own loops for the norms, RoPE, the outlier rows and the gated
             activation; no Python round trip per op); default: when the library is built. The
@@ -169,9 +168,7 @@ class Int8Decoder:
         step = torch.classes.llmnpu_native.DecodeStep(self.heads, self.kv_heads, self.head_dim, self.eps, act)
 
         def parts(lin: _Linear) -> tuple:
-            if lin.rows is None:
-                return lin.packed, torch.empty(0, dtype=torch.int8), torch.empty(0), 0
-            return lin.packed, lin.rows, lin.scale, lin.outliers
+            return lin.packed, lin.rows if lin.rows is not None else torch.empty(0), lin.outliers
 
         none = torch.empty(0)
         for b in self.blocks:

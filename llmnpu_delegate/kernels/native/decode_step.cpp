@@ -25,15 +25,20 @@ namespace {
 
 using Packed = c10::intrusive_ptr<llmnpu::Int8Gemv>;
 
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 struct Linear {
   Packed packed;
-  at::Tensor rows;       // the INT8 weight's codes as W^T [K, N] int8, for the per-token outliers
-  at::Tensor scale;      // its per-output-channel scales [N]
+  at::Tensor rows;       // W^T in bf16 [K, N] for the per-token outliers (undefined: none)
   int64_t outliers = 0;
 
-  // x [1, K] contiguous float: the `outliers` largest |x| skip the activation's quantization and go
-  // through their INT8 W^T rows, the rest through the INT8 GEMM with the token's own scale
-  // (runtime/decode.py _Linear, in loops instead of ops)
+  // x [1, K] contiguous float: the `outliers` largest |x| go through their W^T rows, the rest through
+  // the INT8 GEMM with the token's own scale (runtime/decode.py _Linear, in loops instead of ops)
   at::Tensor operator()(const at::Tensor& x) const {
     if (outliers == 0) return packed->forward(x);
     const int64_t K = x.size(1);
@@ -48,26 +53,20 @@ struct Linear {
     at::Tensor y = packed->forward(rest);
     float* yp = y.data_ptr<float>();
     const int64_t N = y.size(1);
-    const int8_t* w = rows.const_data_ptr<int8_t>();
-    const float* s = scale.const_data_ptr<float>();
-    // The Python reference's arithmetic, rounding for rounding: each product rounded (no FMA, see
-    // CMakeLists.txt), summed in order of the top list, then added to the GEMM's output.
-    std::vector<float> acc(N, 0.0f);
+    const auto* w = reinterpret_cast<const uint16_t*>(rows.const_data_ptr<at::BFloat16>());
     for (int64_t j = 0; j < outliers; ++j) {
       const float v = xp[top[j]];
-      const int8_t* row = w + static_cast<int64_t>(top[j]) * N;
-      for (int64_t n = 0; n < N; ++n) acc[n] += v * (static_cast<float>(row[n]) * s[n]);
+      const uint16_t* row = w + static_cast<int64_t>(top[j]) * N;
+      for (int64_t n = 0; n < N; ++n) yp[n] += v * bf16_to_float(row[n]);
     }
-    for (int64_t n = 0; n < N; ++n) yp[n] += acc[n];
     return y;
   }
 };
 
-Linear make_linear(Packed packed, at::Tensor rows, at::Tensor scale, int64_t outliers) {
-  TORCH_CHECK(outliers == 0 || (rows.dim() == 2 && rows.scalar_type() == at::kChar && rows.is_contiguous() &&
-                                scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == rows.size(1)),
-              "DecodeStep: a linear with outliers needs its int8 W^T rows [K, N] and float scales [N]");
-  return Linear{std::move(packed), std::move(rows), scale.contiguous(), outliers};
+Linear make_linear(Packed packed, at::Tensor rows, int64_t outliers) {
+  TORCH_CHECK(outliers == 0 || (rows.dim() == 2 && rows.scalar_type() == at::kBFloat16),
+              "DecodeStep: a linear with outliers needs its W^T rows in bf16");
+  return Linear{std::move(packed), std::move(rows), outliers};
 }
 
 struct Block {
@@ -90,21 +89,19 @@ struct DecodeStep : torch::CustomClassHolder {
                 "DecodeStep: unknown activation ", this->activation);
   }
 
-  void add_block(at::Tensor norm1, at::Tensor norm2, Packed qkv, at::Tensor qkv_rows, at::Tensor qkv_scale, int64_t qkv_k,
-                 Packed o, at::Tensor o_rows, at::Tensor o_scale, int64_t o_k, Packed gate_up, at::Tensor gate_up_rows,
-                 at::Tensor gate_up_scale, int64_t gate_up_k, Packed down, at::Tensor down_rows, at::Tensor down_scale,
-                 int64_t down_k, at::Tensor q_norm, at::Tensor k_norm) {
+  void add_block(at::Tensor norm1, at::Tensor norm2, Packed qkv, at::Tensor qkv_rows, int64_t qkv_k, Packed o,
+                 at::Tensor o_rows, int64_t o_k, Packed gate_up, at::Tensor gate_up_rows, int64_t gate_up_k, Packed down,
+                 at::Tensor down_rows, int64_t down_k, at::Tensor q_norm, at::Tensor k_norm) {
     TORCH_CHECK(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || q_norm.numel() == head_dim),
                 "DecodeStep: q/k norms are both absent or both [head_dim]");
-    blocks.push_back(Block{norm1, norm2, make_linear(qkv, qkv_rows, qkv_scale, qkv_k), make_linear(o, o_rows, o_scale, o_k),
-                           make_linear(gate_up, gate_up_rows, gate_up_scale, gate_up_k),
-                           make_linear(down, down_rows, down_scale, down_k),
+    blocks.push_back(Block{norm1, norm2, make_linear(qkv, qkv_rows, qkv_k), make_linear(o, o_rows, o_k),
+                           make_linear(gate_up, gate_up_rows, gate_up_k), make_linear(down, down_rows, down_k),
                            q_norm.contiguous(), k_norm.contiguous()});
   }
 
-  void set_head(at::Tensor norm, Packed packed, at::Tensor rows, at::Tensor scale, int64_t outliers) {
+  void set_head(at::Tensor norm, Packed packed, at::Tensor rows, int64_t outliers) {
     final_norm = norm;
-    head = make_linear(packed, rows, scale, outliers);
+    head = make_linear(packed, rows, outliers);
   }
 
   // RMSNorm of a [1, H] row
