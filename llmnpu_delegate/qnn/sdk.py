@@ -127,10 +127,13 @@ def activate(sdk: QnnSdk | None = None) -> QnnSdk:
     if sdk.provided_by == "onnxruntime-qnn":
         # The bundled C++ runtime (which the links' $ORIGIN run paths cannot reach), and the system
         # library ExecuTorch opens by bare name. (Not libHtpPrepare.so: the HTP library registers
-        # its ops when it loads that one itself; loading it twice fails.)
+        # its ops when it loads that one itself; loading it twice fails.) Local: loaded libraries are
+        # found by soname anyway, and a global LLVM libunwind/libc++abi would become the personality
+        # of every C++ extension loaded later, whose first exception then crashes under libgcc's
+        # unwinder (matplotlib's ft2font did, drawing a trace after a QNN run).
         for so in sorted(sdk.lib.glob("lib*.so*")):
             if so.name.startswith(("libunwind", "libc++")) or so.name == "libQnnSystem.so":
-                ctypes.CDLL(str(so.resolve()), mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(str(so.resolve()), mode=ctypes.RTLD_LOCAL)
     # A program that only runs (nothing lowered in this process) opens the HTP backend by bare name;
     # the loader read LD_LIBRARY_PATH at process start, before it named our folder. A library
     # already loaded under that soname (our shim, or the user SDK's own library) is found instead.
