@@ -17,10 +17,10 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..errors import LlmNpuError
+from ..format.rows import RowStore
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
-from ..format.rows import RowStore
 from ..quantize.shadow import shadow_rows
 from .graph_cache import GraphCache
 from .registry import register

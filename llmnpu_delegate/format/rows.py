@@ -78,7 +78,8 @@ class RowStore:
         if self._cold.shape != (self.cold.numel(), out_features):
             raise ValueError(f"cold rows are {tuple(self._cold.shape)}, not [{self.cold.numel()}, {out_features}]")
         self.slot = torch.full((in_features,), -1 - in_features, dtype=torch.int64)   # out of both tables
-        self.slot[self.hot] = torch.arange(self.hot.numel()) if hot_rows is not None else -1 - in_features
+        if hot_rows is not None:
+            self.slot[self.hot] = torch.arange(self.hot.numel())
         self.slot[self.cold] = -1 - torch.arange(self.cold.numel())
         self.hot_hits = 0        # rows served from RAM
         self.cold_fetches = 0    # rows read from disk

@@ -46,35 +46,36 @@ def shadow_rows(fingerprint: str, name: str, weight: Tensor, hot: Tensor) -> Row
     rows, desc_path = rows_files(fingerprint, name, hot)
     w = weight.detach().float()
     cold = other_channels(hot, w.shape[1]).tolist()
-    problem = _rows_problem(rows, desc_path, fingerprint, name, w, cold)
+    problem, desc = _rows_problem(rows, desc_path, fingerprint, name, w, cold)
     if problem:
         if desc_path.exists() or rows.exists():
             log.warning("shadow rows file %s %s: rebuilding it", rows, problem)
         desc = {"model": fingerprint, **write_cold_rows({name: (w, cold, None)}, rows)}
         with atomic_path(desc_path) as tmp:
             tmp.write_text(json.dumps(desc))
-    desc = json.loads(desc_path.read_text())
     hot = hot.to(torch.int64)
     return row_stores(map_rows(rows, desc["bytes"]), desc, {name: (hot, w.t()[hot].contiguous())})[name]
 
 
-def _rows_problem(rows: Path, desc_path: Path, fingerprint: str, name: str, w: Tensor, cold: list[int]) -> str | None:
+def _rows_problem(rows: Path, desc_path: Path, fingerprint: str, name: str, w: Tensor,
+                  cold: list[int]) -> tuple[str | None, dict | None]:
+    """(why the cached rows file cannot be used, or None; its description when it can)."""
     if not rows.exists() or not desc_path.exists():
-        return "is missing"
+        return "is missing", None
     try:
         desc = json.loads(desc_path.read_text())
         lin = desc["linears"][name]
         built = (desc["model"], sorted(desc["linears"]), lin["cold_channels"], lin["out_features"], lin["in_features"])
     except (OSError, ValueError, KeyError, TypeError) as e:   # JSONDecodeError is a ValueError
-        return f"has a damaged description ({type(e).__name__})"
+        return f"has a damaged description ({type(e).__name__})", None
     n, k = w.shape
     if built != (fingerprint, [name], cold, n, k):
-        return f"was built for {desc['model']}/{sorted(desc['linears'])}, not {fingerprint}/{name} with this hot set"
+        return f"was built for {desc['model']}/{sorted(desc['linears'])}, not {fingerprint}/{name} with this hot set", None
     if rows.stat().st_size != desc["bytes"] or desc["bytes"] != 4 * n * len(cold):
-        return "is truncated"
+        return "is truncated", None
     # The whole file's digest would read every row; its first and last rows catch a file of other weights.
     if cold:
         mapped = map_rows(rows, desc["bytes"]).view(len(cold), n)
         if not (torch.equal(mapped[0], w[:, cold[0]]) and torch.equal(mapped[-1], w[:, cold[-1]])):
-            return "does not hold this linear's weights"
-    return None
+            return "does not hold this linear's weights", None
+    return None, desc
