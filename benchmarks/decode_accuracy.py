@@ -9,7 +9,7 @@ own forward (the reference) and once with the decoder. Prints the share of steps
 agrees, the logits' SQNR against the reference, and the median step time (interleaved runs).
 ``--policies`` adds the alternatives ``quantize/decode_outliers.py`` was chosen against (in the Python
 loop): the outliers through the INT8 weight's own codes, and whole linears kept float where calibration saw large
-outliers (the program's decode method, ``lower/decode.float_linears``); with the extra bytes each holds.
+outliers (the program's decode method, ``quantize/decode_outliers.float_linears``); with the extra bytes each holds.
 """
 import argparse
 import json
@@ -19,11 +19,11 @@ import time
 import torch
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.families import family_of
-from llmnpu_delegate.lower.decode import float_linears
+from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.prefill import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
+from llmnpu_delegate.quantize.decode_outliers import float_linears
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
 

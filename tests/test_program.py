@@ -137,8 +137,8 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     """Real activation outliers (down_proj inputs up to ~4,000x their p99.5): the dynamically quantized
     decode step, with the outlier-heavy linears the calibration names kept float (19.9 dB without),
     against the float model's own decode step."""
-    from llmnpu_delegate.lower.decode import float_linears
     from llmnpu_delegate.prefill import default_calibration
+    from llmnpu_delegate.quantize.decode_outliers import float_linears
 
     keep = float_linears(default_calibration(smollm2, False), 99.5)
     assert "model.layers.11.mlp.down_proj" in keep and len(keep) < 30      # the worst one, and few of them

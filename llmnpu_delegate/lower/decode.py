@@ -38,14 +38,6 @@ from ..format.kv import empty_cache
 from ..partitioner.regions import linear_names
 
 MODES = ("int8", "fp32")
-# A per-token INT8 scale is set by the row's largest value: where calibration saw inputs whose
-# maximum exceeds this many times their clip percentile, ordinary values would get fewer than 8 of
-# the 127 codes, so those linears decode in float (SmolLM2-135M: 17 of 210, 15 of them down_proj; one
-# decode step's logits on a news sentence went from 19.9 dB against the float model to 31 dB with the
-# worst linear alone kept float, 33 dB with the 16 worst). Over 300 teacher-forced steps this is
-# 26.1 dB where the wrapper's decoder policy (quantize/decode_outliers.py) reaches 33 dB: that one
-# needs a per-token top-k, which XNNPACK cannot run inside its partitions.
-OUTLIER_RATIO = 16.0
 ATTN_IMPLEMENTATION = "llmnpu_decode"
 
 _cache: dict = {}     # the step's cache inputs, read by the attention function while tracing
@@ -108,18 +100,14 @@ def example_inputs(kv, context: int, position: int = 3) -> tuple:
     return (torch.zeros(1, 1, dtype=torch.long), torch.tensor([position]), *empty_cache(kv, context))
 
 
-def float_linears(calibration, percentile: float) -> list[str]:
-    """Decoder linears whose calibrated input maximum exceeds ``OUTLIER_RATIO`` x its ``percentile``."""
-    return sorted(n for n, s in calibration.layers.items() if s.absmax > OUTLIER_RATIO * s.percentiles[percentile])
-
-
 @torch.no_grad()
 def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None,
                   keep_float: list[str] = ()):
     """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
-    ``keep_float``: linears (model names) that stay float in ``int8`` mode (``float_linears``)."""
+    ``keep_float``: linears (model names) that stay float in ``int8`` mode
+    (``quantize/decode_outliers.float_linears``: the program's outlier policy)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
         XnnpackDynamicallyQuantizedPartitioner,
         XnnpackPartitioner,

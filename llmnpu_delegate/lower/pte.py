@@ -44,6 +44,7 @@ from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar
 from ..format.tasks import dependency_table
 from ..partitioner.regions import is_linear
 from ..paths import atomic_path
+from ..quantize.decode_outliers import float_linears
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
@@ -117,62 +118,32 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     branch form (``sparse`` hot-channel products with cold rows on disk, or the ``dense`` reference).
     ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
     """
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.program import EdgeProgramManager
     from tqdm.auto import tqdm
 
     context = context or min(DEFAULT_CONTEXT, engine.max_context)
-    _check_args(engine, target, soc, context)
-    if shadow not in SHADOW_FORMS:
-        raise LlmNpuError(f"unknown shadow branch form '{shadow}': use one of {', '.join(SHADOW_FORMS)}")
-    if decode not in decode_step.MODES:
-        raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(decode_step.MODES)}")
+    _check_export_args(engine, target, soc, context, shadow, decode, calib_ids)
     c = engine.chunk_len
-    if calib_ids.numel() < 3 * c:
-        raise LlmNpuError(f"export needs at least {3 * c} calibration tokens (three chunks), got {calib_ids.numel()}")
     t0 = time.perf_counter()
     rows, examples = _examples(engine, calib_ids[: 3 * c])
     max_past = max(math.ceil(context / c) * c - c, 2 * c)
     programs, npu_outputs, table = {}, {}, []
-    steps = engine.program.steps
-    for i, step in enumerate(tqdm(steps, desc=f"lowering subgraphs ({target})", unit="graph", disable=not progress)):
+    for i, step in enumerate(tqdm(engine.program.steps, desc=f"lowering subgraphs ({target})", unit="graph",
+                                  disable=not progress)):
         sub, name = step.sub, method_name(step.sub)
         entry = {"index": sub.index, "method": name, "kind": sub.kind, "processor": sub.processor,
                  "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
                  "linears": sub.linears}
         if sub.kind == "npu":
-            linears = [engine.backend.linear(n) for n in sub.linears]
-            # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
-            splits = ({j: output_groups(lin, rows[i]) for j, lin in enumerate(linears)}
-                      if engine.backend.weights == "channel" else {})
-            spec = region_spec(name, sub.linears, engine.plans, splits)
-            edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows[i], c, target,
-                                           soc)
-            npu_outputs.update(_encodings_by_linear(spec, encodings))
-            entry["input_groups"] = spec.groups
+            programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
         else:
-            ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
-                                               max_past, shadow)
-            if branches:
-                entry["shadow"] = branches
-            # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
-            # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
-            # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
-            # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared.
-            # There ``aten.linear`` is kept whole: decomposed, it becomes permute_copy + mm, a transposed
-            # copy of the whole weight at every call (162 ms vs 11 ms for the embedded model's lm_head)
-            if _holds_model_linear(sub):
-                edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
-                    _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
-            else:
-                edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
-        programs[name] = edge.exported_program(name if sub.kind == "npu" else "forward")
+            programs[name] = _lower_cpu(engine, sub, tuple(examples[i]), max_past, shadow, entry)
         table.append(entry)
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
-    keep_float = decode_step.float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
+    keep_float = float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
     programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
                                                             keep_float).exported_program("forward")
     merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
@@ -191,11 +162,60 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     with atomic_path(sidecar_path(out)) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
-            "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target, "soc": soc if backends.get(target).uses_soc else None,
+            "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
+            "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
-            "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context, "shadow": shadow_cost(engine, shadow),
-            "rows_bytes": shadow_meta.get("bytes", 0), "tokenizer": tok_meta["folder"] if tok_meta else None,
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context,
+            "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
+            "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _check_export_args(engine, target: str, soc: str, context: int, shadow: str, decode: str, calib_ids: Tensor):
+    _check_args(engine, target, soc, context)
+    if shadow not in SHADOW_FORMS:
+        raise LlmNpuError(f"unknown shadow branch form '{shadow}': use one of {', '.join(SHADOW_FORMS)}")
+    if decode not in decode_step.MODES:
+        raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(decode_step.MODES)}")
+    need = 3 * engine.chunk_len
+    if calib_ids.numel() < need:
+        raise LlmNpuError(f"export needs at least {need} calibration tokens (three chunks), got {calib_ids.numel()}")
+
+
+def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict):
+    """An NPU region as the target's method; records its input groups in ``entry`` and its outputs'
+    encodings in ``npu_outputs``."""
+    linears = [engine.backend.linear(n) for n in sub.linears]
+    # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
+    splits = ({j: output_groups(lin, rows) for j, lin in enumerate(linears)}
+              if engine.backend.weights == "channel" else {})
+    spec = region_spec(name, sub.linears, engine.plans, splits)
+    edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows, engine.chunk_len,
+                                   target, soc)
+    npu_outputs.update(_encodings_by_linear(spec, encodings))
+    entry["input_groups"] = spec.groups
+    return edge.exported_program(name)
+
+
+def _lower_cpu(engine, sub, example: tuple, max_past: int, shadow: str, entry: dict):
+    """A CPU subgraph as a float method (XNNPACK where it helps); records its shadow branches in ``entry``."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", example, max_past, shadow)
+    if branches:
+        entry["shadow"] = branches
+    # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
+    # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
+    # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
+    # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared.
+    # There ``aten.linear`` is kept whole: decomposed, it becomes permute_copy + mm, a transposed
+    # copy of the whole weight at every call (162 ms vs 11 ms for the embedded model's lm_head)
+    if _holds_model_linear(sub):
+        edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
+            _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
+    else:
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    return edge.exported_program("forward")
 
 
 def _holds_model_linear(sub) -> bool:

@@ -306,6 +306,29 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
                     norms: str = "cpu", prefix: str = "",
                     param_of_placeholder: dict[str, str] | None = None) -> Partition:
     """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched)."""
+    new = _copy_graph(gm)
+    linears = linear_names(new, quantizable, prefix, param_of_placeholder)
+    shadowed = set(shadowed) & set(linears.values())
+    markers = _insert_shadow(new.graph, linears, shadowed)
+    slot = _place(new.graph, npu_regions(new, linears, norms), linears, markers)
+    order = {n: i for i, n in enumerate(new.graph.nodes)}
+    by_slot: dict[int, list[Node]] = {}
+    for node in sorted(slot, key=order.__getitem__):
+        by_slot.setdefault(slot[node], []).append(node)
+
+    output = next(n for n in new.graph.nodes if n.op == "output")
+    flat_out = [n for n in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(n, Node)]
+    groups = _split_for_kv(by_slot, _ancestors(flat_out[1:]))
+    produced_in = {n for _, nodes in groups for n in nodes}
+    subgraphs: list[Subgraph] = []
+    for s, nodes in groups:
+        subgraphs.append(_subgraph(len(subgraphs), s, nodes, linears, markers, produced_in))
+    graph_inputs = [n.name for n in new.graph.nodes if n.op == "placeholder"]
+    return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], norms, sorted(shadowed))
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its nodes' metadata, without asserts, with canonical sizes."""
     graph = fx.Graph()
     out_map: dict[Node, Node] = {}
     graph.graph_copy(gm.graph, out_map)
@@ -317,14 +340,12 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
         nn_.meta = dict(old.meta)
     _drop_asserts(new.graph)
     _canonical_sizes(new.graph)
+    return new
 
-    linears = linear_names(new, quantizable, prefix, param_of_placeholder)
-    shadowed = set(shadowed) & set(linears.values())
-    markers = _insert_shadow(new.graph, linears, shadowed)
-    regions = npu_regions(new, linears, norms)
-    order = {n: i for i, n in enumerate(new.graph.nodes)}
 
-    # slots: 3r = CPU before region r, 3r+1 = its shadow work, 3r+2 = region r; 3R = the tail.
+def _place(graph: fx.Graph, regions: list, linears: dict, markers: list[Node]) -> dict[Node, int]:
+    """Each compute node's slot: 3r = CPU before region r, 3r+1 = its shadow work, 3r+2 = region r;
+    3R = the tail. A CPU node goes to the latest CPU slot before its first user."""
     slot: dict[Node, int] = {}
     for r, region in enumerate(regions):
         entry = next(n for n in region if n in linears).args[0]
@@ -337,8 +358,7 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
             if m.args[0] is entry and entry not in region:
                 slot[m] = 3 * r + 1
     tail = 3 * len(regions)
-    output = next(n for n in new.graph.nodes if n.op == "output")
-    for node in reversed(list(new.graph.nodes)):
+    for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output", "get_attr") or node in slot:
             continue
         latest = tail
@@ -356,36 +376,29 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
             sa = slot.get(a)
             if sa is not None and sa > s:
                 raise LlmNpuError(f"partitioner: {node.name} would run before its input {a.name}")
+    return slot
 
-    by_slot: dict[int, list[Node]] = {}
-    for node in sorted(slot, key=order.__getitem__):
-        by_slot.setdefault(slot[node], []).append(node)
 
-    flat_out = [n for n in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(n, Node)]
-    groups = _split_for_kv(by_slot, _ancestors(flat_out[1:]))
-    subgraphs: list[Subgraph] = []
-    produced_in = {n for _, nodes in groups for n in nodes}
-    for s, nodes in groups:
-        members = set(nodes)
-        # An NPU region's weights are compiled into it: lifted weight placeholders are not runtime inputs.
-        weights = {a for n in nodes if s % 3 == 2 and n in linears for a in n.args[1:3] if isinstance(a, Node)}
-        inputs: list[str] = []
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a not in members and a.op != "get_attr" and a not in weights and a.name not in inputs:
-                    inputs.append(a.name)
-        outputs = [n.name for n in nodes
-                   if any(u.op == "output" or (u not in members and u in produced_in) for u in n.users)]
-        kind = "npu" if s % 3 == 2 else "shadow" if s % 3 == 1 else "cpu"
-        layers = [lyr for lyr in map(_layer_of, nodes) if lyr is not None]
-        names = ([linears[n] for n in nodes if n in linears] if kind == "npu"
-                 else [n.args[1] for n in nodes if n in markers] if kind == "shadow" else [])
-        # dynamic: a value of it, or one it reads, grows with the past (attention)
-        dynamic = any(_is_dynamic(n) or any(_is_dynamic(a) for a in n.all_input_nodes) for n in nodes)
-        subgraphs.append(Subgraph(len(subgraphs), kind, min(layers) if layers else None,
-                                  not dynamic, inputs, outputs, names, nodes))
-    graph_inputs = [n.name for n in new.graph.nodes if n.op == "placeholder"]
-    return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], norms, sorted(shadowed))
+def _subgraph(index: int, s: int, nodes: list[Node], linears: dict, markers: list[Node],
+              produced_in: set[Node]) -> Subgraph:
+    """The subgraph of slot ``s`` made of ``nodes``: its kind, inputs and outputs by name."""
+    members = set(nodes)
+    kind = "npu" if s % 3 == 2 else "shadow" if s % 3 == 1 else "cpu"
+    # An NPU region's weights are compiled into it: lifted weight placeholders are not runtime inputs.
+    weights = {a for n in nodes if kind == "npu" and n in linears for a in n.args[1:3] if isinstance(a, Node)}
+    inputs: list[str] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in members and a.op != "get_attr" and a not in weights and a.name not in inputs:
+                inputs.append(a.name)
+    outputs = [n.name for n in nodes
+               if any(u.op == "output" or (u not in members and u in produced_in) for u in n.users)]
+    layers = [lyr for lyr in map(_layer_of, nodes) if lyr is not None]
+    names = ([linears[n] for n in nodes if n in linears] if kind == "npu"
+             else [n.args[1] for n in nodes if n in markers] if kind == "shadow" else [])
+    # dynamic: a value of it, or one it reads, grows with the past (attention)
+    dynamic = any(_is_dynamic(n) or any(_is_dynamic(a) for a in n.all_input_nodes) for n in nodes)
+    return Subgraph(index, kind, min(layers) if layers else None, not dynamic, inputs, outputs, names, nodes)
 
 
 def _ancestors(nodes: list[Node]) -> set[Node]:

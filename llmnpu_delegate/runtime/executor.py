@@ -368,93 +368,7 @@ class Executor:
             return self._run(feeds, shape.scheduler(policy, costs), shape.uses, fail, t0)
 
     def _run(self, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
-        policy, keep, inputs, outputs, handoffs = sched.policy, self.keep, self.inputs, self.outputs, self.handoffs
-        fns = [s.fn for s in self.program.steps]
-        envs = [dict(f) for f in feeds]
-        uses = [dict(u) for u in uses]
-        stats = RunStats(policy=policy)
-        raw: dict[str, list[tuple]] = {p: [] for p in PROCESSORS}   # per worker: Record fields, made into Records after
-        wakeup = _Wakeup()
-        cond = wakeup.cond
-        # only the native INT8 kernels split their work into pieces (oneDNN's is one call): with any
-        # other, a helper would spin for nothing where the CPU worker's core can sleep
-        shares = self.workers.help and native_ops.native_available() and int8_path.current() in int8_path.NATIVE_PATHS
-        error: list = []
-        # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
-        # with profile_all_threads, which is what sees the workers' ops)
-        profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
-
-        def worker(processor: str) -> None:
-            try:
-                torch.set_num_threads(self.workers.threads)   # a thread keeps the count it first saw
-                with torch.inference_mode():                  # grad mode is per thread
-                    work(processor)
-            except BaseException as e:  # noqa: BLE001 - a scheduler bug must reach the caller, not kill the worker
-                with cond:
-                    error.append((None, e))
-                    wakeup.notify()
-
-        def work(processor: str) -> None:
-            records = raw[processor]
-            lend = processor == "cpu" and shares
-            task = outs = None
-            start = end = 0.0
-            while True:
-                with cond:     # one lock per task: hand over the last task's outputs, then pick the next
-                    if task is not None:
-                        records.append((task.id, task.chunk, task.step, processor, start - t0, end - t0))
-                        env = envs[task.chunk]
-                        env.update(zip(outputs[task.step], outs))
-                        if task.chunk + 1 < len(envs):
-                            nxt = envs[task.chunk + 1]
-                            for i, past in handoffs[task.step]:
-                                nxt[past] = outs[i]
-                        left = uses[task.chunk]
-                        for name in inputs[task.step]:
-                            left[name] -= 1
-                            if left[name] == 0 and name not in keep:
-                                env.pop(name, None)
-                        sched.finish(task)
-                        wakeup.notify()
-                    while True:
-                        if error or sched.finished:
-                            wakeup.notify()
-                            return
-                        d0 = time.perf_counter()
-                        task = sched.pick(processor)
-                        stats.decision_s += time.perf_counter() - d0
-                        stats.decisions += 1
-                        if task is not None:
-                            break
-                        if sched.stuck():
-                            error.append((None, _cannot_finish(policy)))
-                            wakeup.notify()
-                            return
-                        # nothing ready here: the NPU worker runs a task or is about to pick one
-                        wakeup.wait(help=lend)
-                    env = envs[task.chunk]
-                    try:
-                        args = [env[name] for name in inputs[task.step]]
-                    except KeyError as e:   # a task graph that lets a task run before its producer: report, never hang
-                        error.append((task, LlmNpuError(f"input {e.args[0]} was not made before this task")))
-                        wakeup.notify()
-                        return
-                start = time.perf_counter()
-                try:
-                    if fail == task.key:
-                        raise RuntimeError("injected failure")
-                    if profiling:   # torch.profiler sees each task as a region named after it
-                        with torch.profiler.record_function(f"llmnpu.{task.processor}[{task.chunk}:{task.step}]"):
-                            outs = fns[task.step](*args)
-                    else:
-                        outs = fns[task.step](*args)
-                except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
-                    with cond:
-                        error.append((task, e))
-                        wakeup.notify()
-                    return
-                end = time.perf_counter()
-
+        run = _Run(self, feeds, sched, uses, fail, t0)
         lent0 = native_ops.pieces_helped()
         saved = torch.get_num_threads()
         torch.set_num_threads(self.workers.threads)
@@ -462,23 +376,139 @@ class Executor:
         gc.disable()     # a cyclic-GC pass in the middle of a task is a bubble (seen: 80 ms)
         try:
             cores = self.workers.cores or {}
-            for done in [_submit(p, cores.get(p), lambda p=p: worker(p)) for p in PROCESSORS]:
+            for done in [_submit(p, cores.get(p), lambda p=p: run.worker(p)) for p in PROCESSORS]:
                 done.wait()
         finally:
             torch.set_num_threads(saved)
             if gc_was_on:
                 gc.enable()
+        stats = run.stats
         stats.wall_s = time.perf_counter() - t0
-        stats.records = sorted((Record(*r) for rs in raw.values() for r in rs), key=lambda r: r.start)
-        stats.waits_spun, stats.waits_blocked = wakeup.spun, wakeup.blocked
+        stats.records = sorted((Record(*r) for rs in run.raw.values() for r in rs), key=lambda r: r.start)
+        stats.waits_spun, stats.waits_blocked = run.wakeup.spun, run.wakeup.blocked
         stats.pieces_lent = native_ops.pieces_helped() - lent0
-        if error:
-            task, exc = error[0]
-            if task is None:
-                raise exc
-            sub = self.program.steps[task.step].sub
-            where = f"layer {sub.layer}" if sub.layer is not None else "model"
-            raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "
-                            f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc
-        last = envs[-1]
-        return {k: last[k] for k in keep if k in last}, stats
+        if run.error:
+            self._raise(*run.error[0])
+        last = run.envs[-1]
+        return {k: last[k] for k in self.keep if k in last}, stats
+
+    def _raise(self, task: Task | None, exc: BaseException):
+        if task is None:
+            raise exc
+        sub = self.program.steps[task.step].sub
+        where = f"layer {sub.layer}" if sub.layer is not None else "model"
+        raise TaskError(f"prefill task failed: chunk {task.chunk}, subgraph {task.step} "
+                        f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc
+
+
+class _Run:
+    """One prefill in flight: the chunks' environments, what is left to read in them, and the two
+    workers' loop. All shared state changes under ``wakeup.cond``; a task itself runs outside it."""
+
+    def __init__(self, ex: Executor, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
+        self.ex, self.sched, self.fail, self.t0 = ex, sched, fail, t0
+        self.fns = [s.fn for s in ex.program.steps]
+        self.envs = [dict(f) for f in feeds]
+        self.uses = [dict(u) for u in uses]
+        self.stats = RunStats(policy=sched.policy)
+        self.raw: dict[str, list[tuple]] = {p: [] for p in PROCESSORS}   # per worker: Record fields
+        self.wakeup = _Wakeup()
+        self.error: list[tuple[Task | None, BaseException]] = []
+        # only the native INT8 kernels split their work into pieces (oneDNN's is one call): with any
+        # other, a helper would spin for nothing where the CPU worker's core can sleep
+        self.shares = (ex.workers.help and native_ops.native_available()
+                       and int8_path.current() in int8_path.NATIVE_PATHS)
+        # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
+        # with profile_all_threads, which is what sees the workers' ops)
+        self.profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+
+    def worker(self, processor: str) -> None:
+        try:
+            torch.set_num_threads(self.ex.workers.threads)   # a thread keeps the count it first saw
+            with torch.inference_mode():                     # grad mode is per thread
+                self.work(processor)
+        except BaseException as e:  # noqa: BLE001 - a scheduler bug must reach the caller, not kill the worker
+            self._fail(None, e)
+
+    def _fail(self, task: Task | None, e: BaseException) -> None:
+        with self.wakeup.cond:
+            self.error.append((task, e))
+            self.wakeup.notify()
+
+    def work(self, processor: str) -> None:
+        records, cond = self.raw[processor], self.wakeup.cond
+        lend = processor == "cpu" and self.shares
+        task = outs = None
+        start = end = 0.0
+        while True:
+            with cond:     # one lock per task: hand over the last task's outputs, then pick the next
+                if task is not None:
+                    records.append((task.id, task.chunk, task.step, processor, start - self.t0, end - self.t0))
+                    self._hand_over(task, outs)
+                task = self._next(processor, lend)
+                if task is None:
+                    return
+                args = self._args(task)
+                if args is None:
+                    return
+            start = time.perf_counter()
+            try:
+                outs = self._call(task, args)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+                self._fail(task, e)
+                return
+            end = time.perf_counter()
+
+    def _hand_over(self, task: Task, outs) -> None:
+        """Publish a finished task's outputs (and the next chunk's past K/V), drop the values no one
+        will read again, and tell the scheduler."""
+        ex, env = self.ex, self.envs[task.chunk]
+        env.update(zip(ex.outputs[task.step], outs))
+        if task.chunk + 1 < len(self.envs):
+            nxt = self.envs[task.chunk + 1]
+            for i, past in ex.handoffs[task.step]:
+                nxt[past] = outs[i]
+        left = self.uses[task.chunk]
+        for name in ex.inputs[task.step]:
+            left[name] -= 1
+            if left[name] == 0 and name not in ex.keep:
+                env.pop(name, None)
+        self.sched.finish(task)
+        self.wakeup.notify()
+
+    def _next(self, processor: str, lend: bool) -> Task | None:
+        """The processor's next task, waiting while none is ready; None when the run is over."""
+        sched, stats, wakeup = self.sched, self.stats, self.wakeup
+        while True:
+            if self.error or sched.finished:
+                wakeup.notify()
+                return None
+            d0 = time.perf_counter()
+            task = sched.pick(processor)
+            stats.decision_s += time.perf_counter() - d0
+            stats.decisions += 1
+            if task is not None:
+                return task
+            if sched.stuck():
+                self.error.append((None, _cannot_finish(sched.policy)))
+                wakeup.notify()
+                return None
+            # nothing ready here: the NPU worker runs a task or is about to pick one
+            wakeup.wait(help=lend)
+
+    def _args(self, task: Task) -> list | None:
+        env = self.envs[task.chunk]
+        try:
+            return [env[name] for name in self.ex.inputs[task.step]]
+        except KeyError as e:   # a task graph that lets a task run before its producer: report, never hang
+            self.error.append((task, LlmNpuError(f"input {e.args[0]} was not made before this task")))
+            self.wakeup.notify()
+            return None
+
+    def _call(self, task: Task, args: list):
+        if self.fail == task.key:
+            raise RuntimeError("injected failure")
+        if self.profiling:   # torch.profiler sees each task as a region named after it
+            with torch.profiler.record_function(f"llmnpu.{task.processor}[{task.chunk}:{task.step}]"):
+                return self.fns[task.step](*args)
+        return self.fns[task.step](*args)
