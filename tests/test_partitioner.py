@@ -137,7 +137,7 @@ def test_executorch_lowering_delegates_every_region(llama, exported):
 
     names = quantizable_linears(llama.model)
     scales = {n: 0.01 * (i + 1) for i, n in enumerate(names)}
-    spec = DelegationSpec("LlmNpuCpuInt8Backend", plan_compile_specs(scales))
+    spec = DelegationSpec("LlmNpuPayloadBackend", plan_compile_specs(scales))
     edge = to_edge_transform_and_lower(exported, partitioner=[LlmNpuPartitioner(names, prefix="model.",
                                                                                 delegation_spec=spec)])
     gm = edge.exported_program().graph_module

@@ -1,6 +1,7 @@
 """The QNN delegate on this host: SDK folder and shim, our encodings, HTP simulator parity with cpu-int8."""
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -155,3 +156,21 @@ def test_export_and_validate_commands_on_the_embedded_model(tmp_path, capsys):
     assert main(["validate", "--pte", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "same next token" in text and "HTP simulator" in text
+
+
+def test_a_timeline_draws_after_the_sdk_is_activated(tmp_path):
+    """activate() loads onnxruntime-qnn's bundled LLVM libunwind/libc++abi; loaded globally they became
+    the personality routine of every C++ extension loaded later, and drawing a timeline (matplotlib's
+    ft2font) segfaulted. A fresh process: the libraries load once per process."""
+    script = ("import sys\n"
+              "from llmnpu_delegate.qnn import sdk\n"
+              "from llmnpu_delegate.runtime.executor import Record, RunStats\n"
+              "from llmnpu_delegate.runtime.trace import write_timeline\n"
+              "sdk.activate()\n"
+              "stats = RunStats(records=[Record(0, 0, 0, 'npu', 0.0, 1e-3), Record(1, 0, 1, 'cpu', 1e-3, 2e-3)],"
+              " wall_s=2e-3, policy='ooo')\n"
+              "write_timeline(stats, __import__('pathlib').Path(sys.argv[1]), 'after QNN')\n")
+    out = tmp_path / "timeline.png"
+    done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,12 +1,12 @@
 """The partitioner as ExecuTorch sees it: ``LlmNpuPartitioner`` for ``to_edge_transform_and_lower``
 / ``to_backend``, tagging the same NPU regions as ``partition_graph`` (one shared core pass).
 
-``LlmNpuCpuInt8Backend`` is the delegate the tagged regions lower to by default: its payload is
-the region's INT8 weights, per-channel weight scales and static activation scales (from a
-quantization plan passed as compile specs), serialized with ``torch.save``. It has no ExecuTorch
-C++ runtime counterpart: a program lowered to it runs in Python (delegates fall back to their
-original graphs) and shows what the NPU side receives; on a phone, the QNN delegate takes the same
-tags with its own ``DelegationSpec``.
+``LlmNpuPayloadBackend`` is the delegate the tagged regions lower to by default (an inspection
+aid, not the engine's ``cpu-int8`` backend): its payload is the region's INT8 weights, per-channel
+weight scales and static activation scales (from a quantization plan passed as compile specs),
+serialized with ``torch.save``. It has no ExecuTorch C++ runtime counterpart: a program lowered to
+it runs in Python (delegates fall back to their original graphs) and shows what the NPU side
+receives; on a phone, the QNN delegate takes the same tags with its own ``DelegationSpec``.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class LlmNpuPartitioner(Partitioner):
         self.quantizable = list(quantizable)
         self.prefix = prefix
         self.norms = norms
-        self.delegation_spec = delegation_spec or DelegationSpec(LlmNpuCpuInt8Backend.__name__, [])
+        self.delegation_spec = delegation_spec or DelegationSpec(LlmNpuPayloadBackend.__name__, [])
 
     def ops_to_not_decompose(self, ep: ExportedProgram):
         # Keep the decoder linears whole in the edge dialect (the regions are found by them); the
@@ -103,7 +103,7 @@ def _with_qdq(region: list) -> list:
     return list(dict.fromkeys(out))
 
 
-class LlmNpuCpuInt8Backend(BackendDetails):
+class LlmNpuPayloadBackend(BackendDetails):
     """Lowers a tagged NPU region to its INT8 payload (weights quantized here, scales from the plan)."""
 
     @staticmethod
@@ -130,4 +130,4 @@ class LlmNpuCpuInt8Backend(BackendDetails):
         return PreprocessResult(processed_bytes=buf.getvalue())
 
 
-__all__ = ["LlmNpuPartitioner", "LlmNpuCpuInt8Backend", "plan_compile_specs", "linear_names"]
+__all__ = ["LlmNpuPartitioner", "LlmNpuPayloadBackend", "plan_compile_specs", "linear_names"]
