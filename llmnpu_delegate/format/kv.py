@@ -5,6 +5,11 @@ A static cache of ``context`` slots per layer that the ``decode`` method only re
 method inputs outside ExecuTorch's memory plan, so the runtime reads the runner's memory in place.
 The runner writes a prefill's K/V into slots ``0..T-1`` once, then each step's new row at its
 position (``lower/decode.py`` says why this layout).
+
+This is the one K/V layout of the program format, read by both runners (Python and C++). The HF
+door keeps transformers' own ``[1, KVH, T, d]`` caches (``runtime/decode.DecodeCache`` is a
+``StaticCache``), because that is what ``generate``'s callers hold and pass back; prefill K/V reach
+the program's layout through ``fill_cache`` only.
 """
 from __future__ import annotations
 
