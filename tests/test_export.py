@@ -102,6 +102,32 @@ def test_reference_runner_prefills_like_the_engine(engine, exported, tokens):
     assert torch.equal(inorder.logits, ours.logits) and runner.last_run.policy == "inorder"
 
 
+def test_each_lane_shares_one_arena_and_hands_out_copies(exported):
+    """The runner loads one program per lane, every method of a lane in that lane's program (one planned
+    arena for all of them), and a method's outputs survive the lane's next method: they were copied out
+    of the arena, which that next method overwrites."""
+    runner = PteRunner(exported[0])
+    meta = runner.meta
+    loaded = {p: {m for m, method in prog._methods.items() if method is not None} for p, prog in runner.lanes.items()}
+    for e in meta["subgraphs"]:       # loaded in its own lane's program, and not in the other's
+        assert e["method"] in loaded[e["processor"]] and e["method"] not in loaded[{"npu": "cpu", "cpu": "npu"}[e["processor"]]]
+    npu = [e for e in meta["subgraphs"] if e["kind"] == "npu"]
+    assert len(npu) >= 2
+    lane = runner.lanes["npu"]
+
+    def inputs(method, gain=1.0):
+        m = lane.metadata(method)
+        return [torch.randn(*m.input_tensor_meta(i).sizes()) * gain for i in range(m.num_inputs())]
+
+    first, second = lane.load_method(npu[0]["method"]), lane.load_method(npu[1]["method"])
+    x = inputs(npu[0]["method"])
+    outs = first.execute(x)
+    kept = [o.clone() for o in outs]
+    second.execute(inputs(npu[1]["method"], 100.0))
+    assert all(torch.equal(a, b) for a, b in zip(outs, kept))
+    assert all(torch.equal(a, b) for a, b in zip(first.execute(x), kept))      # and the arena is reused
+
+
 def test_bad_artefacts_and_prompts_are_refused(exported, tmp_path):
     out = exported[0]
     runner = PteRunner(out)

@@ -30,20 +30,19 @@ from ..format.regions import RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
-from .executor import COST_POLICIES, Executor, Workers, check_policy
+from .executor import COST_POLICIES, PROCESSORS, Executor, Workers, check_policy
 from .profile import Profile
 from .program import ChunkProgram, Step
 from .prompt import check_prompt, chunk_feeds, gather
 from .sampling import check_sampling, next_token
 
 
-def _check_arity(module, entry: dict) -> None:
+def _check_arity(program, entry: dict) -> None:
     """The method exists and takes what the sidecar will give it (a malformed entry fails here, at
     load, and not inside a prompt)."""
-    try:
-        meta = module.method_meta(entry["method"])
-    except RuntimeError:
-        raise ValueError(f"the program has no method {entry['method']}") from None
+    if entry["method"] not in program.method_names:
+        raise ValueError(f"the program has no method {entry['method']}")
+    meta = program.metadata(entry["method"])
     given = len(entry["input_groups"]) if entry["kind"] == "npu" else len(entry["inputs"])
     if meta.num_inputs() != given:
         raise ValueError(f"method {entry['method']} takes {meta.num_inputs()} inputs, the sidecar gives {given}")
@@ -52,7 +51,7 @@ def _check_arity(module, entry: dict) -> None:
                          f"{len(entry['outputs'])}")
 
 
-def _npu_call(module, entry: dict, linears: dict):
+def _npu_call(method, entry: dict, linears: dict):
     names = entry["linears"]
     splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
     scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
@@ -60,17 +59,16 @@ def _npu_call(module, entry: dict, linears: dict):
 
     def run(x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, x.shape[-1])
-        outs = module.run_method(spec.method, spec.grid_inputs(rows))
-        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in spec.merge(tuple(o.clone() for o in outs)))
+        outs = method.execute(spec.grid_inputs(rows))      # copied out of the lane's arena by execute
+        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in spec.merge(tuple(outs)))
     return run
 
 
-def _cpu_call(module, entry: dict, cold: ColdRows):
-    method, branches, n_out = entry["method"], entry.get("shadow", []), len(entry["outputs"])
+def _cpu_call(method, entry: dict, cold: ColdRows):
+    branches, n_out = entry.get("shadow", []), len(entry["outputs"])
 
     def run(*inputs) -> tuple:
-        # outputs live in the method's planned memory, which its next call overwrites: copy them
-        outs = [o.clone() if isinstance(o, Tensor) else o for o in module.run_method(method, inputs)]
+        outs = list(method.execute(inputs))                 # copied out of the lane's arena by execute
         result = outs[:n_out]
         for b in branches:
             if b["hits"] is not None:
@@ -122,21 +120,29 @@ class PteRunner:
         self.policy = policy
 
     def _build(self, pte: Path, meta: dict, workers: Workers | None) -> None:
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+        from executorch.runtime import Runtime
 
         backends.get(meta["target"]).prepare_runtime()
         shadow = meta["shadow"]
         self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
-        self._buffer = Path(pte).read_bytes()     # the runtime reads the program in place: keep it alive
-        self.module = _load_for_executorch_from_buffer(self._buffer)
         self.pte = Path(pte)
+        # One program per worker over one copy of the file's bytes (the runtime reads them in place):
+        # the host methods of a program share one planned arena, sized to the largest of them
+        # (ExecuTorch's ``Program.load_method``), instead of one arena per method. Safe because a
+        # worker runs one method at a time and ``execute`` copies the outputs out of the arena before
+        # it returns. Decode gets a program of its own, as in the native runner (sharing the CPU
+        # worker's arena slowed its step there).
+        runtime, data = Runtime.get(), self.pte.read_bytes()
+        self.lanes = {p: runtime.load_program(data) for p in PROCESSORS}
         steps = []
         for e in meta["subgraphs"]:
-            _check_arity(self.module, e)
+            program = self.lanes[e["processor"]]
+            _check_arity(program, e)
+            method = program.load_method(e["method"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
-            fn = (_npu_call(self.module, e, meta["linears"]) if e["kind"] == "npu"
-                  else _cpu_call(self.module, e, self.cold))
+            fn = _npu_call(method, e, meta["linears"]) if e["kind"] == "npu" else _cpu_call(method, e, self.cold)
             steps.append(Step(sub, fn))
+        self._decode = runtime.load_program(data).load_method(meta["decode"]["method"])
         m = meta["model"]
         self.chunk_len, self.context, self.vocab = meta["chunk_len"], meta["context"], m["vocab_size"]
         self.kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
@@ -167,12 +173,11 @@ class PteRunner:
         if pos >= self.context:
             raise LlmNpuError(f"decode past the program's context of {self.context} tokens: export with a larger "
                               f"--context or generate fewer tokens")
-        outs = self.module.run_method(self.meta["decode"]["method"],
-                                      (torch.tensor([[token]]), torch.tensor([pos]), *cache.k, *cache.v))
+        outs = self._decode.execute((torch.tensor([[token]]), torch.tensor([pos]), *cache.k, *cache.v))
         layers = self.kv.layers
         write_slot(cache.k, cache.v, pos, outs[1:1 + layers], outs[1 + layers:1 + 2 * layers])
         cache.length = pos + 1
-        return outs[0].reshape(-1).clone()
+        return outs[0].reshape(-1)
 
     def generate(self, input_ids, max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0,
                  seed: int | None = None, eos_ids=(), on_token: Callable[[int], None] | None = None,

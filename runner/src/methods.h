@@ -52,11 +52,11 @@ class MethodCall {
 };
 
 // The program loaded for the runner: one Module per prefill worker (a Module's temporary allocator
-// is not safe across threads), and the decode method on the cpu worker's Module.
+// is not safe across threads), each with one activation arena for its methods, and one for decode.
 struct LoadedProgram {
   LoadedProgram(const std::string& pte, const Sidecar& s);
-  static constexpr int kNpuModule = 0, kCpuModule = 1;
-  std::unique_ptr<executorch::extension::Module> modules[2];
+  static constexpr int kNpuModule = 0, kCpuModule = 1, kDecodeModule = 2;
+  std::unique_ptr<executorch::extension::Module> modules[3];
   std::unique_ptr<ColdRows> cold;
   std::vector<MethodCall> calls;   // by subgraph index
 };
