@@ -102,6 +102,56 @@ def test_reference_runner_prefills_like_the_engine(engine, exported, tokens):
     assert torch.equal(inorder.logits, ours.logits) and runner.last_run.policy == "inorder"
 
 
+def test_identical_cpu_subgraphs_share_one_method(exported):
+    """Subgraphs that compute the same program name one method (the first's), on one lane; the .pte
+    holds each method once. (The runner tests above prefill through the shared methods.)"""
+    meta = PteRunner(exported[0]).meta
+    cpu = [e for e in meta["subgraphs"] if e["kind"] != "npu"]
+    shared = [e for e in cpu if e["method"] != f"cpu_{e['index']}"]
+    assert shared, "tiny-llama's two layers repeat their attention and activation subgraphs"
+    by_name = {e["method"]: e for e in cpu if e["method"] == f"cpu_{e['index']}"}
+    for e in shared:
+        first = by_name[e["method"]]
+        assert first["index"] < e["index"] and first["processor"] == e["processor"]
+        assert (len(first["inputs"]), len(first["outputs"])) == (len(e["inputs"]), len(e["outputs"]))
+    assert exported[1]["cpu_methods"] == len(by_name) < exported[1]["cpu_subgraphs"] == len(cpu)
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, weight, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight), eps
+
+    def forward(self, x, y):
+        h = x + y
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def test_program_key_sees_computation_not_names():
+    """Same ops, shapes and constants: one key, whatever the inputs and weights are called. A different
+    constant, scalar or shape: another key (a key blind to them would share a layer's norm with
+    another's)."""
+    from llmnpu_delegate.lower.same_program import program_key
+
+    x = (torch.randn(4, 8), torch.randn(4, 8))
+    w = torch.randn(8)
+
+    def key(module, args=x):
+        return program_key(torch.export.export(module, args, strict=False))
+
+    class Renamed(_Norm):
+        def forward(self, a, b):
+            return super().forward(a, b)
+
+    base = key(_Norm(w.clone()))
+    assert key(Renamed(w.clone())) == base
+    w2 = w.clone()
+    w2[3] += 1e-3
+    assert key(_Norm(w2)) != base
+    assert key(_Norm(w.clone(), eps=1e-5)) != base
+    assert key(_Norm(w.clone()), (torch.randn(5, 8), torch.randn(5, 8))) != base
+
+
 def test_each_lane_shares_one_arena_and_hands_out_copies(exported):
     """The runner loads one program per lane, every method of a lane in that lane's program (one planned
     arena for all of them), and a method's outputs survive the lane's next method: they were copied out

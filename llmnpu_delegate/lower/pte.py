@@ -7,7 +7,9 @@ The ``.pte`` holds one method per subgraph of the partitioned chunk step:
 - ``cpu_<i>``: a float CPU subgraph (``cpu_subgraphs.py``) on XNNPACK's float kernels (portable
   ones for the ops XNNPACK does not take): embedding, norms,
   RoPE, attention with its K/V (past length symbolic up to the artefact's context), the shadow
-  outlier branches (sparse: the hot channels' rows only), lm_head;
+  outlier branches (sparse: the hot channels' rows only), lm_head. Subgraphs that compute the same
+  program (``same_program.py``: attention, RoPE and activations repeat in every layer) share the
+  method of the first of them;
 - ``decode``: one token at any position (``decode.py``), on XNNPACK, INT8 or fp32.
 
 Beside the ``.pte`` (``model.pte`` -> ``model.json``, ``model.rows.bin``, ``model.tokenizer/``):
@@ -48,6 +50,7 @@ from ..quantize.decode_outliers import float_linears
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
+from .same_program import program_key
 
 DEFAULT_CONTEXT = 1024
 
@@ -130,6 +133,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     rows, examples = _examples(engine, calib_ids[: 3 * c])
     max_past = max(math.ceil(context / c) * c - c, 2 * c)
     programs, npu_outputs, table = {}, {}, []
+    seen: dict[tuple[str, str], str] = {}       # (processor, program_key) -> the method computing it
     for i, step in enumerate(tqdm(engine.program.steps, desc=f"lowering subgraphs ({target})", unit="graph",
                                   disable=not progress)):
         sub, name = step.sub, method_name(step.sub)
@@ -139,7 +143,18 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         if sub.kind == "npu":
             programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
         else:
-            programs[name] = _lower_cpu(engine, sub, tuple(examples[i]), max_past, shadow, entry)
+            ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
+                                               max_past, shadow)
+            if branches:
+                entry["shadow"] = branches
+            # one method per distinct program, on one lane: a lane runs one method at a time, so the
+            # subgraphs that share it never run at once
+            key = (sub.processor, program_key(ep))
+            if key in seen:
+                entry["method"] = seen[key]
+            else:
+                seen[key] = name
+                programs[name] = _lower_cpu(ep, sub)
         table.append(entry)
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
@@ -164,7 +179,9 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
-            "npu_methods": sum(e["kind"] == "npu" for e in table), "cpu_methods": sum(e["kind"] != "npu" for e in table),
+            "npu_methods": sum(e["kind"] == "npu" for e in table),
+            "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
+            "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1)}
@@ -196,14 +213,11 @@ def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entr
     return edge.exported_program(name)
 
 
-def _lower_cpu(engine, sub, example: tuple, max_past: int, shadow: str, entry: dict):
-    """A CPU subgraph as a float method (XNNPACK where it helps); records its shadow branches in ``entry``."""
+def _lower_cpu(ep, sub):
+    """A CPU subgraph's exported program as a float method (XNNPACK where it helps)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", example, max_past, shadow)
-    if branches:
-        entry["shadow"] = branches
     # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
     # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
     # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
