@@ -1,7 +1,8 @@
 """Peak memory of a program's two runners against llama.cpp on the same model, each in a fresh process.
 
 Usage: python benchmarks/bench_memory.py model.pte [--new-tokens 16] [--prompt-file examples/prompt.txt]
-(a cpu-int8 program of the embedded model: `llmnpu export --backend cpu-int8 --out smol.pte`.)
+(a cpu-int8 program of the embedded model: `llmnpu export --backend cpu-int8 --out smol.pte`; llama.cpp
+comes from the ``bench`` extra: `.venv/bin/pip install -e '.[bench]'`.)
 
 The prompt is the demo's (``examples/prompt.txt`` in the chat template: 517 tokens). Each runner prefills
 it and decodes ``--new-tokens`` in its own process; the figure is that process's peak resident set

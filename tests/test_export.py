@@ -152,6 +152,38 @@ def test_program_key_sees_computation_not_names():
     assert key(_Norm(w.clone()), (torch.randn(5, 8), torch.randn(5, 8))) != base
 
 
+class _Past(torch.nn.Module):
+    def forward(self, x, past):
+        return torch.cat([past, x], 0).softmax(0)
+
+
+class _RenamedPast(torch.nn.Module):
+    def forward(self, y, cache_of_layer_7):
+        return torch.cat([cache_of_layer_7, y], 0).softmax(0)
+
+
+def test_program_key_is_blind_to_how_an_export_numbers_its_symbols():
+    """Each export names its symbolic sizes anew (another argument name, another symbol: s1 vs s37 here,
+    as the attention of two layers differed); the key renames them in order. The bound a size was exported
+    with still counts: it sizes the method's planned memory."""
+    from torch.export import Dim
+
+    from llmnpu_delegate.lower.same_program import program_key
+
+    x, past = torch.randn(4, 8), torch.randn(6, 8)
+
+    def key(module, high=64):
+        return program_key(torch.export.export(module, (x, past), dynamic_shapes=[None, {0: Dim("p", min=0, max=high)}],
+                                               strict=False))
+
+    names = {str(n.meta["val"].shape[0]) for m in (_Past(), _RenamedPast())
+             for n in torch.export.export(m, (x, past), dynamic_shapes=[None, {0: Dim("p", min=0, max=64)}],
+                                          strict=False).graph.nodes if n.op == "placeholder" and n.name != "x" and n.name != "y"}
+    assert len(names) == 2, names          # the case this guards against happens: two symbols for one size
+    assert key(_Past()) == key(_RenamedPast())
+    assert key(_Past(), high=128) != key(_Past())
+
+
 def test_each_lane_shares_one_arena_and_hands_out_copies(exported):
     """The runner loads one program per lane, every method of a lane in that lane's program (one planned
     arena for all of them), and a method's outputs survive the lane's next method: they were copied out

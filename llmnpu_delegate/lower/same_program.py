@@ -12,17 +12,31 @@ from __future__ import annotations
 
 import hashlib
 
+import sympy
 import torch
 from torch import fx
 from torch.export import ExportedProgram
 
 
-def _value(val) -> str:
+def _size(size, symbols: dict) -> str:
+    """A size as text; a symbolic one by its expression over symbols renamed in order of appearance
+    (each export numbers its symbols anew: the same past length is ``s40`` in one, ``s22`` in another)."""
+    if not isinstance(size, torch.SymInt):
+        return str(size)
+    expr = size.node.expr
+    for sym in sorted(expr.free_symbols, key=str):
+        symbols.setdefault(sym, sympy.Symbol(f"p{len(symbols)}", integer=True))
+    return str(expr.xreplace(symbols))
+
+
+def _value(val, symbols: dict) -> str:
     """A node's example value as its type, shape and dtype (symbolic sizes by their expression)."""
     if isinstance(val, torch.Tensor):
-        return f"T{tuple(str(s) for s in val.shape)}{val.dtype}"
+        return f"T{tuple(_size(s, symbols) for s in val.shape)}{val.dtype}"
     if isinstance(val, (list, tuple)):
-        return "(" + ",".join(_value(v) for v in val) + ")"
+        return "(" + ",".join(_value(v, symbols) for v in val) + ")"
+    if isinstance(val, torch.SymInt):
+        return "S" + _size(val, symbols)
     return type(val).__name__
 
 
@@ -47,11 +61,14 @@ def program_key(ep: ExportedProgram) -> str:
     h = hashlib.sha256()
     constants = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.target is not None}
     index: dict[fx.Node, int] = {}
+    symbols: dict = {}
     for i, node in enumerate(ep.graph.nodes):
         index[node] = i
         line = f"{node.op}|{node.target if node.op != 'placeholder' else node.name in constants}|{_arg(node.args, index)}|" \
-               f"{_arg(node.kwargs, index)}|{_value(node.meta.get('val'))}\n"
+               f"{_arg(node.kwargs, index)}|{_value(node.meta.get('val'), symbols)}\n"
         h.update(line.encode())
         if node.op == "placeholder" and node.name in constants:
             h.update(_constant(ep, constants[node.name]))
+    for sym, name in symbols.items():       # the bounds a symbolic size was exported with
+        h.update(f"{name}:{ep.range_constraints.get(sym)}\n".encode())
     return h.hexdigest()

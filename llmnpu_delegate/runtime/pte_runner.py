@@ -128,9 +128,10 @@ class PteRunner:
         self.pte = Path(pte)
         # One program per worker over one copy of the file's bytes (the runtime reads them in place):
         # the host methods of a program share one planned arena, sized to the largest of them
-        # (ExecuTorch's ``Program.load_method``), instead of one arena per method. Safe because a
-        # worker runs one method at a time and ``execute`` copies the outputs out of the arena before
-        # it returns. Decode gets a program of its own, as in the native runner (sharing the CPU
+        # (ExecuTorch's ``Program.load_method``), instead of one arena per method. Safe because under
+        # every policy the executor gives each processor one worker that runs one task at a time (the
+        # out-of-order policies reorder tasks, never overlap two of one lane), and ``execute`` copies
+        # the outputs out of the arena before it returns. Decode gets a program of its own, as in the native runner (sharing the CPU
         # worker's arena slowed its step there).
         runtime, data = Runtime.get(), self.pte.read_bytes()
         self.lanes = {p: runtime.load_program(data) for p in PROCESSORS}

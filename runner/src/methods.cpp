@@ -227,11 +227,11 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
   auto slash = pte.find_last_of('/');
   cold = std::make_unique<ColdRows>(s, slash == std::string::npos ? "." : pte.substr(0, slash));
   // One planned arena per prefill worker: the methods of its Module share one activation buffer,
-  // sized to the largest of them, instead of one buffer per method (the embedded model's ~300
-  // methods planned 1.4 GiB between them). Safe because a Module runs one method at a time (each
-  // worker has its own) and every output is copied out of the arena (MethodCall::execute) before
-  // its Module runs again. Decode has a Module of its own: its step stays as fast as with its own
-  // arena (sharing the CPU worker's cost 6 % of decode speed, measured on the embedded model).
+  // sized to the largest of them, instead of one buffer per method. Safe because under every policy
+  // the schedule gives each processor one worker that runs one task at a time (the out-of-order
+  // policies reorder a lane's tasks, never overlap them), and every output is copied out of the arena
+  // (MethodCall::execute) before its Module runs again. Decode has a Module of its own, so its step
+  // keeps an arena of its own beside the CPU worker's (sharing that one slowed the step).
   for (int i : {kNpuModule, kCpuModule})
     modules[i] = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
                                           /*share_memory_arenas=*/true);
