@@ -126,15 +126,15 @@ class PteRunner:
         shadow = meta["shadow"]
         self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
         self.pte = Path(pte)
-        # One program per worker over one copy of the file's bytes (the runtime reads them in place):
-        # the host methods of a program share one planned arena, sized to the largest of them
-        # (ExecuTorch's ``Program.load_method``), instead of one arena per method. Safe because under
-        # every policy the executor gives each processor one worker that runs one task at a time (the
-        # out-of-order policies reorder tasks, never overlap two of one lane), and ``execute`` copies
-        # the outputs out of the arena before it returns. Decode gets a program of its own, as in the native runner (sharing the CPU
-        # worker's arena slowed its step there).
-        runtime, data = Runtime.get(), self.pte.read_bytes()
-        self.lanes = {p: runtime.load_program(data) for p in PROCESSORS}
+        # One program per worker, each mapping the file (the runtime reads the methods in place): the
+        # host methods of a program share one planned arena, sized to the largest of them (ExecuTorch's
+        # ``Program.load_method``), instead of one arena per method. Safe because under every policy the
+        # executor gives each processor one worker that runs one task at a time (the out-of-order
+        # policies reorder tasks, never overlap two of one lane), and ``execute`` copies the outputs out
+        # of the arena before it returns. Decode gets a program of its own, as in the native runner
+        # (sharing the CPU worker's arena slowed its step there).
+        runtime = Runtime.get()
+        self.lanes = {p: runtime.load_program(self.pte) for p in PROCESSORS}
         steps = []
         for e in meta["subgraphs"]:
             program = self.lanes[e["processor"]]
@@ -143,7 +143,7 @@ class PteRunner:
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
             fn = _npu_call(method, e, meta["linears"]) if e["kind"] == "npu" else _cpu_call(method, e, self.cold)
             steps.append(Step(sub, fn))
-        self._decode = runtime.load_program(data).load_method(meta["decode"]["method"])
+        self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
         m = meta["model"]
         self.chunk_len, self.context, self.vocab = meta["chunk_len"], meta["context"], m["vocab_size"]
         self.kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
