@@ -54,7 +54,8 @@ def cmd_export(args) -> dict:
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
-                 f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, decode {summary['decode']} on XNNPACK) and "
+                 f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
+                 f"decode {summary['decode']} on XNNPACK) and "
                  f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
                  f"context {summary['context']} tokens, {summary['seconds']:.0f} s\n"
                  f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "

@@ -62,11 +62,11 @@ def program_key(ep: ExportedProgram) -> str:
     constants = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.target is not None}
     index: dict[fx.Node, int] = {}
     symbols: dict = {}
-    for i, node in enumerate(ep.graph.nodes):
-        index[node] = i
-        line = f"{node.op}|{node.target if node.op != 'placeholder' else node.name in constants}|{_arg(node.args, index)}|" \
-               f"{_arg(node.kwargs, index)}|{_value(node.meta.get('val'), symbols)}\n"
-        h.update(line.encode())
+    for node in ep.graph.nodes:
+        index[node] = len(index)
+        what = node.target if node.op != "placeholder" else node.name in constants
+        h.update(f"{node.op}|{what}|{_arg(node.args, index)}|{_arg(node.kwargs, index)}|"
+                 f"{_value(node.meta.get('val'), symbols)}\n".encode())
         if node.op == "placeholder" and node.name in constants:
             h.update(_constant(ep, constants[node.name]))
     for sym, name in symbols.items():       # the bounds a symbolic size was exported with
