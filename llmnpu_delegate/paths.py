@@ -17,6 +17,12 @@ def cache_dir() -> Path:
     return root
 
 
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, read in blocks: a program's files are hundreds of MB, never held whole."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 @contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success rename it over ``final``.

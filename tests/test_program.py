@@ -73,6 +73,27 @@ def test_sparse_shadow_branch_equals_the_engine_product_with_hot_and_cold_outlie
     assert (want - delta).abs().max() > 1.0
 
 
+def test_float16_cold_rows_give_the_product_of_the_rounded_weights(tmp_path):
+    """A program's rows file holds float16 rows: its product is the float32 product of W rounded to
+    float16 (to float32 rounding of the sum), and off the float32 rows' product by ~2^-11 of it."""
+    lin, x = _inputs()
+    cold = cold_channels(LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9])), 32)
+    hits = torch.zeros(32)
+    hits[[17, 20]] = 1.0
+    products = {}
+    for dtype in ("float32", "float16"):
+        desc = write_cold_rows({"lin": (lin.weight, cold, CLIP)}, tmp_path / f"{dtype}.bin", dtype)
+        assert desc["rows_dtype"] == dtype and desc["bytes"] == len(cold) * 24 * (2 if dtype == "float16" else 4)
+        rows = ColdRows(tmp_path / f"{dtype}.bin", desc)
+        products[dtype] = rows.product("lin", x, hits)
+        assert rows.fetched == 2
+    residue = (x - x.clamp(-CLIP, CLIP))[..., [17, 20]]
+    rounded = lin.weight.detach().half().float()[:, [17, 20]]
+    torch.testing.assert_close(products["float16"], residue @ rounded.t(), rtol=1e-6, atol=1e-5)
+    exact, half = products["float32"], products["float16"]
+    assert 0 < (half - exact).abs().max() <= 2 ** -10 * exact.abs().max()
+
+
 def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_hot(tmp_path):
     lin, x = _inputs()
     plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]))

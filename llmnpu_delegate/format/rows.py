@@ -5,14 +5,17 @@ A shadowed linear saturates its INT8 input at ``clip``; the shadow product adds 
 produce most outliers, so only their rows stay in RAM (or in the program); a rare outlier elsewhere
 reads its row from the rows file (the paper keeps them on disk likewise).
 
-One layout serves the engine's cache and the ``.pte``'s rows file: little-endian float32, one block
-per shadowed linear of ``[cold channels, out_features]`` rows, at the byte offset its description
+One layout serves the engine's cache and the ``.pte``'s rows file: little-endian floats (``rows_dtype``:
+float32 for the engine's cache, which it maps; float16 for a program's file, half the bytes to store
+and read, its rounding a 2^-11 part of a rare outlier's share of the product), one block per shadowed
+linear of ``[cold channels, out_features]`` rows, at the byte offset its description
 (``write_cold_rows``'s return, the sidecar's ``shadow`` entry) gives. ``RowStore`` serves one linear's
-rows and its product; ``ColdRows`` is a program's rows file, one store per linear.
+rows and its product; ``ColdRows`` is a program's rows file, one store per linear, whose rows are read
+when hit and not kept (``FileRows``), as the native runner reads them.
 """
 from __future__ import annotations
 
-import hashlib
+import os
 import warnings
 from pathlib import Path
 
@@ -23,26 +26,27 @@ from torch import Tensor
 from ..errors import LlmNpuError
 from ..kernels import outlier_product
 from ..kernels.ops import gather_rows, shadow_product
-from ..paths import atomic_path
+from ..paths import atomic_path, file_sha256
 
-ROW_DTYPE = "float32"
+ROW_DTYPES = {"float32": "<f4", "float16": "<f2"}     # a rows file's dtype -> its numpy type
+PROGRAM_ROW_DTYPE = "float16"
 
 
-def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path) -> dict:
+def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path, dtype: str = "float32") -> dict:
     """Write each shadowed linear's cold rows (``blocks``: name -> (W [N, K], its cold input channels,
-    its clip threshold)) one block after another into ``path`` (atomically); returns the description:
-    the sidecar's ``shadow`` entry."""
+    its clip threshold)) one block after another into ``path`` (atomically) as ``dtype``; returns the
+    description: the sidecar's ``shadow`` entry."""
     linears, offset = {}, 0
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for name, (w, cold, clip) in blocks.items():
             w = w.detach().float()
-            block = w.t()[list(cold)].contiguous().numpy().astype("<f4")           # [cold, N]
+            block = w.t()[list(cold)].contiguous().numpy().astype(ROW_DTYPES[dtype])   # [cold, N]
             f.write(block.tobytes())
             linears[name] = {"cold_channels": [int(c) for c in cold], "rows_offset": offset, "in_features": w.shape[1],
                              "out_features": w.shape[0], "clip": clip}
             offset += block.nbytes
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"form": "sparse", "rows_file": path.name, "rows_dtype": ROW_DTYPE, "bytes": offset, "rows_sha256": digest,
+    digest = file_sha256(path)
+    return {"form": "sparse", "rows_file": path.name, "rows_dtype": dtype, "bytes": offset, "rows_sha256": digest,
             "linears": linears}
 
 
@@ -62,20 +66,38 @@ def map_rows(path: Path, nbytes: int) -> Tensor | None:
         return torch.from_numpy(np.memmap(path, dtype="<f4", mode="r"))
 
 
+class FileRows:
+    """A [count, n] block of rows (``dtype``) at byte ``offset`` of an open file, read as float32 when
+    indexed and not kept: a mapping would leave every row ever hit resident (most of the file after a
+    long prompt)."""
+
+    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str = "float32"):
+        self.fd, self.offset, self.shape, self.dtype = fd, offset, (count, n), np.dtype(ROW_DTYPES[dtype])
+
+    def __getitem__(self, slots: Tensor) -> Tensor:
+        row = self.shape[1] * self.dtype.itemsize
+        data = b"".join(os.pread(self.fd, row, self.offset + s * row) for s in slots.tolist())
+        if len(data) != slots.numel() * row:
+            raise LlmNpuError(f"the rows file ended early (read {len(data)} of {slots.numel() * row} bytes): "
+                              f"export again")
+        rows = np.frombuffer(data, dtype=self.dtype).astype(np.float32)    # float16 -> float32 is exact
+        return torch.from_numpy(rows).view(slots.numel(), self.shape[1])
+
+
 class RowStore:
     """One linear's rows of W^T [K, N]: the ``hot`` channels' rows in RAM (``hot_rows``, or None when
     the program holds them), the ``cold`` channels' rows in ``cold_rows`` (a view of the mapped rows
     file). Counts the rows it serves from RAM and from disk."""
 
     def __init__(self, in_features: int, out_features: int, hot: Tensor, hot_rows: Tensor | None,
-                 cold: Tensor, cold_rows: Tensor | None):
+                 cold: Tensor, cold_rows: Tensor | FileRows | None):
         self.in_features, self.out_features = in_features, out_features
         self.hot, self.cold = hot.to(torch.int64), cold.to(torch.int64)
         self.hot_rows = hot_rows
         empty = torch.empty(0, out_features)
         self._hot = hot_rows if hot_rows is not None else empty
         self._cold = cold_rows if cold_rows is not None else empty
-        if self._cold.shape != (self.cold.numel(), out_features):
+        if tuple(self._cold.shape) != (self.cold.numel(), out_features):
             raise ValueError(f"cold rows are {tuple(self._cold.shape)}, not [{self.cold.numel()}, {out_features}]")
         self.slot = torch.full((in_features,), -1 - in_features, dtype=torch.int64)   # out of both tables
         if hot_rows is not None:
@@ -120,15 +142,22 @@ class RowStore:
         return outlier_product(cols - cols.clamp(-clip, clip), self.rows(hit)).view(*x.shape[:-1], self.out_features)
 
 
-def row_stores(rows: Tensor | None, shadow: dict, hot_rows: dict[str, tuple[Tensor, Tensor]] | None = None) -> dict[str, RowStore]:
-    """A store per linear of a rows file's description ``shadow`` over its mapped ``rows``; ``hot_rows``
-    (name -> (hot channels, their rows)) when RAM holds them, else the hot channels are the rest."""
+def row_stores(rows: Tensor | int | None, shadow: dict,
+               hot_rows: dict[str, tuple[Tensor, Tensor]] | None = None) -> dict[str, RowStore]:
+    """A store per linear of a rows file's description ``shadow`` over its mapped ``rows`` (or an open
+    file descriptor: rows read when hit); ``hot_rows`` (name -> (hot channels, their rows)) when RAM
+    holds them, else the hot channels are the rest."""
     stores = {}
     for name, lin in shadow["linears"].items():
         k, n = lin["in_features"], lin["out_features"]
         cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
         start = lin["rows_offset"] // 4
-        block = rows[start:start + cold.numel() * n].view(cold.numel(), n) if rows is not None and cold.numel() else None
+        if rows is None or not cold.numel():
+            block = None
+        elif isinstance(rows, int):
+            block = FileRows(rows, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"])
+        else:
+            block = rows[start:start + cold.numel() * n].view(cold.numel(), n)
         if hot_rows is not None:
             hot, held = hot_rows[name]
         else:
@@ -139,7 +168,7 @@ def row_stores(rows: Tensor | None, shadow: dict, hot_rows: dict[str, tuple[Tens
 
 class ColdRows:
     """A program's rows file (beside the ``.pte``), checked against the sidecar's ``shadow`` entry and
-    memory-mapped; the hot rows are in the program, so only the cold part runs here."""
+    held open, its rows read when hit; the hot rows are in the program, so only the cold part runs here."""
 
     def __init__(self, path: Path | None, shadow: dict):
         self.stores: dict[str, RowStore] = {}
@@ -148,10 +177,15 @@ class ColdRows:
             return
         if path is None or not Path(path).is_file():
             raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
-        if Path(path).stat().st_size != shadow["bytes"] or hashlib.sha256(Path(path).read_bytes()).hexdigest() != shadow["rows_sha256"]:
+        if Path(path).stat().st_size != shadow["bytes"] or file_sha256(Path(path)) != shadow["rows_sha256"]:
             raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
-        self.stores = row_stores(map_rows(path, shadow["bytes"]), shadow)
+        self._fd = os.open(path, os.O_RDONLY)
+        self.stores = row_stores(self._fd, shadow)
         self.clips = {name: lin["clip"] for name, lin in shadow["linears"].items()}
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     @property
     def fetched(self) -> int:

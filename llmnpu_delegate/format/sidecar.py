@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 from ..errors import LlmNpuError
+from ..paths import file_sha256
+from .rows import ROW_DTYPES
 from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
@@ -117,8 +119,10 @@ def check_sidecar(meta: dict) -> str | None:
     if shadow["form"] not in ("sparse", "dense"):
         return f"shadow.form is {shadow['form']!r}"
     if shadow["form"] == "sparse":
-        if any(k not in shadow for k in ("rows_file", "linears")):
-            return "a sparse shadow lacks its rows file or linears"
+        if any(k not in shadow for k in ("rows_file", "rows_dtype", "linears")):
+            return "a sparse shadow lacks its rows file, their type or linears"
+        if shadow["rows_dtype"] not in ROW_DTYPES:
+            return f"shadow.rows_dtype is {shadow['rows_dtype']!r}, not one of {', '.join(ROW_DTYPES)}"
         branches = [b["linear"] for e in subs for b in e.get("shadow", [])]
         if missing := [b for b in branches if b not in shadow["linears"]]:
             return f"shadow.linears lacks {missing[0]}"
@@ -177,7 +181,6 @@ def load_sidecar(pte: str | Path) -> dict:
     if meta["sidecar_sha256"] != sidecar_digest(meta):
         raise LlmNpuError(f"sidecar {path} was altered or damaged since export (its checksum fails): export the "
                           f"program again")
-    digest = hashlib.sha256(pte.read_bytes()).hexdigest()
-    if meta["pte_sha256"] != digest:
+    if meta["pte_sha256"] != file_sha256(pte):
         raise LlmNpuError(f"{path.name} was written for another {meta['pte']}: the .pte and sidecar do not match")
     return meta

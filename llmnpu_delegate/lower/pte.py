@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from torch import Tensor
 from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
-from ..format.rows import write_cold_rows
+from ..format.rows import PROGRAM_ROW_DTYPE, write_cold_rows
 from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
 from ..format.tasks import dependency_table
 from ..partitioner.regions import is_linear
@@ -134,48 +135,59 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     max_past = max(math.ceil(context / c) * c - c, 2 * c)
     programs, npu_outputs, table = {}, {}, []
     seen: dict[tuple[str, str], str] = {}       # (processor, program_key) -> the method computing it
-    for i, step in enumerate(tqdm(engine.program.steps, desc=f"lowering subgraphs ({target})", unit="graph",
-                                  disable=not progress)):
+    stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
+    stages["examples"] = time.perf_counter() - t0
+    bar = tqdm(engine.program.steps, desc=f"lowering subgraphs ({target})", unit="graph", disable=not progress)
+    for i, step in enumerate(bar):
         sub, name = step.sub, method_name(step.sub)
+        bar.set_postfix_str(f"{name} ({sub.kind}" + (f", layer {sub.layer})" if sub.layer is not None else ")"))
         entry = {"index": sub.index, "method": name, "kind": sub.kind, "processor": sub.processor,
                  "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
                  "linears": sub.linears}
-        if sub.kind == "npu":
-            programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
-        else:
-            ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
-                                               max_past, shadow)
-            if branches:
-                entry["shadow"] = branches
-            # one method per distinct program, on one lane: a lane runs one method at a time, so the
-            # subgraphs that share it never run at once
-            key = (sub.processor, program_key(ep))
-            if key in seen:
-                entry["method"] = seen[key]
+        with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
+            if sub.kind == "npu":
+                programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
             else:
-                seen[key] = name
-                programs[name] = _lower_cpu(ep, sub)
+                ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
+                                                   max_past, shadow)
+                if branches:
+                    entry["shadow"] = branches
+                # one method per distinct program, on one lane: a lane runs one method at a time, so the
+                # subgraphs that share it never run at once
+                key = (sub.processor, program_key(ep))
+                if key in seen:
+                    entry["method"] = seen[key]
+                else:
+                    seen[key] = name
+                    programs[name] = _lower_cpu(ep, sub)
         table.append(entry)
+    bar.close()
     if progress:
         print(f"lowering the decode step ({decode}, XNNPACK)", file=sys.stderr)
-    keep_float = float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
-    programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
-                                                            keep_float).exported_program("forward")
-    merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
-    planning = {kv_format.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
-    buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
-
-    out = Path(out)
-    shadow_meta = write_cold_rows(_cold_blocks(engine), rows_path(out)) if shadow == "sparse" else {"form": "dense"}
-    tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
-    with atomic_path(out) as tmp:
-        tmp.write_bytes(buffer)
-    meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
-    meta.update(shadow=shadow_meta, tokenizer=tok_meta, decode=kv_format.describe(decode, engine.kv, context, keep_float))
-    meta["sidecar_sha256"] = sidecar_digest(meta)
-    with atomic_path(sidecar_path(out)) as tmp:
-        tmp.write_text(json.dumps(meta, indent=1))
+    with _timed(stages, "decode"):
+        keep_float = float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
+        programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
+                                                                keep_float).exported_program("forward")
+    if progress:
+        print(f"planning memory and serializing {len(programs)} methods", file=sys.stderr)
+    with _timed(stages, "to_executorch"):
+        merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
+        planning = {kv_format.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
+        buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
+    with _timed(stages, "write"):
+        out = Path(out)
+        shadow_meta = (write_cold_rows(_cold_blocks(engine), rows_path(out), PROGRAM_ROW_DTYPE) if shadow == "sparse"
+                       else {"form": "dense"})
+        tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
+        with atomic_path(out) as tmp:
+            tmp.write_bytes(buffer)
+        meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
+        meta.update(shadow=shadow_meta, tokenizer=tok_meta,
+                    decode=kv_format.describe(decode, engine.kv, context, keep_float))
+        meta["sidecar_sha256"] = sidecar_digest(meta)
+        with atomic_path(sidecar_path(out)) as tmp:
+            tmp.write_text(json.dumps(meta, indent=1))
     return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
@@ -184,7 +196,15 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
-            "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1)}
+            "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1),
+            "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}
+
+
+@contextmanager
+def _timed(stages: dict, key: str):
+    t = time.perf_counter()
+    yield
+    stages[key] += time.perf_counter() - t
 
 
 def _check_export_args(engine, target: str, soc: str, context: int, shadow: str, decode: str, calib_ids: Tensor):

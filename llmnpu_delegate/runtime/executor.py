@@ -462,16 +462,19 @@ class _Run:
     def _hand_over(self, task: Task, outs) -> None:
         """Publish a finished task's outputs (and the next chunk's past K/V), drop the values no one
         will read again, and tell the scheduler."""
-        ex, env = self.ex, self.envs[task.chunk]
-        env.update(zip(ex.outputs[task.step], outs))
-        if task.chunk + 1 < len(self.envs):
+        ex, env, left = self.ex, self.envs[task.chunk], self.uses[task.chunk]
+        last = task.chunk + 1 == len(self.envs)
+        # an earlier chunk's K/V live on as the next chunk's past only: holding every chunk's (each
+        # longer than the last) would keep the prompt's K/V several times over
+        env.update((name, out) for name, out in zip(ex.outputs[task.step], outs)
+                   if left.get(name) or (last and name in ex.keep))
+        if not last:
             nxt = self.envs[task.chunk + 1]
             for i, past in ex.handoffs[task.step]:
                 nxt[past] = outs[i]
-        left = self.uses[task.chunk]
         for name in ex.inputs[task.step]:
             left[name] -= 1
-            if left[name] == 0 and name not in ex.keep:
+            if left[name] == 0 and not (last and name in ex.keep):
                 env.pop(name, None)
         self.sched.finish(task)
         self.wakeup.notify()

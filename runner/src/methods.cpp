@@ -2,8 +2,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +28,32 @@ std::string error_text(executorch::runtime::Error e) {
 
 // ---------------------------------------------------------------- cold rows
 
+namespace {
+
+// IEEE half to float, exactly (every half is a float): numpy's conversion, which the Python runner uses
+float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);                  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);          // normal: rebias 15 -> 127
+  } else if (mant == 0) {
+    bits = sign;                                                // zero
+  } else {                                                      // subnormal: normalize
+    int e = 113;
+    while (!(mant & 0x400u)) {
+      mant <<= 1;
+      --e;
+    }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace
+
 ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
   if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
   std::string path = dir + "/" + s.rows_file;
@@ -38,20 +64,18 @@ ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
     close(fd);
     throw InputError(path + " does not belong to this program (its size differs): export again");
   }
-  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) throw InputError("cannot map " + path);
-  rows_ = static_cast<const float*>(p);
-  mapped_ = static_cast<size_t>(st.st_size);
+  fd_ = fd;
   for (const auto& [name, c] : s.cold) {
-    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * 4;
-    if (c.rows_offset < 0 || c.rows_offset % 4 || end > s.rows_bytes)
+    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * s.rows_itemsize;
+    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes) {
+      close(fd_);
       throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
+    }
   }
 }
 
 ColdRows::~ColdRows() {
-  if (rows_) munmap(const_cast<float*>(rows_), mapped_);
+  if (fd_ >= 0) close(fd_);
 }
 
 void ColdRows::add_product(const std::string& linear, const Value& x, const Value& hits, Value& out) {
@@ -63,11 +87,18 @@ void ColdRows::add_product(const std::string& linear, const Value& x, const Valu
   const float* xs = x.f32();
   const float* h = hits.f32();
   std::vector<float> extra;   // summed apart, then added: the order the Python runner uses
+  std::vector<float> row(static_cast<size_t>(n));
+  std::vector<uint16_t> half(s_.rows_itemsize == 2 ? static_cast<size_t>(n) : 0);
+  const int64_t row_bytes = n * s_.rows_itemsize;
   for (size_t slot = 0; slot < c.cold_channels.size(); ++slot) {
     const int64_t ch = c.cold_channels[slot];
     if (!(h[ch] > 0)) continue;
     if (extra.empty()) extra.assign(static_cast<size_t>(m * n), 0.0f);
-    const float* row = rows_ + c.rows_offset / 4 + static_cast<int64_t>(slot) * n;
+    const off_t at = static_cast<off_t>(c.rows_offset + static_cast<int64_t>(slot) * row_bytes);
+    void* dst_bytes = half.empty() ? static_cast<void*>(row.data()) : static_cast<void*>(half.data());
+    if (pread(fd_, dst_bytes, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
+      throw RunError("cannot read the cold rows of " + linear + " from " + s_.rows_file);
+    for (size_t j = 0; j < half.size(); ++j) row[j] = half_to_float(half[j]);
     for (int64_t r = 0; r < m; ++r) {
       const float v = xs[r * k + ch];
       const float residue = v - std::min(std::max(v, -clip), clip);

@@ -15,7 +15,9 @@
 
 namespace llmnpu {
 
-// The cold channels' rows of W^T, memory-mapped.
+// The cold channels' rows of W^T, in the rows file beside the program: a row is read when an outlier
+// hits its channel and dropped after the product, so the file never becomes resident (a mapping would
+// keep every row ever hit in the process's memory: most of the file after one long prompt).
 class ColdRows {
  public:
   ColdRows(const Sidecar& s, const std::string& dir);
@@ -28,8 +30,7 @@ class ColdRows {
 
  private:
   const Sidecar& s_;
-  const float* rows_ = nullptr;
-  size_t mapped_ = 0;
+  int fd_ = -1;
 };
 
 // Calls one subgraph's method on one of the runner's Modules.

@@ -136,13 +136,17 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
       }
       result.records.push_back({task->id, task->chunk, task->step, p, seconds(start), seconds(end)});
       Env& env = envs[task->chunk];
+      const bool last_chunk = task->chunk + 1 == chunks;
       for (size_t i = 0; i < outs.size(); ++i) {
-        env[sub.outputs[i]] = outs[i];
+        // an earlier chunk's K/V live on as the next chunk's past only: holding every chunk's
+        // (each one longer than the last) would keep the whole prompt's K/V several times over
+        if (uses[task->chunk].count(sub.outputs[i]) || (last_chunk && keep.count(sub.outputs[i])))
+          env[sub.outputs[i]] = outs[i];
         auto h = handoff.find(sub.outputs[i]);
-        if (h != handoff.end() && task->chunk + 1 < chunks) envs[task->chunk + 1][h->second] = outs[i];
+        if (h != handoff.end() && !last_chunk) envs[task->chunk + 1][h->second] = outs[i];
       }
       for (const auto& name : sub.inputs)
-        if (--uses[task->chunk][name] == 0 && !keep.count(name)) env.erase(name);
+        if (--uses[task->chunk][name] == 0 && !(last_chunk && keep.count(name))) env.erase(name);
       sched.finish(*task);
       cv.notify_all();
     }

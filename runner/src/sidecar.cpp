@@ -135,6 +135,10 @@ Sidecar read_sidecar(const std::string& pte) {
     if (s.shadow_form == "sparse") {
       s.rows_file = sh.at("rows_file").get<std::string>();
       s.rows_bytes = sh.at("bytes").get<int64_t>();
+      const std::string dtype = sh.at("rows_dtype").get<std::string>();
+      if (dtype != "float32" && dtype != "float16")
+        throw InputError("sidecar " + s.path + " has cold rows of type " + dtype + ": export again");
+      s.rows_itemsize = dtype == "float16" ? 2 : 4;
       for (const auto& [name, lin] : sh.at("linears").items()) {
         ColdLinear c;
         c.cold_channels = lin.at("cold_channels").get<std::vector<int64_t>>();

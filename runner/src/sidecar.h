@@ -54,6 +54,7 @@ struct Sidecar {
   std::map<std::string, NpuLinear> linears;
   std::string shadow_form, rows_file;
   int64_t rows_bytes = 0;
+  int rows_itemsize = 4;   // the rows file's floats: 4 (float32) or 2 (float16)
   std::map<std::string, ColdLinear> cold;
   bool has_profile = false;
   std::map<int, double> profile_static;
