@@ -442,6 +442,26 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
     assert r.returncode == 0 or (r.returncode == 2 and len(errors) == 1), (path, r.returncode, r.stderr[-1500:])
 
 
+def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp_path):
+    """A rows file the runners cannot read (its type is not float32 or float16) is refused in one line
+    before any prompt, not read as the wrong floats."""
+    from llmnpu_delegate.format.sidecar import sidecar_digest
+    from llmnpu_delegate.runtime.native import find_runner
+
+    pte, side = _program_copy(exported[0], tmp_path / "program")
+    meta = json.loads(side.read_text())
+    assert meta["shadow"]["rows_dtype"] == "float16"
+    meta["shadow"]["rows_dtype"] = "bfloat16"
+    meta["sidecar_sha256"] = sidecar_digest(meta)
+    side.write_text(json.dumps(meta))
+    with pytest.raises(LlmNpuError, match="rows_dtype is 'bfloat16'"):
+        PteRunner(pte)
+    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
+                       capture_output=True, text=True, timeout=60)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
+    assert r.returncode == 2 and len(errors) == 1 and "bfloat16" in errors[0], r.stderr
+
+
 @pytest.mark.parametrize("static", [-1, {"x": 0.1}, {"-3": 0.1}, [0.1]])
 def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path, static):
     """Found by the property test above: a profile whose step table is not a table of step numbers
