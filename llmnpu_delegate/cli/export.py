@@ -52,13 +52,13 @@ def cmd_export(args) -> dict:
                          shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer)
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
+    stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
                  f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
                  f"decode {summary['decode']} on XNNPACK) and "
                  f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
-                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s ("
-                 + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items()) + ")\n"
+                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s ({stages})\n"
                  f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
                  f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
                  f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}); cold rows on disk "

@@ -71,7 +71,7 @@ class FileRows:
     indexed and not kept: a mapping would leave every row ever hit resident (most of the file after a
     long prompt)."""
 
-    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str = "float32"):
+    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str):
         self.fd, self.offset, self.shape, self.dtype = fd, offset, (count, n), np.dtype(ROW_DTYPES[dtype])
 
     def __getitem__(self, slots: Tensor) -> Tensor:
@@ -151,12 +151,12 @@ def row_stores(rows: Tensor | int | None, shadow: dict,
     for name, lin in shadow["linears"].items():
         k, n = lin["in_features"], lin["out_features"]
         cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
-        start = lin["rows_offset"] // 4
         if rows is None or not cold.numel():
             block = None
         elif isinstance(rows, int):
             block = FileRows(rows, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"])
-        else:
+        else:                                   # the engine's float32 cache, mapped
+            start = lin["rows_offset"] // 4
             block = rows[start:start + cold.numel() * n].view(cold.numel(), n)
         if hot_rows is not None:
             hot, held = hot_rows[name]
