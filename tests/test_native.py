@@ -201,3 +201,25 @@ def test_missing_binary_is_named_with_how_to_build_it(monkeypatch, tmp_path):
     with pytest.raises(LlmNpuError, match="make runner"):
         find_runner()
     assert Path(_REPO_BUILD).is_file()
+
+
+def test_the_program_stores_the_table_in_float16_and_the_int8_head_once(program):
+    """The INT8-decode program keeps no float32 copy of the embedding table: both lookups read one
+    float16 table, and the prefill's head and the decode's are one INT8 weight in XNNPACK's named data
+    (``lower/table.py``)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir.scalar_type import ScalarType
+
+    pte, _ = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    vocab, hidden = meta["model"]["vocab_size"], 576         # SmolLM2-135M
+    pte_file = deserialize_pte_binary(Path(pte).read_bytes())
+    tables = {}      # constant buffer index -> scalar type, over every method
+    for plan in pte_file.program.execution_plan:
+        for value in plan.values:
+            t = value.val
+            if type(t).__name__ == "Tensor" and t.data_buffer_idx > 0 and list(t.sizes) == [vocab, hidden]:
+                tables[t.data_buffer_idx] = ScalarType(t.scalar_type)
+    assert list(tables.values()) == [ScalarType.HALF], tables
+    heads = [b for b in pte_file.named_data.buffers if len(b) == vocab * hidden]
+    assert len(heads) == 1, heads

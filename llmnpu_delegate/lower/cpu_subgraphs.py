@@ -22,6 +22,7 @@ from ..kernels.attention import decompositions
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
 from .shadow import shadow_product, sparse_shadow_product
+from .table import half_table_lookups
 
 SHADOW_FORMS = ("sparse", "dense")
 
@@ -110,11 +111,14 @@ def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
 
 def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, LinearPlan] | None, prefix: str,
                         example: tuple[Tensor, ...], max_past: int,
-                        shadow: str = "sparse") -> tuple[ExportedProgram, list[dict]]:
+                        shadow: str = "sparse", half_table: bool = False) -> tuple[ExportedProgram, list[dict]]:
     """``sub`` as an ExportedProgram in core aten ops (no llmnpu ops), traced on ``example`` (its
     inputs at a past length > 1, so the past dimension is not specialised), and its shadow branches
-    (``shadow_branches``; empty for other subgraphs)."""
+    (``shadow_branches``; empty for other subgraphs). ``half_table``: embedding lookups read a float16
+    table (``table.py``)."""
     gm = subgraph_module(partition, sub)
+    if half_table:
+        half_table_lookups(gm)
     branches: list[dict] = []
     if any(n.target is shadow_delta for n in gm.graph.nodes):
         if plans is None:

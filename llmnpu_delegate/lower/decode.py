@@ -35,7 +35,7 @@ from ..capture import attention_implementation
 from ..errors import LlmNpuError
 from ..families import family_of
 from ..format.kv import empty_cache
-from ..partitioner.regions import linear_names
+from .table import half_table_lookups, quantize_dynamic
 
 MODES = ("int8", "fp32")
 ATTN_IMPLEMENTATION = "llmnpu_decode"
@@ -107,7 +107,8 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
     ``keep_float``: linears (model names) that stay float in ``int8`` mode
-    (``quantize/decode_outliers.float_linears``: the program's outlier policy)."""
+    (``quantize/decode_outliers.float_linears``: the program's outlier policy). In ``int8`` mode the
+    embedding lookup reads a float16 table and the head is INT8 (``table.py``)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
         XnnpackDynamicallyQuantizedPartitioner,
         XnnpackPartitioner,
@@ -122,34 +123,14 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
         warnings.simplefilter("ignore")
         ep = torch.export.export(step, example, strict=False)
         if mode == "int8":
-            ep = _quantize_dynamic(ep, example, calib_ids, keep_float)
+            gm = ep.module()
+            half_table_lookups(gm)          # the table's only float copy is float16 (``table.py``)
+            ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
+            feeds = [(torch.tensor([[t]]), torch.tensor([i]), *example[2:]) for i, t in enumerate(ids.tolist())]
+            ep = quantize_dynamic(gm, [example, *feeds], keep_float)
     partitioners = [XnnpackPartitioner()]
     if mode == "int8" and family_of(model.config).qk_norm:
         # XNNPACK's one partition of the whole step closes a dependency cycle around the q/k norms that
         # sit between dynamically quantized projections and RoPE: its quantized linears are taken first
         partitioners.insert(0, XnnpackDynamicallyQuantizedPartitioner())
     return to_edge_transform_and_lower(ep, partitioner=partitioners)
-
-
-def _quantize_dynamic(ep, example: tuple, calib_ids: Tensor | None, keep_float):
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    class Quantizer(XNNPACKQuantizer):
-        # XNNPACKQuantizer cannot leave a named module unquantized (set_module_name refuses None)
-        def annotate(self, gm):
-            gm = super().annotate(gm)
-            for node in linear_names(gm, list(keep_float), "model."):
-                node.meta.pop("quantization_annotation", None)
-            return gm
-
-    quantizer = Quantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))
-    prepared = prepare_pt2e(ep.module(), quantizer)
-    ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
-    for i, token in enumerate(ids.tolist()):
-        prepared(torch.tensor([[token]]), torch.tensor([i]), *example[2:])
-    converted = convert_pt2e(prepared)
-    return torch.export.export(converted, example, strict=False)

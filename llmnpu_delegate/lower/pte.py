@@ -52,6 +52,7 @@ from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
 from .same_program import program_key
+from .table import quantize_dynamic
 
 DEFAULT_CONTEXT = 1024
 
@@ -149,7 +150,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
                 programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
             else:
                 ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
-                                                   max_past, shadow)
+                                                   max_past, shadow, half_table=decode == "int8")
                 if branches:
                     entry["shadow"] = branches
                 # one method per distinct program, on one lane: a lane runs one method at a time, so the
@@ -159,7 +160,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
                     entry["method"] = seen[key]
                 else:
                     seen[key] = name
-                    programs[name] = _lower_cpu(ep, sub)
+                    programs[name] = _lower_cpu(ep, sub, tuple(examples[i]), int8_head=decode == "int8")
         table.append(entry)
     bar.close()
     if progress:
@@ -233,23 +234,25 @@ def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entr
     return edge.exported_program(name)
 
 
-def _lower_cpu(ep, sub):
-    """A CPU subgraph's exported program as a float method (XNNPACK where it helps)."""
+def _lower_cpu(ep, sub, example: tuple, int8_head: bool):
+    """A CPU subgraph's exported program as a float method (XNNPACK where it helps); the LM head as
+    the decode's dynamic INT8 linear if ``int8_head`` (``table.py``)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     # XNNPACK's float kernels where it takes the ops (attention with its symbolic past too: 2.2x
     # faster than the portable kernels at a past of 512 on Qwen2-0.5B shapes), portable ones
-    # elsewhere; but not for a model linear (lm_head): XNNPACK would pack its own copy of a
-    # weight tied to the embedding table (+108 MiB on the embedded model), which stays shared.
-    # There ``aten.linear`` is kept whole: decomposed, it becomes permute_copy + mm, a transposed
-    # copy of the whole weight at every call (162 ms vs 11 ms for the embedded model's lm_head)
-    if _holds_model_linear(sub):
+    # elsewhere. A float LM head stays off XNNPACK, which would pack its own float32 copy of a weight
+    # tied to the embedding table (+108 MiB on the embedded model); ``aten.linear`` is kept whole
+    # there: decomposed, it becomes permute_copy + mm, a transposed copy of the whole weight at
+    # every call (162 ms vs 11 ms for the embedded model's lm_head)
+    if _holds_model_linear(sub) and int8_head:
+        ep = quantize_dynamic(ep.module(), [example])
+    elif _holds_model_linear(sub):
         edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
             _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
-    else:
-        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
-    return edge.exported_program("forward")
+        return edge.exported_program("forward")
+    return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).exported_program("forward")
 
 
 def _holds_model_linear(sub) -> bool:
