@@ -24,6 +24,7 @@ from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.prefill import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
 from llmnpu_delegate.quantize.decode_outliers import float_linears
+from llmnpu_delegate import kernels as K
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
 
@@ -77,6 +78,34 @@ def kept_float(dec, model):
     return dec
 
 
+class _StaticHot(_Linear):
+    """The ``hot`` input channels calibration saw largest, fixed for every token, through float rows; the
+    rest through the dynamic INT8 GEMM (a form a program's decode method could hold: no per-token topk)."""
+
+    def __init__(self, w, b, hot):
+        super().__init__(w, b, "int8", outliers=0)
+        self.hot, self.hot_rows = hot, w.t()[hot].float().contiguous()
+        self.rows = self.hot_rows
+
+    def __call__(self, x):
+        y = K.dynamic_linear(x.index_fill(1, self.hot, 0.0), self.packed)
+        return y.addmm_(x.index_select(1, self.hot), self.hot_rows)
+
+
+def static_hot(dec, model, count: int, only_kept: bool):
+    """Every INT8 linear but o_proj (or only the program's kept-float ones) with ``count`` calibrated
+    channels (largest input maximum on the calibration text) through float rows."""
+    calib = default_calibration(lm, False)
+    keep = set(float_linears(calib, QuantConfig().clip_percentile))
+    for i, (lin, attr, owner, mods, names) in enumerate(per_linear(dec, model)):
+        full = [f"model.layers.{i // 4}.{n}" for n in names]
+        if attr in ("lm_head", "o") or (only_kept and not any(f in keep for f in full)):
+            continue
+        hot = calib.layers[full[0]].channel_absmax.topk(count).indices.sort().values
+        setattr(owner, attr, _StaticHot(*_stack(mods), hot))
+    return dec
+
+
 lm = load_model(args.model)
 model = lm.model
 text = tokenize(lm, read_text(None, "calib"))
@@ -85,6 +114,11 @@ decoders["bf16"] = Int8Decoder(model, "bf16")
 if args.policies:
     decoders["16, INT8 weight rows"] = int8_rows(Int8Decoder(model, "int8", native=False), model)
     decoders["calibrated linears kept float"] = kept_float(Int8Decoder(model, "int8", outliers=0, native=False), model)
+    for count in (4, 16):
+        decoders[f"{count} calibrated channels, float rows, kept-float linears only"] = static_hot(
+            Int8Decoder(model, "int8", outliers=0, native=False), model, count, True)
+        decoders[f"{count} calibrated channels, float rows, every linear"] = static_hot(
+            Int8Decoder(model, "int8", outliers=0, native=False), model, count, False)
 stats = {k: {"same": 0, "steps": 0, "err": 0.0, "ref": 0.0, "times": []} for k in decoders}
 with torch.inference_mode():
     for w in range(args.windows):
