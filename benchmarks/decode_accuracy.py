@@ -8,8 +8,10 @@ window, the float model prefills 200 tokens, then decodes the next 100 teacher-f
 own forward (the reference) and once with the decoder. Prints the share of steps whose greedy token
 agrees, the logits' SQNR against the reference, and the median step time (interleaved runs).
 ``--policies`` adds the alternatives ``quantize/decode_outliers.py`` was chosen against (in the Python
-loop): the outliers through the INT8 weight's own codes, and whole linears kept float where calibration saw large
-outliers (the program's decode method, ``quantize/decode_outliers.float_linears``); with the extra bytes each holds.
+loop): the outliers through the INT8 weight's own codes, whole linears kept float where calibration saw large
+outliers (``quantize/decode_outliers.outlier_linears``: the program's decode method before), and a fixed set of
+calibrated channels through float rows in those linears or in every one (the program's decode method now,
+``quantize/decode_outliers.hot_inputs``); with the extra bytes each holds.
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ from llmnpu_delegate.families import family_of
 from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.prefill import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
-from llmnpu_delegate.quantize.decode_outliers import float_linears
+from llmnpu_delegate.quantize.decode_outliers import outlier_linears
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
@@ -71,7 +73,7 @@ def int8_rows(dec, model):
 
 
 def kept_float(dec, model):
-    keep = set(float_linears(default_calibration(lm, False), QuantConfig().clip_percentile))
+    keep = set(outlier_linears(default_calibration(lm, False), QuantConfig().clip_percentile))
     for i, (lin, attr, owner, mods, names) in enumerate(per_linear(dec, model)):
         if attr != "lm_head" and any(f"model.layers.{i // 4}.{n}" in keep for n in names):
             setattr(owner, attr, _Linear(*_stack(mods), "fp32"))
@@ -96,7 +98,7 @@ def static_hot(dec, model, count: int, only_kept: bool):
     """Every INT8 linear but o_proj (or only the program's kept-float ones) with ``count`` calibrated
     channels (largest input maximum on the calibration text) through float rows."""
     calib = default_calibration(lm, False)
-    keep = set(float_linears(calib, QuantConfig().clip_percentile))
+    keep = set(outlier_linears(calib, QuantConfig().clip_percentile))
     for i, (lin, attr, owner, mods, names) in enumerate(per_linear(dec, model)):
         full = [f"model.layers.{i // 4}.{n}" for n in names]
         if attr in ("lm_head", "o") or (only_kept and not any(f in keep for f in full)):

@@ -156,13 +156,14 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
 
 def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     """Real activation outliers (down_proj inputs up to ~4,000x their p99.5): the dynamically quantized
-    decode step, with the outlier-heavy linears the calibration names kept float (19.9 dB without),
-    against the float model's own decode step."""
+    decode step, with the calibrated outlier channels of the outlier-heavy linears through float rows
+    (19.9 dB without), against the float model's own decode step."""
     from llmnpu_delegate.prefill import default_calibration
-    from llmnpu_delegate.quantize.decode_outliers import float_linears
+    from llmnpu_delegate.quantize.decode_outliers import HOT_INPUTS, hot_inputs
 
-    keep = float_linears(default_calibration(smollm2, False), 99.5)
-    assert "model.layers.11.mlp.down_proj" in keep and len(keep) < 30      # the worst one, and few of them
+    hot = hot_inputs(default_calibration(smollm2, False), 99.5)
+    assert "model.layers.11.mlp.down_proj" in hot and len(hot) < 30      # the worst one, and few of them
+    assert all(len(c) == HOT_INPUTS for c in hot.values())
     model, kv, context = smollm2.model.eval(), kv_shape(smollm2.model.config), 160
     ids = smollm2.tokenizer("The lighthouse keeper climbed the stairs every evening to light the lamp, and the ships "
                             "passing the rocks at night", return_tensors="pt").input_ids
@@ -174,7 +175,7 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     pre = PrefillResult(torch.zeros(1), [la.keys for la in cache.layers], [la.values for la in cache.layers], 1)
     token = int(ids[0, -1])
     want = _hf_decode_step(model, pre, token)
-    pte = _load(program_decode.export_decode(model, kv, context, "int8", ids, keep))
+    pte = _load(program_decode.export_decode(model, kv, context, "int8", ids, hot))
     k_cache, v_cache = kv_format.empty_cache(kv, context)
     kv_format.fill_cache(k_cache, v_cache, pre.past_k, pre.past_v)
     got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
@@ -238,3 +239,45 @@ def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_p
     tf_pte, tf_wrapper = _teacher_forced_pte(runner, ids, ref), _teacher_forced_wrapper(wrapper, ids, ref)
     # at most one token's worth of the 16 apart (the issue's 0.03 is below one token in 16)
     assert abs(tf_pte - tf_wrapper) <= 1 / n + 1e-9, (got, want, tf_pte, tf_wrapper)
+
+
+def test_hot_input_channels_go_through_float_rows_and_the_rest_through_int8():
+    """``split_hot_inputs``: before quantizing, the rewrite computes the linear itself; lowered, the
+    hot channels' part is float (exact) and the rest the dynamic INT8 product of the other channels,
+    each against a direct computation. A token whose outlier sits in a hot channel: far closer to the
+    float linear than the same linear quantized whole."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from test_table import _int8_per_channel, _int8_per_token
+
+    from llmnpu_delegate.lower.table import quantize_dynamic
+
+    torch.manual_seed(5)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(48, 32, bias=False)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    block = Block().eval()
+    x = torch.randn(1, 1, 48)
+    x[..., 7] = 300.0                            # a massive activation in a fixed channel
+    hot = {"proj": [3, 7]}
+    w = block.proj.weight.detach()
+    gm = torch.export.export(block, (x,)).module()
+    float_weights = program_decode.split_hot_inputs(gm, hot, prefix="")
+    torch.testing.assert_close(gm(x), x @ w.t(), rtol=1e-5, atol=1e-4)
+    lowered = {}
+    for name, module in (("split", gm), ("whole", torch.export.export(block, (x,)).module())):
+        ep = quantize_dynamic(module, [(x,)], float_weights if name == "split" else ())
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        _buffers.append(edge.to_executorch().buffer)
+        lowered[name] = _load_for_executorch_from_buffer(_buffers[-1]).forward((x,))[0]
+    cold = x.clone()
+    cold[..., hot["proj"]] = 0.0
+    want = _int8_per_token(cold) @ _int8_per_channel(w).t() + x[..., hot["proj"]] @ w[:, hot["proj"]].t()
+    error = (lowered["split"] - x @ w.t()).norm()
+    assert (lowered["split"] - want).norm() < 0.1 * error, ((lowered["split"] - want).norm(), error)
+    assert (lowered["whole"] - x @ w.t()).norm() > 10 * error

@@ -110,9 +110,12 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     from llmnpu_delegate.runtime.validate import validate_pte
 
     ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
-    # output encodings observed on the very rows compared: rounding alone is left
+    # output encodings observed on the very rows compared: rounding alone is left. The float decode
+    # keeps the float head, as the engine's prefill has it: the NPU methods are what is compared here
+    # (with the INT8 decode's INT8 head the last check reads 14.8 vs 18.8 dB on this random model; that
+    # head is tested against its own arithmetic in test_table.py)
     summary = export_pte(engine, tmp_path / "tiny.pte", ids, target="qnn", soc="SM8650", context=4 * CHUNK,
-                         progress=False)
+                         progress=False, decode="fp32")
     assert summary["npu_methods"] >= 8 and summary["pte_bytes"] > 0 and summary["soc"] == "SM8650"
     runner = PteRunner(tmp_path / "tiny.pte")
     report = validate_pte(tmp_path / "tiny.pte", engine, ids, runner=runner)

@@ -41,10 +41,11 @@ def write_slot(k_cache: list[Tensor], v_cache: list[Tensor], pos: int, k_new, v_
         v_all[0, :, pos] = v[0, :, 0]
 
 
-def describe(mode: str, kv, context: int, keep_float: list[str]) -> dict:
-    """The sidecar's ``decode`` entry: the method, its inputs and outputs, and the K/V layout."""
+def describe(mode: str, kv, context: int, hot_inputs: dict[str, list[int]]) -> dict:
+    """The sidecar's ``decode`` entry: the method, the input channels its INT8 linears take through
+    float rows, its inputs and outputs, and the K/V layout."""
     L = kv.layers
-    return {"method": METHOD, "mode": mode, "backend": "xnnpack", "float_linears": keep_float,
+    return {"method": METHOD, "mode": mode, "backend": "xnnpack", "hot_inputs": hot_inputs,
             "inputs": ["input_ids [1, 1] int64", "cache_position [1] int64",
                        f"k_cache x {L}: [1, {kv.kv_heads}, {kv.head_dim}, {context}] float32 (K transposed)",
                        f"v_cache x {L}: [1, {kv.kv_heads}, {context}, {kv.head_dim}] float32"],

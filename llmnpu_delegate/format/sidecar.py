@@ -20,7 +20,9 @@ FORMAT = "llmnpu-pte-sidecar"
 # 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
 # 3: the task dependency table (``format/tasks.py``), which the native runner expands;
 # 4: ``sidecar_sha256``, a checksum of the sidecar's own content (an altered scale is caught)
-VERSION = 4
+# 5: the decode's INT8 linears take calibrated input channels through float rows (``decode.hot_inputs``)
+#    instead of keeping whole linears float; the embedding table in float16, one INT8 LM head
+VERSION = 5
 
 NUM = "number"
 ANY = "any"
@@ -44,7 +46,7 @@ SCHEMA = {
                                   "out_features": int, "clip": NUM}}},
     "tokenizer": (None, {"folder": str, "files": STRS, "bos_id": (int, None), "eos_ids": INTS,
                          "chat_template?": (str, None)}),
-    "decode": {"method": str, "mode": str, "backend": str, "float_linears": STRS, "inputs": STRS, "outputs": STRS,
+    "decode": {"method": str, "mode": str, "backend": str, "hot_inputs": {str: INTS}, "inputs": STRS, "outputs": STRS,
                "kv_layout": str},
     "sidecar_sha256": str,
 }

@@ -23,10 +23,11 @@ the same with memory-planned inputs 23.9 ms (1.23x); symbolic length in and out 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -35,6 +36,7 @@ from ..capture import attention_implementation
 from ..errors import LlmNpuError
 from ..families import family_of
 from ..format.kv import empty_cache
+from ..partitioner.regions import linear_names
 from .table import half_table_lookups, quantize_dynamic
 
 MODES = ("int8", "fp32")
@@ -102,13 +104,13 @@ def example_inputs(kv, context: int, position: int = 3) -> tuple:
 
 @torch.no_grad()
 def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None,
-                  keep_float: list[str] = ()):
+                  hot_inputs: dict[str, list[int]] | None = None):
     """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
-    ``keep_float``: linears (model names) that stay float in ``int8`` mode
-    (``quantize/decode_outliers.float_linears``: the program's outlier policy). In ``int8`` mode the
-    embedding lookup reads a float16 table and the head is INT8 (``table.py``)."""
+    ``hot_inputs``: per linear (model names), input channels that go through float rows in ``int8``
+    mode (``quantize/decode_outliers.hot_inputs``: the program's outlier policy; ``split_hot_inputs``).
+    In ``int8`` mode the embedding lookup reads a float16 table and the head is INT8 (``table.py``)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
         XnnpackDynamicallyQuantizedPartitioner,
         XnnpackPartitioner,
@@ -125,12 +127,51 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
         if mode == "int8":
             gm = ep.module()
             half_table_lookups(gm)          # the table's only float copy is float16 (``table.py``)
+            float_rows = split_hot_inputs(gm, hot_inputs or {})
             ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
             feeds = [(torch.tensor([[t]]), torch.tensor([i]), *example[2:]) for i, t in enumerate(ids.tolist())]
-            ep = quantize_dynamic(gm, [example, *feeds], keep_float)
+            ep = quantize_dynamic(gm, [example, *feeds], float_weights=float_rows)
     partitioners = [XnnpackPartitioner()]
     if mode == "int8" and family_of(model.config).qk_norm:
         # XNNPACK's one partition of the whole step closes a dependency cycle around the q/k norms that
         # sit between dynamically quantized projections and RoPE: its quantized linears are taken first
         partitioners.insert(0, XnnpackDynamicallyQuantizedPartitioner())
     return to_edge_transform_and_lower(ep, partitioner=partitioners)
+
+
+HOT_PREFIX = "llmnpu_hot_"
+
+
+def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str = "model.") -> set[str]:
+    """Rewrite each linear named in ``hot`` as ``linear(x * cold, W) + linear(linear(x, S), W[:, hot])``:
+    the hot input channels zeroed in the part the dynamic INT8 GEMM quantizes (so the token's scale is
+    set by ordinary values) and added back through float rows. ``S`` selects the hot channels as a
+    tiny float product (a gather would be a portable op and split XNNPACK's partition of the step).
+    Returns the get_attr targets of the float weights, which must stay float."""
+    keep = set()
+    for node, name in linear_names(gm, list(hot), prefix).items():
+        x, weight = node.args[0], node.args[1]
+        w = functools.reduce(getattr, weight.target.split("."), gm).detach().float()
+        channels = torch.tensor(hot[name], dtype=torch.int64)
+        cold = torch.ones(w.shape[1])
+        cold[channels] = 0.0
+        select = torch.zeros(channels.numel(), w.shape[1])
+        select[torch.arange(channels.numel()), channels] = 1.0
+        attr = HOT_PREFIX + name.replace(".", "_")
+        for suffix, value in (("cold", cold), ("select", select), ("rows", w[:, channels].contiguous())):
+            gm.register_buffer(f"{attr}_{suffix}", value)
+        graph = gm.graph
+        with graph.inserting_before(node):
+            x_cold = graph.call_function(torch.ops.aten.mul.Tensor, (x, graph.get_attr(f"{attr}_cold")))
+            x_hot = graph.call_function(torch.ops.aten.linear.default, (x, graph.get_attr(f"{attr}_select")))
+            y_hot = graph.call_function(torch.ops.aten.linear.default, (x_hot, graph.get_attr(f"{attr}_rows")))
+        node.replace_input_with(x, x_cold)
+        with graph.inserting_after(node):
+            y = graph.call_function(torch.ops.aten.add.Tensor, (node, y_hot))
+        node.replace_all_uses_with(y, delete_user_cb=lambda user: user is not y)
+        keep.update({f"{attr}_select", f"{attr}_rows"})
+    if len(keep) != 2 * len(hot):
+        missing = sorted(set(hot) - {n for n in linear_names(gm, list(hot), prefix).values()})
+        raise LlmNpuError(f"decode: linears {missing[:3]} to split are not in the step")
+    gm.recompile()
+    return keep

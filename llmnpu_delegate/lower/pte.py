@@ -46,7 +46,7 @@ from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar
 from ..format.tasks import dependency_table
 from ..partitioner.regions import is_linear
 from ..paths import atomic_path
-from ..quantize.decode_outliers import float_linears
+from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
@@ -174,9 +174,11 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         bar.update()
     bar.set_postfix_str(f"decode step ({decode}, {engine.kv.layers} blocks)")
     with _timed(stages, "decode"):
-        keep_float = float_linears(engine.calibration, engine.quant.clip_percentile) if decode == "int8" else []
+        # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
+        hot = ({n: c for n, c in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
+                if n in engine.plans} if decode == "int8" else {})
         programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
-                                                                keep_float).exported_program("forward")
+                                                                hot).exported_program("forward")
     bar.update(decode_units)
     bar.set_postfix_str(f"planning memory, serializing {len(programs)} methods")
     with _timed(stages, "to_executorch"):
@@ -195,7 +197,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             tmp.write_bytes(buffer)
         meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
         meta.update(shadow=shadow_meta, tokenizer=tok_meta,
-                    decode=kv_format.describe(decode, engine.kv, context, keep_float))
+                    decode=kv_format.describe(decode, engine.kv, context, hot))
         meta["sidecar_sha256"] = sidecar_digest(meta)
         with atomic_path(sidecar_path(out)) as tmp:
             tmp.write_text(json.dumps(meta, indent=1))
@@ -205,7 +207,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "npu_methods": sum(e["kind"] == "npu" for e in table),
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
-            "decode": decode, "decode_float_linears": len(keep_float), "chunk_len": c, "context": context,
+            "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1),
             "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}

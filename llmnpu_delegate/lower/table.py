@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import Tensor, fx
 
-from ..partitioner.regions import linear_names
+from ..partitioner.regions import is_linear
 
 TABLE_DTYPE = torch.float16
 
@@ -60,11 +60,12 @@ def half_table_lookups(gm: fx.GraphModule) -> int:
     return changed
 
 
-def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], keep_float=(), prefix: str = "model."):
-    """An exported program of ``gm`` (an exported program's ``module()``) with its linears (all but
-    ``keep_float``, module names without ``prefix``) quantized as XNNPACK's dynamic INT8: weights per
-    output channel, activations per token at run time. ``examples``: inputs to run the prepared module
-    on (dynamic scales need no statistics; one run suffices); the first is the export's example."""
+def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], float_weights=()):
+    """An exported program of ``gm`` (an exported program's ``module()``) with its linears quantized
+    as XNNPACK's dynamic INT8: weights per output channel, activations per token at run time; but
+    not the linears whose weight is one of ``gm``'s attributes ``float_weights``. ``examples``: inputs
+    to run the prepared module on (dynamic scales need no statistics; one run suffices); the first
+    is the export's example."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -75,8 +76,10 @@ def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], keep_float=(), 
         # XNNPACKQuantizer cannot leave a named module unquantized (set_module_name refuses None)
         def annotate(self, gm):
             gm = super().annotate(gm)
-            for node in linear_names(gm, list(keep_float), prefix):
-                node.meta.pop("quantization_annotation", None)
+            for node in gm.graph.nodes:
+                weight = node.args[1] if is_linear(node) and len(node.args) > 1 else None
+                if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in float_weights:
+                    node.meta.pop("quantization_annotation", None)
             return gm
 
     quantizer = Quantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True))

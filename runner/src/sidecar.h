@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 4;  // format/sidecar.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
+constexpr int kSidecarVersion = 5;  // format/sidecar.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
 
 struct ShadowBranch {
   std::string linear;
