@@ -84,7 +84,7 @@ def test_the_int8_head_is_the_dynamic_int8_product_on_xnnpack():
     torch.manual_seed(3)
     head = nn.Linear(HIDDEN, VOCAB, bias=False).eval()
     x = torch.randn(1, 4, HIDDEN) * torch.linspace(0.2, 3.0, HIDDEN)
-    ep = quantize_dynamic(torch.export.export(head, (x,)).module(), [(x,)], prefix="")
+    ep = quantize_dynamic(torch.export.export(head, (x,)).module(), [(x,)])
     edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
     method = edge.exported_program("forward").graph_module
     assert any("lowered_module" in n.name for n in method.graph.nodes)          # on XNNPACK
