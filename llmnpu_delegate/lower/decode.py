@@ -148,8 +148,11 @@ def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str 
     set by ordinary values) and added back through float rows. ``S`` selects the hot channels as a
     tiny float product (a gather would be a portable op and split XNNPACK's partition of the step).
     Returns the get_attr targets of the float weights, which must stay float."""
+    found = linear_names(gm, list(hot), prefix)
+    if missing := sorted(set(hot) - set(found.values())):
+        raise LlmNpuError(f"decode: linears {missing[:3]} to split are not in the step")
     keep = set()
-    for node, name in linear_names(gm, list(hot), prefix).items():
+    for node, name in found.items():
         x, weight = node.args[0], node.args[1]
         w = functools.reduce(getattr, weight.target.split("."), gm).detach().float()
         channels = torch.tensor(hot[name], dtype=torch.int64)
@@ -170,8 +173,5 @@ def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str 
             y = graph.call_function(torch.ops.aten.add.Tensor, (node, y_hot))
         node.replace_all_uses_with(y, delete_user_cb=lambda user: user is not y)
         keep.update({f"{attr}_select", f"{attr}_rows"})
-    if len(keep) != 2 * len(hot):
-        missing = sorted(set(hot) - {n for n in linear_names(gm, list(hot), prefix).values()})
-        raise LlmNpuError(f"decode: linears {missing[:3]} to split are not in the step")
     gm.recompile()
     return keep
