@@ -45,7 +45,7 @@ def exported(engine, tmp_path_factory):
     calib_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
     summary = export_pte(engine, out, calib_ids, target="cpu-int8", context=4 * CHUNK,
                          model={"spec": "random:tiny-llama"}, progress=False, decode="fp32",
-                         tokenizer=load_model("random:tiny-llama").tokenizer)
+                         tokenizer=load_model("random:tiny-llama").tokenizer, workers=2)
     return out, summary
 
 
@@ -115,6 +115,39 @@ def test_identical_cpu_subgraphs_share_one_method(exported):
         assert first["index"] < e["index"] and first["processor"] == e["processor"]
         assert (len(first["inputs"]), len(first["outputs"])) == (len(e["inputs"]), len(e["outputs"]))
     assert exported[1]["cpu_methods"] == len(by_name) < exported[1]["cpu_subgraphs"] == len(cpu)
+
+
+def test_workers_write_the_program_one_process_writes(engine, exported, tmp_path):
+    """Methods lowered in two forked workers (the fixture) and in this process alone: the same bytes,
+    whichever worker lowered a shared method first."""
+    out, summary = exported
+    assert summary["workers"] == 2
+    alone = export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,),
+                       generator=torch.Generator().manual_seed(2)), target="cpu-int8", context=4 * CHUNK,
+                       model={"spec": "random:tiny-llama"}, progress=False, decode="fp32",
+                       tokenizer=load_model("random:tiny-llama").tokenizer, workers=1)
+    assert alone["workers"] == 1
+    assert (tmp_path / "tiny.pte").read_bytes() == out.read_bytes()
+    assert sidecar_path(tmp_path / "tiny.pte").read_text() == sidecar_path(out).read_text()
+
+
+def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
+    """Each method is emitted as soon as it is lowered and its lowered form let go: after an export,
+    no lowered module it made still holds the float program it came from (torch's and ExecuTorch's
+    process-wide caches kept every one of them, and the export's memory grew with each method)."""
+    import gc
+
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    def holding():
+        gc.collect()
+        return {id(m) for m in gc.get_objects()
+                if isinstance(m, LoweredBackendModule) and m.original_module is not None}
+
+    before = holding()
+    export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,)), target="cpu-int8",
+               context=4 * CHUNK, progress=False, decode="int8", workers=1)
+    assert holding() - before == set()
 
 
 class _Norm(torch.nn.Module):
@@ -240,6 +273,8 @@ def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
         export_pte(engine, tmp_path / "a.pte", ids[:50], target="cpu-int8")
     with pytest.raises(LlmNpuError, match="not fp32"):
         export_pte(tiny_engine(quant=None), tmp_path / "a.pte", ids, target="cpu-int8")
+    with pytest.raises(LlmNpuError, match="workers must be a positive number"):
+        export_pte(engine, tmp_path / "a.pte", ids, target="cpu-int8", workers=0)
     assert not any(tmp_path.iterdir())
 
 

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", choices=["int8", "fp32"], default="int8",
                    help="decode method on XNNPACK: int8 (default: INT8 weights, per-token dynamic activations) "
                         "or fp32 (the float reference)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes lowering methods side by side (default: one per core; each holds a copy of "
+                        "its working set, so fewer use less memory)")
     p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .rows.bin cold "
                                                 "shadow rows, .tokenizer/ folder)")
     add_output_args(p, "print the summary as JSON")
@@ -49,7 +52,8 @@ def cmd_export(args) -> dict:
     calib_ids = calibration_ids(lm, None)
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
-                         shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer)
+                         shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer,
+                         workers=args.workers)
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
@@ -58,7 +62,8 @@ def cmd_export(args) -> dict:
                  f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
                  f"decode {summary['decode']} on XNNPACK) and "
                  f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
-                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s ({stages})\n"
+                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
+                 f"worker(s) (their seconds: {stages})\n"
                  f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
                  f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
                  f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}); cold rows on disk "

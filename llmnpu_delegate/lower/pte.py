@@ -28,11 +28,11 @@ Everything is written to temporary names and renamed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,16 +50,16 @@ from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
+from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic
+from .workers import Claims, default_workers, run_jobs
 
 DEFAULT_CONTEXT = 1024
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
-# time left covers the stages after the subgraphs too: the decode step costs about this many per
-# decoder block, planning and serializing about this many per subgraph (``stage_seconds`` of the
-# embedded model's export: 1.9 s a subgraph, 211 s for the 30-block decode step, 34 s to serialize)
+# time left covers the decode step too: it costs about this many per decoder block (``stage_seconds``
+# of the embedded model's export: 1.9 s a subgraph, 211 s for the 30-block decode step)
 DECODE_UNITS_PER_LAYER = 3.8
-SERIALIZE_UNITS_PER_STEP = 0.055
 
 
 def method_name(sub) -> str:
@@ -119,7 +119,7 @@ def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
 
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
                context: int | None = None, model: dict | None = None, progress: bool = True,
-               shadow: str = "sparse", decode: str = "int8", tokenizer=None) -> dict:
+               shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None) -> dict:
     """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
     returns a summary.
 
@@ -127,81 +127,73 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``. ``shadow``: the
     branch form (``sparse`` hot-channel products with cold rows on disk, or the ``dense`` reference).
     ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
+    ``workers``: processes lowering methods side by side (default: one per core; ``workers.py``).
+    ``stage_seconds`` in the summary add up the workers' time, ``seconds`` is the wall time.
     """
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig
-    from executorch.exir.passes import MemoryPlanningPass
-    from executorch.exir.program import EdgeProgramManager
     from tqdm.auto import tqdm
 
     context = context or min(DEFAULT_CONTEXT, engine.max_context)
     _check_export_args(engine, target, soc, context, shadow, decode, calib_ids)
+    workers = default_workers() if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
     c = engine.chunk_len
     t0 = time.perf_counter()
     rows, examples = _examples(engine, calib_ids[: 3 * c])
-    max_past = max(math.ceil(context / c) * c - c, 2 * c)
-    programs, npu_outputs, table = {}, {}, []
-    seen: dict[tuple[str, str], str] = {}       # (processor, program_key) -> the method computing it
+    # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
+    hot = ({n: ch for n, ch in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
+            if n in engine.plans} if decode == "int8" else {})
+    claims = Claims()
+    state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
+                    context, calib_ids, hot, claims)
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
-    decode_units, serialize_units = math.ceil(DECODE_UNITS_PER_LAYER * engine.kv.layers), math.ceil(
-        SERIALIZE_UNITS_PER_STEP * len(steps))
-    bar = tqdm(total=len(steps) + decode_units + serialize_units, desc=f"exporting ({target})", unit="unit",
-               disable=not progress)
+    decode_units = math.ceil(DECODE_UNITS_PER_LAYER * engine.kv.layers)
+    bar = tqdm(total=len(steps) + decode_units, desc=f"exporting ({target}, {workers} worker{'s' * (workers > 1)})",
+               unit="unit", disable=not progress)
+    results = {}
+    # side by side, the decode step first: the longest job, so that the other workers' many short ones
+    # fill around it; alone, last, so that the progress bar moves from the start
+    jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
+    with claims:
+        for r in run_jobs(_lower_job, state, jobs, workers):
+            results[r["job"]] = r
+            for k, v in r["stages"].items():
+                stages[k] += v
+            bar.update(decode_units if r["job"] == DECODE_JOB else 1)
+            bar.set_postfix_str(f"{r['name']} done")
+    # one method per distinct program, named after the first subgraph computing it; it runs on one
+    # lane, and a lane runs one method at a time, so the subgraphs that share it never run at once
+    writer, npu_outputs, table, method_of = ProgramWriter(), {}, [], {}
     for i, step in enumerate(steps):
-        sub, name = step.sub, method_name(step.sub)
-        bar.set_postfix_str(f"{name} ({sub.kind}" + (f", layer {sub.layer})" if sub.layer is not None else ")"))
-        entry = {"index": sub.index, "method": name, "kind": sub.kind, "processor": sub.processor,
+        sub, r = step.sub, results[i]
+        entry = {"index": sub.index, "method": method_name(sub), "kind": sub.kind, "processor": sub.processor,
                  "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
-                 "linears": sub.linears}
-        with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
-            if sub.kind == "npu":
-                programs[name] = _lower_npu(engine, sub, name, rows[i], target, soc, entry, npu_outputs)
-            else:
-                ep, branches = export_cpu_subgraph(engine.partition, sub, engine.plans, "model.", tuple(examples[i]),
-                                                   max_past, shadow, half_table=decode == "int8")
-                if branches:
-                    entry["shadow"] = branches
-                # one method per distinct program, on one lane: a lane runs one method at a time, so the
-                # subgraphs that share it never run at once
-                key = (sub.processor, program_key(ep))
-                if key in seen:
-                    entry["method"] = seen[key]
-                else:
-                    seen[key] = name
-                    programs[name] = _lower_cpu(ep, sub, tuple(examples[i]), int8_head=decode == "int8")
+                 "linears": sub.linears, **r["entry"]}
+        if r["key"] is not None:
+            entry["method"] = method_of.setdefault(r["key"], entry["method"])
+        npu_outputs.update(r["npu_outputs"])
         table.append(entry)
-        bar.update()
-    bar.set_postfix_str(f"decode step ({decode}, {engine.kv.layers} blocks)")
-    with _timed(stages, "decode"):
-        # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
-        hot = ({n: c for n, c in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
-                if n in engine.plans} if decode == "int8" else {})
-        programs[kv_format.METHOD] = decode_step.export_decode(engine.model, engine.kv, context, decode, calib_ids,
-                                                                hot).exported_program("forward")
-    bar.update(decode_units)
-    bar.set_postfix_str(f"planning memory, serializing {len(programs)} methods")
-    with _timed(stages, "to_executorch"):
-        merged = EdgeProgramManager(programs, compile_config=EdgeCompileConfig(_check_ir_validity=False))
-        # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
-        planning = {kv_format.METHOD: MemoryPlanningPass(alloc_graph_input=False)}
-        buffer = merged.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning)).buffer
-    bar.update(serialize_units)
-    bar.close()
+    for i in range(len(steps)):
+        if results[i]["method"] is not None:
+            writer.add(results.pop(i)["method"], name=table[i]["method"])
+    writer.add(results.pop(DECODE_JOB)["method"])
+    bar.set_postfix_str(f"writing {len(writer.methods)} methods")
     with _timed(stages, "write"):
         out = Path(out)
         shadow_meta = (write_cold_rows(_cold_blocks(engine), rows_path(out), PROGRAM_ROW_DTYPE) if shadow == "sparse"
                        else {"form": "dense"})
         tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
-        with atomic_path(out) as tmp:
-            tmp.write_bytes(buffer)
-        meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, buffer)
+        written = writer.write(out)
+        meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, written)
         meta.update(shadow=shadow_meta, tokenizer=tok_meta,
                     decode=kv_format.describe(decode, engine.kv, context, hot))
         meta["sidecar_sha256"] = sidecar_digest(meta)
         with atomic_path(sidecar_path(out)) as tmp:
             tmp.write_text(json.dumps(meta, indent=1))
-    return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": len(buffer),
+    bar.close()
+    return {"pte": str(out), "sidecar": str(sidecar_path(out)), "pte_bytes": written["bytes"],
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table),
@@ -209,15 +201,88 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
-            "tokenizer": tok_meta["folder"] if tok_meta else None, "seconds": round(time.perf_counter() - t0, 1),
+            "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
+            "seconds": round(time.perf_counter() - t0, 1),
             "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}
+
+
+DECODE_JOB = -1
+
+
+@dataclass
+class _Export:
+    """What every lowering job reads (in forked workers: the parent's copy, never written)."""
+    engine: object
+    rows: dict
+    examples: dict
+    max_past: int
+    target: str
+    soc: str
+    shadow: str
+    decode: str
+    context: int
+    calib_ids: Tensor
+    hot: dict
+    claims: Claims          # program keys already being lowered (shared by the workers)
+
+
+def _lower_job(x: _Export, job: int) -> dict:
+    """Lower and emit one method: the subgraph ``job`` of the program, or the decode step. A CPU
+    subgraph whose program another job has claimed is not lowered again (``same_program.py``)."""
+    stages: dict[str, float] = {}
+    out = {"job": job, "stages": stages, "entry": {}, "npu_outputs": {}, "key": None, "method": None}
+    if job == DECODE_JOB:
+        from executorch.exir.passes import MemoryPlanningPass
+        out["name"] = kv_format.METHOD
+        with _timed(stages, "decode"):
+            lowered = decode_step.export_decode(x.engine.model, x.engine.kv, x.context, x.decode, x.calib_ids,
+                                                x.hot).exported_program("forward")
+        with _timed(stages, "to_executorch"):
+            # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
+            out["method"] = emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False))
+        _forget_lowered()
+        return out
+    sub = x.engine.program.steps[job].sub
+    out["name"] = name = method_name(sub)
+    with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
+        if sub.kind == "npu":
+            lowered = _lower_npu(x.engine, sub, name, x.rows[job], x.target, x.soc, out["entry"], out["npu_outputs"])
+        else:
+            ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.",
+                                               tuple(x.examples[job]), x.max_past, x.shadow,
+                                               half_table=x.decode == "int8")
+            if branches:
+                out["entry"]["shadow"] = branches
+            out["key"] = (sub.processor, program_key(ep))
+            lowered = (_lower_cpu(ep, sub, tuple(x.examples[job]), int8_head=x.decode == "int8")
+                       if x.claims.first(out["key"]) else None)
+    if lowered is not None:
+        with _timed(stages, "to_executorch"):
+            out["method"] = emit_method(name, lowered)
+    _forget_lowered()
+    return out
+
+
+def _forget_lowered() -> None:
+    """Let go of the lowered method once it is emitted. Process-wide caches hold the lowered modules
+    they saw, and with each the float program it keeps: ExecuTorch's unbounded ``lru_cache`` on
+    ``is_same_node`` (its keys are graph nodes), torch's fake-tensor dispatch cache (its keys hold a
+    delegate call's arguments), and the ``lru_cache`` on ``ShapeEnv._inner_evaluate_expr``, whose keys
+    hold up to 256 shape environments with their own dispatch caches. Without this, an export kept
+    every method it had lowered (found with ``gc.get_referrers`` from a ``LoweredBackendModule``)."""
+    from executorch.exir.backend.utils import is_same_node
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    is_same_node.cache_clear()
+    FakeTensorMode.cache_clear()
+    ShapeEnv._inner_evaluate_expr.cache_clear()
 
 
 @contextmanager
 def _timed(stages: dict, key: str):
     t = time.perf_counter()
     yield
-    stages[key] += time.perf_counter() - t
+    stages[key] = stages.get(key, 0.0) + time.perf_counter() - t
 
 
 def _check_export_args(engine, target: str, soc: str, context: int, shadow: str, decode: str, calib_ids: Tensor):
@@ -310,7 +375,7 @@ def shadow_cost(engine, form: str) -> dict:
             "program_weight_bytes": {"dense": dense_bytes, "sparse": sparse_bytes}}
 
 
-def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, buffer: bytes) -> dict:
+def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path, pte: dict) -> dict:
     plans, quant = engine.plans, engine.quant
     linears = {}
     for name, outputs in npu_outputs.items():
@@ -322,7 +387,7 @@ def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path,
     profile = engine.profile
     return {
         "format": FORMAT, "version": VERSION,
-        "pte": out.name, "pte_sha256": hashlib.sha256(buffer).hexdigest(), "pte_bytes": len(buffer),
+        "pte": out.name, "pte_sha256": pte["sha256"], "pte_bytes": pte["bytes"],
         "target": target, "soc": soc if backends.get(target).uses_soc else None,
         "model": {**(model or {}), "fingerprint": engine.fingerprint, "layers": kv.layers, "kv_heads": kv.kv_heads,
                   "head_dim": kv.head_dim, "vocab_size": engine.model.config.vocab_size},
