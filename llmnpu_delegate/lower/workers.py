@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 
 _STATE = None      # what the jobs read; set in the parent just before the workers fork
+JOBS_PER_WORKER = 8
 
 
 def default_workers() -> int:
@@ -60,7 +61,10 @@ def run_jobs(fn: Callable, state, jobs: Iterable, workers: int) -> Iterator:
     gc.collect()
     gc.freeze()
     _trim_heap()
-    pool = multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), initializer=_one_thread)
+    # a worker is replaced after a few jobs: what lowering leaves behind in a process (the decode
+    # step's ~1.5 GiB, native memory of the delegate's compiler) goes with it
+    pool = multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), initializer=_one_thread,
+                                                    maxtasksperchild=JOBS_PER_WORKER)
     try:
         yield from pool.imap_unordered(_Call(fn), jobs, chunksize=1)
         pool.close()
