@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
                    help="decode method on XNNPACK: int8 (default: INT8 weights, per-token dynamic activations) "
                         "or fp32 (the float reference)")
     p.add_argument("--workers", type=int, default=None,
-                   help="processes lowering methods side by side (default: one per core; each holds a copy of "
-                        "its working set, so fewer use less memory)")
+                   help="processes lowering methods side by side (default: one per core); the program is the "
+                        "same for any number")
     p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .rows.bin cold "
                                                 "shadow rows, .tokenizer/ folder)")
     add_output_args(p, "print the summary as JSON")
