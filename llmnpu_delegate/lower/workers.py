@@ -14,11 +14,15 @@ import gc
 import hashlib
 import multiprocessing
 import os
+import pickle
+import queue
 import shutil
 import tempfile
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 
-_STATE = None      # what the jobs read; set in the parent just before the workers fork
+from ..errors import LlmNpuError
+
 JOBS_PER_WORKER = 8
 
 
@@ -48,30 +52,81 @@ class Claims:
 
 
 def run_jobs(fn: Callable, state, jobs: Iterable, workers: int) -> Iterator:
-    """``fn(state, job)`` for every job, results as they finish; in this process if ``workers`` is 1."""
-    global _STATE
+    """``fn(state, job)`` for every job, results as they finish; in this process if ``workers`` is 1.
+
+    The first job is taken to be the longest and runs alone in its process; the others go in batches
+    of ``JOBS_PER_WORKER``, each batch in a fresh process: what lowering leaves behind in a process
+    (the decode step's ~1.5 GiB, native memory of the delegate's compiler) goes with it. A worker
+    that dies (the out-of-memory killer) or fails stops the export with an error, never a wait."""
     jobs = list(jobs)
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             yield fn(state, job)
         return
-    _STATE = state
     # what the workers read stays shared: the collector does not touch (and so copy) the objects the
     # parent made, and memory the parent freed goes back to the system instead of being inherited
     gc.collect()
     gc.freeze()
     _trim_heap()
-    # a worker is replaced after a few jobs: what lowering leaves behind in a process (the decode
-    # step's ~1.5 GiB, native memory of the delegate's compiler) goes with it
-    pool = multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), initializer=_one_thread,
-                                                    maxtasksperchild=JOBS_PER_WORKER)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    pending, live, done = list(reversed(jobs)), [], 0
     try:
-        yield from pool.imap_unordered(_Call(fn), jobs, chunksize=1)
-        pool.close()
+        while done < len(jobs):
+            _reap(live)
+            while len(live) < workers and pending:
+                batch = [pending.pop() for _ in range(1 if done == 0 and not live else
+                                                      min(JOBS_PER_WORKER, len(pending)))]
+                worker = ctx.Process(target=_work, args=(fn, state, batch, results), daemon=True)
+                worker.start()
+                live.append(worker)
+            try:
+                ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                _reap(live)
+                if not live and not pending:
+                    raise LlmNpuError(f"the lowering workers ended with {len(jobs) - done} of {len(jobs)} jobs "
+                                      f"unanswered") from None
+                continue
+            if not ok:
+                raise value
+            done += 1
+            yield value
     finally:
-        pool.terminate()
+        for worker in live:
+            if worker.is_alive():
+                worker.kill()
+            worker.join()
+        results.close()
         gc.unfreeze()
-        _STATE = None
+
+
+def _reap(live: list) -> None:
+    """Drop the workers that have finished their batch; raise if one died or failed to exit cleanly."""
+    for worker in list(live):
+        if worker.exitcode is None:
+            continue
+        live.remove(worker)
+        if worker.exitcode != 0:
+            why = (f"was killed by signal {-worker.exitcode} (out of memory?)" if worker.exitcode < 0
+                   else f"exited with code {worker.exitcode}")
+            raise LlmNpuError(f"a lowering worker {why}: export again with fewer --workers (1 lowers in this "
+                              f"process) or on a machine with more memory")
+
+
+def _work(fn: Callable, state, batch: list, results) -> None:
+    import torch
+    torch.set_num_threads(1)
+    for job in batch:
+        try:
+            results.put((True, fn(state, job)))
+        except BaseException as e:          # the parent raises it; a traceback in text if it won't pickle
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError(f"lowering job {job!r} failed in a worker:\n{traceback.format_exc()}")
+            results.put((False, e))
+            return
 
 
 def _trim_heap() -> None:
@@ -79,16 +134,3 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):        # not glibc: nothing to trim this way
         pass
-
-
-def _one_thread() -> None:
-    import torch
-    torch.set_num_threads(1)
-
-
-class _Call:
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, job):
-        return self.fn(_STATE, job)
