@@ -62,12 +62,21 @@ def emit_method(name: str, edge_program, planning=None) -> EmittedMethod:
 
 
 def _release(edge_program) -> None:
-    """Empty the emitted program's delegates: each keeps its payload, its named data and the float
-    program it was lowered from, and process-wide caches in torch and ExecuTorch (fake-tensor
-    dispatch caches, ``lru_cache``s keyed by graph nodes) can keep a lowered module alive long after
-    its method is emitted; emptied, what they keep is small."""
+    """Let go of the emitted program. Process-wide caches hold the lowered modules they saw, and with
+    each the float program it keeps: ExecuTorch's unbounded ``lru_cache`` on ``is_same_node`` (its keys
+    are graph nodes), torch's fake-tensor dispatch cache (its keys hold a delegate call's arguments),
+    and the ``lru_cache`` on ``ShapeEnv._inner_evaluate_expr`` (up to 256 shape environments with their
+    own dispatch caches). They are cleared, and the delegates emptied of their payload, named data and
+    float program, in case anything else still holds one. Without this, an export kept every method it
+    had lowered (found with ``gc.get_referrers`` from a ``LoweredBackendModule``)."""
+    from executorch.exir.backend.utils import is_same_node
     from executorch.exir.lowered_backend_module import LoweredBackendModule
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    is_same_node.cache_clear()
+    FakeTensorMode.cache_clear()
+    ShapeEnv._inner_evaluate_expr.cache_clear()
     for module in edge_program.graph_module.modules():
         if isinstance(module, LoweredBackendModule):
             module._original_exported_program = None

@@ -240,7 +240,6 @@ def _lower_job(x: _Export, job: int) -> dict:
         with _timed(stages, "to_executorch"):
             # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
             out["method"] = emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False))
-        _forget_lowered()
         return out
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
@@ -259,23 +258,7 @@ def _lower_job(x: _Export, job: int) -> dict:
     if lowered is not None:
         with _timed(stages, "to_executorch"):
             out["method"] = emit_method(name, lowered)
-    _forget_lowered()
     return out
-
-
-def _forget_lowered() -> None:
-    """Let go of the lowered method once it is emitted. Process-wide caches hold the lowered modules
-    they saw, and with each the float program it keeps: ExecuTorch's unbounded ``lru_cache`` on
-    ``is_same_node`` (its keys are graph nodes), torch's fake-tensor dispatch cache (its keys hold a
-    delegate call's arguments), and the ``lru_cache`` on ``ShapeEnv._inner_evaluate_expr``, whose keys
-    hold up to 256 shape environments with their own dispatch caches. Without this, an export kept
-    every method it had lowered (found with ``gc.get_referrers`` from a ``LoweredBackendModule``)."""
-    from executorch.exir.backend.utils import is_same_node
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    is_same_node.cache_clear()
-    FakeTensorMode.cache_clear()
-    ShapeEnv._inner_evaluate_expr.cache_clear()
 
 
 @contextmanager
