@@ -128,6 +128,7 @@ class Prefiller:
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path(), self.program)
         self.last_run: RunStats | None = None
+        self.released = False
         self._lock = threading.Lock()       # one prompt at a time: profile, counters, last_run
         self._warm_up(profile=policy in COST_POLICIES and self.profile is None)
 
@@ -167,7 +168,20 @@ class Prefiller:
         with self._lock:
             return self._run(ids, policy)
 
+    def release_runtime(self) -> None:
+        """Let go of what running prompts needs: the compiled steps with their INT8 weights, shadow
+        rows and mapped rows files, and the graph cache's copies in memory. For a caller that reads
+        only the plans, partition, subgraphs and float model from here on (``llmnpu export`` once it
+        has run its examples). The engine runs no prompt after."""
+        for step in self.program.steps:
+            step.fn = None
+        self.program.shadow = {}
+        self.cache.forget()
+        self.released = True
+
     def _run(self, ids: Tensor, policy: str) -> PrefillResult:
+        if self.released:
+            raise LlmNpuError("this engine's runtime was released (release_runtime): build a new Prefiller to run prompts")
         feeds = self.feeds(ids)
         seen0, outliers0 = self._outlier_counts()
         # The cost-driven policies (ooo, cp) need each subgraph's time: an engine made for another policy has

@@ -150,6 +150,21 @@ def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
     assert holding() - before == set()
 
 
+def test_a_released_engine_exports_the_same_program_and_runs_no_prompt(exported, tmp_path):
+    """``llmnpu export`` lets the engine's runtime go once the examples are taken (the workers then
+    share less memory): the same program byte for byte, no compiled step left (their INT8 weights and
+    shadow rows go with them), and a prompt is refused in one line."""
+    eng = tiny_engine()
+    out = tmp_path / "tiny.pte"
+    export_pte(eng, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
+               target="cpu-int8", context=4 * CHUNK, model={"spec": "random:tiny-llama"}, progress=False,
+               decode="fp32", workers=1, release_engine=True)
+    assert out.read_bytes() == exported[0].read_bytes()
+    assert all(step.fn is None for step in eng.program.steps) and not eng.program.shadow
+    with pytest.raises(LlmNpuError, match="released"):
+        eng(torch.arange(CHUNK))
+
+
 class _Norm(torch.nn.Module):
     def __init__(self, weight, eps=1e-6):
         super().__init__()

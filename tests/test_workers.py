@@ -38,11 +38,26 @@ def _dies(state, job):
     return job
 
 
-def test_a_failing_or_dying_worker_is_an_error_not_a_wait():
+class _KilledWhileSent:
+    """Kills its process while its result is being written out, after some bytes of it."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dies_sending(state, job):
+    return (b"x" * (1 << 22), _KilledWhileSent()) if job == 3 else job
+
+
+def test_a_failing_or_dying_worker_is_an_error_not_a_wait(tmp_path):
     with pytest.raises(LlmNpuError, match="job 5 cannot be lowered"):
         list(run_jobs(_fails, None, range(12), workers=2))
     with pytest.raises(LlmNpuError, match="killed by signal 9 .*fewer --workers"):
         list(run_jobs(_dies, None, range(12), workers=2))
+    # killed halfway through its result (a pipe would leave the parent waiting for the rest)
+    with pytest.raises(LlmNpuError, match="killed by signal 9"):
+        list(run_jobs(_dies_sending, None, range(12), workers=2, spool=tmp_path))
+    assert list(tmp_path.iterdir()) == []            # no result file left behind
 
 
 def _claim(claims, job):

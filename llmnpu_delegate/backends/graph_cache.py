@@ -55,6 +55,11 @@ class GraphCache:
         self.stats = CacheStats()
         self._memory: dict[str, object] = {}
 
+    def forget(self) -> None:
+        """Drop the payloads held in memory (the disk keeps them)."""
+        self._memory.clear()
+        self.stats.bytes_held = 0
+
     def path(self, key: str) -> Path:
         return self.root / f"{key}.pt"
 

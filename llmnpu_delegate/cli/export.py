@@ -53,7 +53,7 @@ def cmd_export(args) -> dict:
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
                          shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer,
-                         workers=args.workers)
+                         workers=args.workers, release_engine=True)
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())

@@ -90,16 +90,21 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
             elif sub.kind != "npu" and chunk == 2:
                 inputs[i] = args
     # The engine's sparse shadow product is a scalar zero when no element crossed the threshold;
-    # the .pte's dense one always has the linear's shape: trace with that shape.
+    # the .pte's dense one always has the linear's shape: trace with that shape, as a view of the
+    # zero, not materialized.
+    # Ordinary tensors, not inference-mode ones: pt2e calibration and export need them.
     nodes = {n.name: n for n in engine.partition.graph_module.graph.nodes}
+    examples = {}
     for i, args in inputs.items():
-        for j, (name, a) in enumerate(zip(engine.program.steps[i].sub.inputs, args)):
-            val = nodes[name].meta.get("val")
-            if isinstance(a, Tensor) and isinstance(val, Tensor) and a.dim() != val.dim():
-                args[j] = a.expand(*map(int, val.shape))
-    # ordinary tensors, not inference-mode ones: pt2e calibration and export need them
-    return ({i: torch.cat(r).clone() for i, r in rows.items()},
-            {i: [a.clone() if isinstance(a, Tensor) else a for a in args] for i, args in inputs.items()})
+        examples[i] = []
+        for name, a in zip(engine.program.steps[i].sub.inputs, args):
+            if isinstance(a, Tensor):
+                val = nodes[name].meta.get("val")
+                a = a.clone()
+                if isinstance(val, Tensor) and a.dim() != val.dim():
+                    a = a.expand(*map(int, val.shape))
+            examples[i].append(a)
+    return {i: torch.cat(r).clone() for i, r in rows.items()}, examples
 
 
 def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
@@ -119,7 +124,8 @@ def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
 
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
                context: int | None = None, model: dict | None = None, progress: bool = True,
-               shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None) -> dict:
+               shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None,
+               release_engine: bool = False) -> dict:
     """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
     returns a summary.
 
@@ -129,6 +135,8 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
     ``workers``: processes lowering methods side by side (default: one per core; ``workers.py``).
     ``stage_seconds`` in the summary add up the workers' time, ``seconds`` is the wall time.
+    ``release_engine``: the caller runs no prompt on ``engine`` afterwards, so its runtime is let go
+    once the examples are taken (``Prefiller.release_runtime``): the workers share less memory.
     """
     from tqdm.auto import tqdm
 
@@ -143,6 +151,8 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
     hot = ({n: ch for n, ch in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
             if n in engine.plans} if decode == "int8" else {})
+    if release_engine:
+        engine.release_runtime()
     claims = Claims()
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
                     context, calib_ids, hot, claims)
@@ -157,7 +167,10 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     # fill around it; alone, last, so that the progress bar moves from the start
     jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
     with claims:
-        for r in run_jobs(_lower_job, state, jobs, workers):
+        # the workers' results wait on the program's own disk, not in a temporary folder that may be RAM
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for r in run_jobs(_lower_job, state, jobs, workers, spool=out.parent):
             results[r["job"]] = r
             for k, v in r["stages"].items():
                 stages[k] += v
@@ -181,7 +194,6 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     writer.add(results.pop(DECODE_JOB)["method"])
     bar.set_postfix_str(f"writing {len(writer.methods)} methods")
     with _timed(stages, "write"):
-        out = Path(out)
         shadow_meta = (write_cold_rows(_cold_blocks(engine), rows_path(out), PROGRAM_ROW_DTYPE) if shadow == "sparse"
                        else {"form": "dense"})
         tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None

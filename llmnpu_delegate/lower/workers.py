@@ -13,9 +13,9 @@ import ctypes
 import gc
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue
 import shutil
 import tempfile
 import traceback
@@ -51,13 +51,18 @@ class Claims:
             return False
 
 
-def run_jobs(fn: Callable, state, jobs: Iterable, workers: int) -> Iterator:
+def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.PathLike | None = None) -> Iterator:
     """``fn(state, job)`` for every job, results as they finish; in this process if ``workers`` is 1.
 
     The first job is taken to be the longest and runs alone in its process; the others go in batches
     of ``JOBS_PER_WORKER``, each batch in a fresh process: what lowering leaves behind in a process
     (the decode step's ~1.5 GiB, native memory of the delegate's compiler) goes with it. A worker
-    that dies (the out-of-memory killer) or fails stops the export with an error, never a wait."""
+    that dies (the out-of-memory killer) or fails stops the export with an error, never a wait.
+
+    Results come back as files in a folder under ``spool`` (default: the temporary folder), one per
+    job, written to a temporary name and renamed: a worker streams its result to disk instead of
+    holding a pickled copy of it (gigabytes for a large model's decode step), and one killed while
+    writing leaves no half message for the parent to wait on (a pipe's would)."""
     jobs = list(jobs)
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
@@ -69,35 +74,39 @@ def run_jobs(fn: Callable, state, jobs: Iterable, workers: int) -> Iterator:
     gc.freeze()
     _trim_heap()
     ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    pending, live, done = list(reversed(jobs)), [], 0
+    folder = tempfile.mkdtemp(prefix=".llmnpu-results-", dir=spool)
+    pending, live, done = list(reversed(list(enumerate(jobs)))), [], 0
     try:
         while done < len(jobs):
-            _reap(live)
-            while len(live) < workers and pending:
-                batch = [pending.pop() for _ in range(1 if done == 0 and not live else
-                                                      min(JOBS_PER_WORKER, len(pending)))]
-                worker = ctx.Process(target=_work, args=(fn, state, batch, results), daemon=True)
-                worker.start()
-                live.append(worker)
-            try:
-                ok, value = results.get(timeout=1.0)
-            except queue.Empty:
+            ready = sorted(f for f in os.listdir(folder) if f.endswith(".pkl"))
+            if not ready:
                 _reap(live)
-                if not live and not pending:
+                while len(live) < workers and pending:
+                    batch = [pending.pop() for _ in range(1 if done == 0 and not live else
+                                                          min(JOBS_PER_WORKER, len(pending)))]
+                    worker = ctx.Process(target=_work, args=(fn, state, batch, folder), daemon=True)
+                    worker.start()
+                    live.append(worker)
+                if not live:
                     raise LlmNpuError(f"the lowering workers ended with {len(jobs) - done} of {len(jobs)} jobs "
-                                      f"unanswered") from None
+                                      f"unanswered")
+                multiprocessing.connection.wait([w.sentinel for w in live], timeout=0.2)
                 continue
-            if not ok:
-                raise value
-            done += 1
-            yield value
+            for name in ready:
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    ok, value = pickle.load(f)
+                os.unlink(path)
+                if not ok:
+                    raise value
+                done += 1
+                yield value
     finally:
         for worker in live:
             if worker.is_alive():
                 worker.kill()
             worker.join()
-        results.close()
+        shutil.rmtree(folder, ignore_errors=True)
         gc.unfreeze()
 
 
@@ -114,19 +123,25 @@ def _reap(live: list) -> None:
                               f"process) or on a machine with more memory")
 
 
-def _work(fn: Callable, state, batch: list, results) -> None:
+def _work(fn: Callable, state, batch: list, folder: str) -> None:
     import torch
     torch.set_num_threads(1)
-    for job in batch:
+    for seq, job in batch:
         try:
-            results.put((True, fn(state, job)))
+            result = (True, fn(state, job))
         except BaseException as e:          # the parent raises it; a traceback in text if it won't pickle
             try:
                 pickle.dumps(e)
             except Exception:
                 e = RuntimeError(f"lowering job {job!r} failed in a worker:\n{traceback.format_exc()}")
-            results.put((False, e))
+            result = (False, e)
+        path = os.path.join(folder, f"{seq:08d}.pkl")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.rename(path + ".tmp", path)
+        if not result[0]:
             return
+        del result
 
 
 def _trim_heap() -> None:

@@ -251,8 +251,11 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
   // One XNNPACK workspace per program, i.e. per worker's Module: one workspace for all (the wheel's
   // default) would make the two workers take turns; one per delegate call re-grows (and page-faults)
   // every attention method's scratch memory at each longer past: 2.5x slower attention, measured.
-  executorch::runtime::BackendOptions<1> xnn;
+  // XNNPACK's weights cache packs a weight once for all the Modules that run it with one kernel:
+  // the INT8 LM head is the prefill's last CPU method and the decode step's (one named-data key).
+  executorch::runtime::BackendOptions<2> xnn;
   xnn.set_option("workspace_sharing_mode", 1);
+  xnn.set_option("weight_cache_enabled", true);
   (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
 
   auto slash = pte.find_last_of('/');
