@@ -153,14 +153,21 @@ def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
 def test_a_released_engine_exports_the_same_program_and_runs_no_prompt(exported, tmp_path):
     """``llmnpu export`` lets the engine's runtime go once the examples are taken (the workers then
     share less memory): the same program byte for byte, no compiled step left (their INT8 weights and
-    shadow rows go with them), and a prompt is refused in one line."""
+    shadow rows go with them: the executor's threads kept their last prefill), and a prompt is refused
+    in one line."""
+    import gc
+    import weakref
+
     eng = tiny_engine()
+    steps = [weakref.ref(step.fn) for step in eng.program.steps]
     out = tmp_path / "tiny.pte"
     export_pte(eng, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
                target="cpu-int8", context=4 * CHUNK, model={"spec": "random:tiny-llama"}, progress=False,
                decode="fp32", workers=1, release_engine=True)
     assert out.read_bytes() == exported[0].read_bytes()
     assert all(step.fn is None for step in eng.program.steps) and not eng.program.shadow
+    gc.collect()
+    assert [i for i, step in enumerate(steps) if step() is not None] == []     # nothing else holds them
     with pytest.raises(LlmNpuError, match="released"):
         eng(torch.arange(CHUNK))
 

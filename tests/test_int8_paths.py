@@ -129,6 +129,22 @@ def test_every_path_has_the_reference_epilogue(path):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("path", _runnable_paths())
+def test_a_packed_form_goes_with_its_weight(path):
+    """Packing is cached per weight, held by a weak reference: once the weight is gone, so is its
+    packed form (the int_mm and int64 paths' forms were the weight itself and kept it for good)."""
+    import gc
+
+    w_q = torch.randint(-127, 128, (24, 40), dtype=torch.int8)
+    x_q = torch.randint(-127, 128, (3, 40), dtype=torch.int8)
+    assert torch.equal(_accumulate(path, x_q, w_q), (x_q.long() @ w_q.long().t()).float())
+    gone = __import__("weakref").ref(w_q)
+    del w_q
+    gc.collect()
+    assert gone() is None
+    assert all(ref() is not None for ref, _ in ops._packed_cache.values())
+
+
 def test_the_saturation_model_reproduces_the_measurement_and_is_caught():
     """The model gives the number measured on Zen 3 (73,440 for all-127 codes over K = 576), and the
     exactness check above would fail on it by far more than any rounding."""

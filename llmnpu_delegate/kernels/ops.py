@@ -76,6 +76,11 @@ def _pack(w_q: Tensor, path: str):
             packed = torch.ops.llmnpu_native.int8_pack(w)
         else:
             packed = w
+        # The cache holds its key by a weak reference: a value holding ``w_q`` itself (a contiguous
+        # weight; oneDNN's prepacked form where it reorders nothing) would keep every weight ever
+        # packed alive for good. Such a form costs nothing to make again, so it is not kept.
+        if packed is w_q or (isinstance(packed, tuple) and packed[0] is w_q):
+            return packed
         _packed_cache[key] = (weakref.ref(w_q, lambda _r, k=key, c=_packed_cache: c.pop(k, None)), packed)
     return packed
 

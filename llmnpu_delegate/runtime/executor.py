@@ -129,6 +129,9 @@ def _serve(jobs: queue.SimpleQueue, cores: set | None) -> None:
         try:
             job()
         finally:
+            # the thread outlives the run: its last job would keep that prefill (its chunks' values,
+            # its engine's compiled steps) alive until the next one
+            job = None
             done.set()
 
 
