@@ -78,8 +78,12 @@ def _check_args(engine, target: str, soc: str, context: int) -> None:
 
 
 def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
-    """NPU subgraphs' input rows of every chunk (for their output encodings) and every CPU subgraph's
-    inputs at the third chunk (a past of two chunks: export must not specialise it)."""
+    """NPU subgraphs' input rows of every chunk (for their output encodings) and the shapes of every
+    CPU subgraph's inputs at the third chunk (a past of two chunks: export must not specialise it).
+
+    A CPU subgraph is traced, not calibrated (its INT8 head quantizes activations per token as it
+    runs), so only the shapes of its inputs are kept (``_Like``), not a large model's gigabyte of
+    values; the job makes zeros of them."""
     rows: dict[int, list[Tensor]] = {}
     inputs = {}
     with torch.inference_mode():
@@ -88,23 +92,32 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
             if sub.kind == "npu":
                 rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
             elif sub.kind != "npu" and chunk == 2:
-                inputs[i] = args
+                inputs[i] = [_Like(tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args]
     # The engine's sparse shadow product is a scalar zero when no element crossed the threshold;
-    # the .pte's dense one always has the linear's shape: trace with that shape, as a view of the
-    # zero, not materialized.
-    # Ordinary tensors, not inference-mode ones: pt2e calibration and export need them.
+    # the .pte's dense one always has the linear's shape: trace with that shape.
     nodes = {n.name: n for n in engine.partition.graph_module.graph.nodes}
-    examples = {}
     for i, args in inputs.items():
-        examples[i] = []
-        for name, a in zip(engine.program.steps[i].sub.inputs, args):
-            if isinstance(a, Tensor):
-                val = nodes[name].meta.get("val")
-                a = a.clone()
-                if isinstance(val, Tensor) and a.dim() != val.dim():
-                    a = a.expand(*map(int, val.shape))
-            examples[i].append(a)
-    return {i: torch.cat(r).clone() for i, r in rows.items()}, examples
+        for j, (name, a) in enumerate(zip(engine.program.steps[i].sub.inputs, args)):
+            val = nodes[name].meta.get("val")
+            if isinstance(a, _Like) and isinstance(val, Tensor) and len(a.shape) != val.dim():
+                args[j] = _Like(tuple(map(int, val.shape)), a.dtype, scalar=True)
+    # ordinary tensors, not inference-mode ones: pt2e calibration needs them
+    return {i: torch.cat(r).clone() for i, r in rows.items()}, inputs
+
+
+@dataclass(frozen=True)
+class _Like:
+    """An example input by its shape: zeros (a zero scalar's view, if ``scalar``) when made."""
+    shape: tuple
+    dtype: torch.dtype
+    scalar: bool = False
+
+    def make(self) -> Tensor:
+        return torch.zeros((), dtype=self.dtype).expand(self.shape) if self.scalar else torch.zeros(self.shape, dtype=self.dtype)
+
+
+def _made(args: list) -> tuple:
+    return tuple(a.make() if isinstance(a, _Like) else a for a in args)
 
 
 def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
@@ -259,13 +272,13 @@ def _lower_job(x: _Export, job: int) -> dict:
         if sub.kind == "npu":
             lowered = _lower_npu(x.engine, sub, name, x.rows[job], x.target, x.soc, out["entry"], out["npu_outputs"])
         else:
-            ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.",
-                                               tuple(x.examples[job]), x.max_past, x.shadow,
-                                               half_table=x.decode == "int8")
+            example = _made(x.examples[job])
+            ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.", example,
+                                               x.max_past, x.shadow, half_table=x.decode == "int8")
             if branches:
                 out["entry"]["shadow"] = branches
             out["key"] = (sub.processor, program_key(ep))
-            lowered = (_lower_cpu(ep, sub, tuple(x.examples[job]), int8_head=x.decode == "int8")
+            lowered = (_lower_cpu(ep, sub, example, int8_head=x.decode == "int8")
                        if x.claims.first(out["key"]) else None)
     if lowered is not None:
         with _timed(stages, "to_executorch"):
