@@ -53,7 +53,7 @@ from .npu_subgraphs import lower_region, output_groups, region_spec
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic
-from .workers import Claims, default_workers, run_jobs
+from .workers import Claims, Spool, default_workers, run_jobs
 
 DEFAULT_CONTEXT = 1024
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
@@ -166,9 +166,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             if n in engine.plans} if decode == "int8" else {})
     if release_engine:
         engine.release_runtime()
-    claims = Claims()
+    # the workers' results and the emitted methods wait on the program's own disk, not in a temporary
+    # folder that may be RAM
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    claims, spool = Claims(), Spool(out.parent)
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
-                    context, calib_ids, hot, claims)
+                    context, calib_ids, hot, claims, spool)
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
@@ -179,32 +183,29 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     # side by side, the decode step first: the longest job, so that the other workers' many short ones
     # fill around it; alone, last, so that the progress bar moves from the start
     jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
-    with claims:
-        # the workers' results wait on the program's own disk, not in a temporary folder that may be RAM
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    with claims, spool:
         for r in run_jobs(_lower_job, state, jobs, workers, spool=out.parent):
             results[r["job"]] = r
             for k, v in r["stages"].items():
                 stages[k] += v
             bar.update(decode_units if r["job"] == DECODE_JOB else 1)
             bar.set_postfix_str(f"{r['name']} done")
-    # one method per distinct program, named after the first subgraph computing it; it runs on one
-    # lane, and a lane runs one method at a time, so the subgraphs that share it never run at once
-    writer, npu_outputs, table, method_of = ProgramWriter(), {}, [], {}
-    for i, step in enumerate(steps):
-        sub, r = step.sub, results[i]
-        entry = {"index": sub.index, "method": method_name(sub), "kind": sub.kind, "processor": sub.processor,
-                 "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
-                 "linears": sub.linears, **r["entry"]}
-        if r["key"] is not None:
-            entry["method"] = method_of.setdefault(r["key"], entry["method"])
-        npu_outputs.update(r["npu_outputs"])
-        table.append(entry)
-    for i in range(len(steps)):
-        if results[i]["method"] is not None:
-            writer.add(results.pop(i)["method"], name=table[i]["method"])
-    writer.add(results.pop(DECODE_JOB)["method"])
+        # one method per distinct program, named after the first subgraph computing it; it runs on one
+        # lane, and a lane runs one method at a time, so the subgraphs that share it never run at once
+        writer, npu_outputs, table, method_of = ProgramWriter(), {}, [], {}
+        for i, step in enumerate(steps):
+            sub, r = step.sub, results[i]
+            entry = {"index": sub.index, "method": method_name(sub), "kind": sub.kind, "processor": sub.processor,
+                     "layer": sub.layer, "static": sub.static, "inputs": sub.inputs, "outputs": sub.outputs,
+                     "linears": sub.linears, **r["entry"]}
+            if r["key"] is not None:
+                entry["method"] = method_of.setdefault(r["key"], entry["method"])
+            npu_outputs.update(r["npu_outputs"])
+            table.append(entry)
+        for i in range(len(steps)):
+            if results[i]["method"] is not None:
+                writer.add(spool.take(results.pop(i)["method"]), name=table[i]["method"])
+        writer.add(spool.take(results.pop(DECODE_JOB)["method"]))
     bar.set_postfix_str(f"writing {len(writer.methods)} methods")
     with _timed(stages, "write"):
         shadow_meta = (write_cold_rows(_cold_blocks(engine), rows_path(out), PROGRAM_ROW_DTYPE) if shadow == "sparse"
@@ -249,6 +250,7 @@ class _Export:
     calib_ids: Tensor
     hot: dict
     claims: Claims          # program keys already being lowered (shared by the workers)
+    spool: Spool            # where each emitted method waits for the program to be written
 
 
 def _lower_job(x: _Export, job: int) -> dict:
@@ -264,7 +266,8 @@ def _lower_job(x: _Export, job: int) -> dict:
                                                 x.hot).exported_program("forward")
         with _timed(stages, "to_executorch"):
             # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
-            out["method"] = emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False))
+            out["method"] = x.spool.put(emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False)),
+                                        kv_format.METHOD)
         return out
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
@@ -282,7 +285,7 @@ def _lower_job(x: _Export, job: int) -> dict:
                        if x.claims.first(out["key"]) else None)
     if lowered is not None:
         with _timed(stages, "to_executorch"):
-            out["method"] = emit_method(name, lowered)
+            out["method"] = x.spool.put(emit_method(name, lowered), name)
     return out
 
 

@@ -51,6 +51,43 @@ class Claims:
             return False
 
 
+class Spool:
+    """Large results kept on disk until they are needed, in a folder under ``where`` (a context
+    manager: the folder goes at exit). ``put`` writes an object and returns its file, ``take`` reads
+    it back and deletes the file. The export keeps each emitted method here until the program is
+    written: gigabytes for a large model, which the parent would otherwise hold (copy-on-write
+    shared with no one) beside every worker."""
+
+    def __init__(self, where: str | os.PathLike | None = None):
+        self.where = where
+
+    def __enter__(self):
+        self.folder = tempfile.mkdtemp(prefix=".llmnpu-spool-", dir=self.where)
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def put(self, value, name: str) -> str:
+        path = os.path.join(self.folder, name)
+        _dump(value, path)
+        return path
+
+    @staticmethod
+    def take(path: str):
+        with open(path, "rb") as f:
+            value = pickle.load(f)
+        os.unlink(path)
+        return value
+
+
+def _dump(value, path: str) -> None:
+    """``value`` pickled to ``path``, streamed (no pickled copy in memory), under a temporary name."""
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.rename(path + ".tmp", path)
+
+
 def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.PathLike | None = None) -> Iterator:
     """``fn(state, job)`` for every job, results as they finish; in this process if ``workers`` is 1.
 
@@ -93,10 +130,7 @@ def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.
                 multiprocessing.connection.wait([w.sentinel for w in live], timeout=0.2)
                 continue
             for name in ready:
-                path = os.path.join(folder, name)
-                with open(path, "rb") as f:
-                    ok, value = pickle.load(f)
-                os.unlink(path)
+                ok, value = Spool.take(os.path.join(folder, name))
                 if not ok:
                     raise value
                 done += 1
@@ -135,10 +169,7 @@ def _work(fn: Callable, state, batch: list, folder: str) -> None:
             except Exception:
                 e = RuntimeError(f"lowering job {job!r} failed in a worker:\n{traceback.format_exc()}")
             result = (False, e)
-        path = os.path.join(folder, f"{seq:08d}.pkl")
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.rename(path + ".tmp", path)
+        _dump(result, os.path.join(folder, f"{seq:08d}.pkl"))
         if not result[0]:
             return
         del result
