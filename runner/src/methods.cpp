@@ -247,15 +247,23 @@ std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs
 
 // ---------------------------------------------------------------- loading
 
+// XNNPACK's weights cache packs a weight once for every Module that runs it with the same kernel:
+// the INT8 LM head is the prefill's last CPU method and the decode step's (one named-data key), so
+// the CPU worker's methods and decode load with it on. The NPU worker's load with it off: with the
+// cache on for all three Modules the prefill ran 16 % slower (cause not found), with it on for the
+// CPU worker's and decode's only it did not.
+static void weights_cache(bool on) {
+  executorch::runtime::BackendOptions<1> xnn;
+  xnn.set_option("weight_cache_enabled", on);
+  (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
+}
+
 LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
   // One XNNPACK workspace per program, i.e. per worker's Module: one workspace for all (the wheel's
   // default) would make the two workers take turns; one per delegate call re-grows (and page-faults)
   // every attention method's scratch memory at each longer past: 2.5x slower attention, measured.
-  // XNNPACK's weights cache packs a weight once for all the Modules that run it with one kernel:
-  // the INT8 LM head is the prefill's last CPU method and the decode step's (one named-data key).
-  executorch::runtime::BackendOptions<2> xnn;
+  executorch::runtime::BackendOptions<1> xnn;
   xnn.set_option("workspace_sharing_mode", 1);
-  xnn.set_option("weight_cache_enabled", true);
   (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
 
   auto slash = pte.find_last_of('/');
@@ -274,15 +282,18 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
     // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
     // pool when a method loads, so they load with the pool disabled.
     executorch::extension::threadpool::NoThreadPoolGuard single;
-    for (const auto& sub : s.subgraphs) {
-      auto& module = *modules[sub.processor == "npu" ? kNpuModule : kCpuModule];
-      auto err = module.load_method(sub.method);
-      if (err != executorch::runtime::Error::Ok)
-        throw InputError("cannot load method " + sub.method + " of " + pte + " (" + error_text(err) +
-                         "): is it a program from llmnpu export, with its backend libraries present?");
+    for (const char* lane : {"npu", "cpu"}) {
+      weights_cache(lane == std::string("cpu"));
+      for (const auto& sub : s.subgraphs) {
+        if (sub.processor != lane) continue;
+        auto err = modules[sub.processor == "npu" ? kNpuModule : kCpuModule]->load_method(sub.method);
+        if (err != executorch::runtime::Error::Ok)
+          throw InputError("cannot load method " + sub.method + " of " + pte + " (" + error_text(err) +
+                           "): is it a program from llmnpu export, with its backend libraries present?");
+      }
     }
   }
-  auto err = modules[kDecodeModule]->load_method(s.decode_method);   // decode: both cores
+  auto err = modules[kDecodeModule]->load_method(s.decode_method);   // decode: both cores, cache on
   if (err != executorch::runtime::Error::Ok)
     throw InputError("cannot load method " + s.decode_method + " of " + pte + " (" + error_text(err) + ")");
   for (const auto& sub : s.subgraphs)
