@@ -249,9 +249,9 @@ std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs
 
 // XNNPACK's weights cache packs a weight once for every Module that runs it with the same kernel:
 // the INT8 LM head is the prefill's last CPU method and the decode step's (one named-data key), so
-// the CPU worker's methods and decode load with it on. The NPU worker's load with it off: with the
-// cache on for all three Modules the prefill ran 16 % slower (cause not found), with it on for the
-// CPU worker's and decode's only it did not.
+// the CPU worker's methods and decode load with it on. The NPU worker's load with it off: XNNPACK's
+// backend holds the cache's mutex through every execute, so two lanes on one cache take turns (the
+// prefill ran 16 % slower); decode never runs beside the CPU worker.
 static void weights_cache(bool on) {
   executorch::runtime::BackendOptions<1> xnn;
   xnn.set_option("weight_cache_enabled", on);
