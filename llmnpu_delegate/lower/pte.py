@@ -100,20 +100,19 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
         for j, (name, a) in enumerate(zip(engine.program.steps[i].sub.inputs, args)):
             val = nodes[name].meta.get("val")
             if isinstance(a, _Like) and isinstance(val, Tensor) and len(a.shape) != val.dim():
-                args[j] = _Like(tuple(map(int, val.shape)), a.dtype, scalar=True)
+                args[j] = _Like(tuple(map(int, val.shape)), a.dtype)
     # ordinary tensors, not inference-mode ones: pt2e calibration needs them
     return {i: torch.cat(r).clone() for i, r in rows.items()}, inputs
 
 
 @dataclass(frozen=True)
 class _Like:
-    """An example input by its shape: zeros (a zero scalar's view, if ``scalar``) when made."""
+    """An example input by its shape, made as zeros (contiguous: ExecuTorch refuses a zero stride)."""
     shape: tuple
     dtype: torch.dtype
-    scalar: bool = False
 
     def make(self) -> Tensor:
-        return torch.zeros((), dtype=self.dtype).expand(self.shape) if self.scalar else torch.zeros(self.shape, dtype=self.dtype)
+        return torch.zeros(self.shape, dtype=self.dtype)
 
 
 def _made(args: list) -> tuple:
