@@ -10,6 +10,7 @@ every policy gives the same outputs, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 import weakref
@@ -29,7 +30,7 @@ from .models import fingerprint as model_fingerprint
 from .models import keep_first_blocks, load_model
 from .partitioner.regions import partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
-from .runtime.allocator import tune_malloc
+from .runtime.allocator import give_back, tune_malloc
 from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, check_policy
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, program_digest
@@ -178,6 +179,8 @@ class Prefiller:
         self.program.shadow = {}
         self.cache.forget()
         self.released = True
+        gc.collect()
+        give_back()
 
     def _run(self, ids: Tensor, policy: str) -> PrefillResult:
         if self.released:

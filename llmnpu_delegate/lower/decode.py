@@ -38,6 +38,7 @@ from ..families import family_of
 from ..format.kv import empty_cache
 from ..partitioner.regions import linear_names
 from .table import half_table_lookups, quantize_dynamic
+from .xnnpack_forms import for_xnnpack
 
 MODES = ("int8", "fp32")
 ATTN_IMPLEMENTATION = "llmnpu_decode"
@@ -57,17 +58,27 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     scaling = d ** -0.5 if scaling is None else scaling
     q = query.reshape(kvh, g, d)
     past = torch.bmm(q, k_cache.reshape(kvh, d, context)) * scaling         # [KVH, g, T]
-    new = (q * key.reshape(kvh, 1, d)).sum(-1, keepdim=True) * scaling     # [KVH, g, 1]
+    new = torch.bmm(q, key.reshape(kvh, d, 1)) * scaling                    # [KVH, g, 1]
     if softcap:
         past, new = torch.tanh(past / softcap) * softcap, torch.tanh(new / softcap) * softcap
-    slots = torch.arange(context)
-    visible = slots < pos
-    if sliding_window:
-        visible = visible & (slots > pos - sliding_window)
-    past = past.masked_fill(~visible, float("-inf"))
+    past = past + _unwritten_bias(context, pos, sliding_window)
     probs = torch.softmax(torch.cat([past, new], dim=-1), dim=-1)
     out = torch.bmm(probs[..., :context], v_cache.reshape(kvh, context, d)) + probs[..., context:] * value.reshape(kvh, 1, d)
     return out.reshape(1, 1, heads, d), None
+
+
+def _unwritten_bias(context: int, pos: Tensor, sliding_window) -> Tensor:
+    """0 on the slots the token sees, -inf on the others: made once per step and window, and added in
+    every layer. An add stays inside XNNPACK's partition, where a per-layer comparison and
+    ``masked_fill`` (portable ops) would cut the step into a partition per layer or more."""
+    key = ("bias", sliding_window)
+    if key not in _cache:
+        slots = torch.arange(context)
+        visible = slots < pos
+        if sliding_window:
+            visible = visible & (slots > pos - sliding_window)
+        _cache[key] = torch.where(visible, 0.0, float("-inf"))
+    return _cache[key]
 
 
 def _no_mask(*args, **kwargs):
@@ -131,6 +142,7 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
             ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
             feeds = [(torch.tensor([[t]]), torch.tensor([i]), *example[2:]) for i, t in enumerate(ids.tolist())]
             ep = quantize_dynamic(gm, [example, *feeds], float_weights=float_rows)
+    for_xnnpack(ep.graph_module)
     partitioners = [XnnpackPartitioner()]
     if mode == "int8" and family_of(model.config).qk_norm:
         # XNNPACK's one partition of the whole step closes a dependency cycle around the q/k norms that
@@ -175,3 +187,4 @@ def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str 
         keep.update({f"{attr}_select", f"{attr}_rows"})
     gm.recompile()
     return keep
+

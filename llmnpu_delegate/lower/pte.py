@@ -54,6 +54,7 @@ from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic
 from .workers import Claims, Spool, default_workers, run_jobs
+from .xnnpack_forms import for_xnnpack
 
 DEFAULT_CONTEXT = 1024
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
@@ -335,10 +336,12 @@ def _lower_cpu(ep, sub, example: tuple, int8_head: bool):
     # every call (162 ms vs 11 ms for the embedded model's lm_head)
     if _holds_model_linear(sub) and int8_head:
         ep = quantize_dynamic(ep.module(), [example])
+        for_xnnpack(ep.graph_module)
     elif _holds_model_linear(sub):
         edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
             _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))
         return edge.exported_program("forward")
+    for_xnnpack(ep.graph_module)
     return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).exported_program("forward")
 
 

@@ -51,3 +51,17 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30, t
 
 def tuned() -> bool:
     return _done
+
+
+def give_back() -> bool:
+    """Return the free pages of every malloc arena to the system (glibc's ``malloc_trim``); True if
+    glibc did. With the thresholds above, blocks of up to 32 MiB come from the heap and stay there
+    when freed, so memory let go in bulk (an engine's runtime, released before ``llmnpu export``
+    forks its workers) would otherwise stay in the process: 4.8 GiB of the Qwen1.5-1.8B export's."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim(0) == 1
+    except (OSError, AttributeError):
+        return False
