@@ -50,6 +50,7 @@ from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import lower_region, output_groups, region_spec
+from .op_tables import cached_cia_ops
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic
@@ -256,6 +257,11 @@ class _Export:
 def _lower_job(x: _Export, job: int) -> dict:
     """Lower and emit one method: the subgraph ``job`` of the program, or the decode step. A CPU
     subgraph whose program another job has claimed is not lowered again (``same_program.py``)."""
+    with cached_cia_ops():
+        return _lower_one(x, job)
+
+
+def _lower_one(x: _Export, job: int) -> dict:
     stages: dict[str, float] = {}
     out = {"job": job, "stages": stages, "entry": {}, "npu_outputs": {}, "key": None, "method": None}
     if job == DECODE_JOB:
