@@ -122,7 +122,9 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {n}-row calls")
     module = RegionModule(linears, spec.groups, spec.splits).eval()
     example = spec.inputs(calib_rows[:n])
-    graph = torch.export.export(module, example, strict=True).module()
+    # non-strict: the region is plain tensor code, so Dynamo's bytecode tracing adds nothing but time
+    # (the emitted methods are the same bytes; 14 % of an NPU method's lowering)
+    graph = torch.export.export(module, example, strict=False).module()
     backend = backends.get(target)
     ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour=backend.encodings)
     prepared = prepare_pt2e(graph, backend.quantizer(ours))

@@ -86,4 +86,54 @@ def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], float_weights=(
     prepared = prepare_pt2e(gm, quantizer)
     for args in examples:
         prepared(*args)
-    return torch.export.export(convert_pt2e(prepared), examples[0], strict=False)
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    fold_weight_quantization(converted)
+    return torch.export.export(converted, examples[0], strict=False)
+
+
+def fold_weight_quantization(gm: fx.GraphModule) -> int:
+    """Replace each quantize op whose inputs are all constants (a weight's quantization) by its INT8
+    result, one weight at a time; the float weights it read are dropped if nothing else reads them.
+    What ``convert_pt2e``'s own folding gives, but its folder evaluates every constant expression of
+    the graph at once and holds them all until it is done (float copies of the weights among them):
+    2.6 GiB above the model while folding a 0.5B decode step, 6.5 GiB for a 1.8B one, where this
+    holds one weight's temporaries. Returns the number of quantize ops folded."""
+    from torchao.quantization.pt2e.constant_fold import replace_node_with_constant
+    from torchao.quantization.pt2e.quantize_pt2e import _QUANT_OPS
+
+    class NotConstant(Exception):
+        pass
+
+    def value_of(node):
+        if node.op == "get_attr":
+            return functools.reduce(getattr, node.target.split("."), gm)
+        if node.op != "call_function":
+            raise NotConstant
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value_of)
+        plain = [list(a) if isinstance(a, (list, tuple)) else a for a in args]   # fx's immutable lists
+        with torch.no_grad():
+            return node.target(*plain, **kwargs)
+
+    def constant(node):
+        """``node``'s value if it is a constant expression, else None."""
+        try:
+            return value_of(node)
+        except NotConstant:
+            return None
+
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _QUANT_OPS:
+            folded_value = constant(node)
+            if folded_value is not None:
+                replace_node_with_constant(gm, node, folded_value)
+                folded += 1
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if not node.users:
+            if hasattr(gm, node.target):
+                delattr(gm, node.target)
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return folded
