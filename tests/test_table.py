@@ -96,3 +96,35 @@ def test_the_int8_head_is_the_dynamic_int8_product_on_xnnpack():
     quant_error = (float_head - want).norm()
     assert quant_error > 0
     assert (got - want).norm() < 0.1 * quant_error, ((got - want).norm(), quant_error)
+
+
+def test_weights_folded_one_at_a_time_are_torchaos_fold():
+    """``fold_weight_quantization`` against torchao's own folding of the same converted graph: the same
+    INT8 weights under the same names, no quantize op on a constant left, no float weight kept."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from llmnpu_delegate.lower.table import fold_weight_quantization
+
+    def prepared():
+        gm, ids = _module(Tied(tie=False))
+        config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
+        p = prepare_pt2e(gm, XNNPACKQuantizer().set_global(config))
+        p(ids)
+        return p, ids
+
+    theirs = convert_pt2e(prepared()[0])
+    mine, ids = prepared()
+    ours = convert_pt2e(mine, fold_quantize=False)
+    assert fold_weight_quantization(ours) == 1
+    want = {k: v for k, v in theirs.state_dict().items() if v.dtype == torch.int8}
+    got = {k: v for k, v in ours.state_dict().items() if v.dtype == torch.int8}
+    assert want and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any("quantize_per_channel" in str(n.target) and "dequantize" not in str(n.target)
+                   for n in ours.graph.nodes)
+    assert {k for k, v in ours.state_dict().items() if v.dtype == torch.float32 and v.dim() == 2} == \
+        {k for k, v in theirs.state_dict().items() if v.dtype == torch.float32 and v.dim() == 2}
+    torch.testing.assert_close(ours(ids), theirs(ids), rtol=0, atol=0)
