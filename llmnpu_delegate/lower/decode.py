@@ -187,4 +187,3 @@ def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str 
         keep.update({f"{attr}_select", f"{attr}_rows"})
     gm.recompile()
     return keep
-

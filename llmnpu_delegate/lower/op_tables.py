@@ -21,7 +21,7 @@ _USERS = ("torch.export.exported_program", "torch.export.decomp_utils")
 
 
 def _registrations() -> tuple:
-    return (len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
+    return (tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
             tuple(torch.ops._dir))
 
 

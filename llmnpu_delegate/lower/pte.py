@@ -342,7 +342,6 @@ def _lower_cpu(ep, sub, example: tuple, int8_head: bool):
     # every call (162 ms vs 11 ms for the embedded model's lm_head)
     if _holds_model_linear(sub) and int8_head:
         ep = quantize_dynamic(ep.module(), [example])
-        for_xnnpack(ep.graph_module)
     elif _holds_model_linear(sub):
         edge = to_edge_transform_and_lower(ep, partitioner=[], compile_config=EdgeCompileConfig(
             _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default]))

@@ -28,14 +28,19 @@ _HEAP_MAX = 64 << 20      # glibc's HEAP_MAX_SIZE on 64-bit
 _done = False
 
 
-def _mallopt(option: int, value: int) -> bool:
+def _glibc(call: str, *args: int) -> bool:
+    """glibc's ``call(*args) == 1`` (its "done"); False off Linux or without glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.mallopt(option, value) == 1
+        return getattr(libc, call)(*args) == 1
     except (OSError, AttributeError):
         return False
+
+
+def _mallopt(option: int, value: int) -> bool:
+    return _glibc("mallopt", option, value)
 
 
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30, top_pad: int = _HEAP_MAX) -> bool:
@@ -58,10 +63,4 @@ def give_back() -> bool:
     glibc did. With the thresholds above, blocks of up to 32 MiB come from the heap and stay there
     when freed, so memory let go in bulk (an engine's runtime, released before ``llmnpu export``
     forks its workers) would otherwise stay in the process: 4.8 GiB of the Qwen1.5-1.8B export's."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim(0) == 1
-    except (OSError, AttributeError):
-        return False
+    return _glibc("malloc_trim", 0)
