@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
+from .text import calibration_ids
 
 # Mode name -> config (None: the float model). The first three are the baselines.
 MODES: dict[str, QuantConfig | None] = {
@@ -23,6 +24,7 @@ MODES: dict[str, QuantConfig | None] = {
     "w8a8-shadow-pruned": QuantConfig(outliers="shadow"),
     "w8a8-shadow-tensorw": QuantConfig(outliers="shadow", pruning_rate=0.0, weights="tensor"),
 }
+DEFAULT_MODE = "w8a8-shadow-pruned"     # the product's default: shadow outliers, automatic pruning
 
 
 def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
@@ -49,11 +51,19 @@ def perplexity(model: nn.Module, windows: Tensor, desc: str = "eval", progress: 
     return math.exp(nll / count)
 
 
+def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: bool = True):
+    """(a copy of the model quantized with ``config``, its QuantReport); ``calib`` defaults to the
+    cached calibration on the shipped calibration text."""
+    if calib is None:
+        calib = load_or_calibrate(lm.model, calibration_ids(lm), lm.fingerprint, CalibConfig(), progress=progress)
+    model = copy.deepcopy(lm.model)
+    return model, quantize_(model, calib, config, lm.fingerprint, progress)
+
+
 def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, desc: str,
                   progress: bool = True) -> dict:
     """Quantize a copy of the model with ``config`` and measure its perplexity and outlier share."""
-    model = copy.deepcopy(lm.model)
-    report = quantize_(model, calib, config, lm.fingerprint, progress)
+    model, report = quantized_model(lm, config, calib, progress)
     entry = {"ppl": perplexity(model, windows, desc, progress)}
     c = outlier_counters(model)
     # share of elements beyond a full-range (calibrated absmax) scale, clipped by saturation

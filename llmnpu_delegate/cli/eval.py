@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import json
 
+from ..errors import LlmNpuError
 from ..evaluate import MODES, evaluate, sweep
+from ..quantize import load_or_calibrate
 from ..text import calibration_ids, read_text, tokenize
 from .common import add_model_args, pruning_rate, setup
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of fp32 and each quantization mode",
-                       description="Perplexity of the float model and of each W8A8 mode on held-out text.")
+    p = sub.add_parser("eval", help="perplexity (or lm-eval tasks) of fp32 and each quantization mode",
+                       description="Perplexity of the float model and of each W8A8 mode on held-out text; with "
+                                   "--tasks, lm-evaluation-harness tasks instead (the offline llmnpu_offline "
+                                   "tasks, built from the evaluation text, or your own with --include-path).")
     add_model_args(p)
-    p.add_argument("--text-file", default=None, help="evaluation text (default: the shipped Wikipedia text)")
+    p.add_argument("--text-file", default=None, help="evaluation text (default: the shipped Wikipedia text); with --tasks, the "
+                        "offline tasks are built from it")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
@@ -23,17 +28,27 @@ def add_parser(sub) -> None:
                    help="layer ranking for pruning (default: output)")
     p.add_argument("--sweep", action="store_true",
                    help="also print the trade-off curve over clipping percentiles and pruning rates")
+    p.add_argument("--tasks", nargs="+", default=None,
+                   help="lm-eval tasks instead of perplexity: llmnpu_offline (llmnpu_cloze, llmnpu_wikitext, "
+                        "llmnpu_nextsentence) or any task lm-eval finds (needs the eval extra)")
+    p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAML files")
+    p.add_argument("--limit", type=float, default=None,
+                   help="with --tasks: documents per task (a count, or a share below 1; default all)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> dict:
+    if args.tasks is None and (args.include_path or args.limit is not None):
+        raise LlmNpuError("--include-path and --limit go with --tasks")
     lm, calib_config = setup(args)
-    eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
-    calib_ids = calibration_ids(lm, args.calib_text_file)
     overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
                                    ("pruning_rate", args.pruning_rate),
                                    ("importance", args.importance)) if v is not None}
+    if args.tasks is not None:
+        return _cmd_tasks(args, lm, calib_config, overrides)
+    eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
+    calib_ids = calibration_ids(lm, args.calib_text_file)
     modes = args.modes or list(MODES)
     result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
                       overrides, progress=not args.no_progress)
@@ -41,6 +56,23 @@ def cmd_eval(args) -> dict:
         result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
                                 progress=not args.no_progress)
     args.text = format_eval(result)
+    return result
+
+
+def _cmd_tasks(args, lm, calib_config, overrides) -> dict:
+    from ..harness.suite import TABLE_MODES, format_table, run_tasks
+
+    if args.sweep or args.max_tokens != 4096 or args.window != 512:
+        raise LlmNpuError("--sweep, --max-tokens and --window are for perplexity, not --tasks")
+    modes = args.modes or list(TABLE_MODES)
+    calib = None
+    if any(MODES[m] is not None for m in modes):
+        calib = load_or_calibrate(lm.model, calibration_ids(lm, args.calib_text_file), lm.fingerprint,
+                                  calib_config, progress=not args.no_progress)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    result = run_tasks(lm, args.tasks, modes, args.include_path, limit, overrides, calib,
+                       text_file=args.text_file, progress=not args.no_progress)
+    args.text = format_table(result)
     return result
 
 

@@ -1,0 +1,134 @@
+"""``lm_eval --model llmnpu``: the lm-evaluation-harness scoring our quantized numerics.
+
+Scores (``loglikelihood``, ``loglikelihood_rolling``) come from the quantized reference: a copy of the
+float model whose linears are replaced by ``quantize_`` (W8A8 per-tensor activations, per-channel
+weights, shadow outliers with the chosen pruning), the numerics the chunked engine is tested equal to
+(tests/test_prefill.py, within a tenth of the quantization effect). It returns every position's
+logits, which the engine's chunk graphs do not (they return the last token's). Generation
+(``generate_until``) is the product's own: ``LlmNpuForCausalLM.generate``, the engine's chunked NPU
+prefill and its decode.
+
+``model_args`` take what the CLI takes: ``model=`` (default smollm2-135m), ``quant=`` (an ``llmnpu eval``
+mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default), ``pruning_rate=``,
+``clip_percentile=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
+CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch_size`` is ignored
+(one sequence at a time, so scores never depend on padding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm.auto import tqdm
+
+from ..errors import LlmNpuError
+from ..evaluate import DEFAULT_MODE, MODES, quantized_model
+from ..models import DEFAULT_MODEL, LoadedModel, load_model
+from ..prefill import DEFAULT_CHUNK
+
+log = logging.getLogger(__name__)
+
+
+@register_model("llmnpu")
+class LlmNpuLM(TemplateLM):
+    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, quant: str = DEFAULT_MODE, pruning_rate=None,
+                 clip_percentile=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
+                 max_length: int | None = None, calibration=None, progress: bool = False, batch_size=1, max_batch_size=None, device=None, **unknown):
+        super().__init__()
+        if unknown:
+            raise LlmNpuError(f"unknown model_args {sorted(unknown)}: use model, quant, pruning_rate, "
+                              "clip_percentile, chunk_len, decode, max_length")
+        if quant not in MODES:
+            raise LlmNpuError(f"unknown quant '{quant}': use one of {', '.join(MODES)}")
+        self.lm = model if isinstance(model, LoadedModel) else load_model(str(model))
+        self.quant_name = quant
+        self.config = MODES[quant]
+        knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile))
+                 if v is not None}
+        if knobs:
+            if self.config is None or self.config.outliers != "shadow":
+                raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow modes (quant=w8a8-shadow...)")
+            self.config = dataclasses.replace(self.config, **knobs)
+        self.chunk_len, self.decode, self.progress = int(chunk_len), decode, progress
+        self.tokenizer = self.lm.tokenizer
+        limit = getattr(self.lm.model.config, "max_position_embeddings", 2048)
+        self.max_length = int(max_length or min(limit, 2048))
+        self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
+        self._wrapper = None
+
+    # ---------------------------------------------------------------- tokens
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    # ---------------------------------------------------------------- scores
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    @torch.inference_mode()
+    def _logprobs(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] log-probabilities of the next token after each position."""
+        ids = torch.tensor([tokens])
+        return F.log_softmax(self.scorer(input_ids=ids, use_cache=False).logits[0].float(), -1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out = []
+        for strings, context, continuation in tqdm(requests, desc=f"llmnpu {self.quant_name}", disable=disable_tqdm or not self.progress):
+            # the last max_length tokens of context + continuation, minus the last one (nothing follows it)
+            whole = (context + continuation)[-(self.max_length + 1):]
+            if len(continuation) > len(whole) - 1:
+                raise LlmNpuError(f"a continuation of {len(continuation)} tokens does not fit max_length={self.max_length}")
+            logp = self._logprobs(whole[:-1])[-len(continuation):]
+            want = torch.tensor(continuation)
+            score = float(logp.gather(1, want[:, None]).sum())
+            out.append((score, bool((logp.argmax(-1) == want).all())))
+            if strings is not None:
+                self.cache_hook.add_partial("loglikelihood", strings, out[-1])
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for (text,) in tqdm([r.args for r in requests], desc=f"llmnpu {self.quant_name} rolling", disable=disable_tqdm or not self.progress):
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)]
+            scores = self._loglikelihood_tokens([(None, c, p) for c, p in windows], disable_tqdm=True)
+            out.append(sum(s for s, _ in scores))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), out[-1])
+        return out
+
+    # ---------------------------------------------------------------- generation
+    @property
+    def wrapper(self):
+        if self._wrapper is None:       # built on first use: scoring-only tasks never compile the engine
+            from ..hf import LlmNpuForCausalLM
+
+            self._wrapper = LlmNpuForCausalLM(self.lm, chunk_len=self.chunk_len, quant=self.config,
+                                              decode=self.decode, progress=False)
+        return self._wrapper
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, gen_kwargs in tqdm([r.args for r in requests], desc=f"llmnpu {self.quant_name} generate",
+                                        disable=disable_tqdm or not self.progress):
+            kwargs = dict(gen_kwargs)
+            until = kwargs.pop("until", None) or [self.tokenizer.decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            new = int(kwargs.pop("max_gen_toks", 256))
+            if kwargs.pop("do_sample", False) or kwargs.get("temperature", 0.0) > 0:
+                raise LlmNpuError("llmnpu generates greedily in lm-eval: drop do_sample / temperature")
+            ids = self.tok_encode(context)[-(self.max_length - new):]
+            tokens = self.wrapper.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return out

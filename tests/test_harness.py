@@ -1,0 +1,157 @@
+"""The lm-eval door: the adapter's scores against independent computations, the offline tasks, and a
+user's task end to end through lm_eval."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from llmnpu_delegate.cli import main as cli_main  # noqa: E402
+from llmnpu_delegate.errors import LlmNpuError  # noqa: E402
+from llmnpu_delegate.evaluate import perplexity  # noqa: E402
+from llmnpu_delegate.harness.lm import LlmNpuLM  # noqa: E402
+from llmnpu_delegate.harness.suite import run_tasks  # noqa: E402
+from llmnpu_delegate.harness.tasks import TASKS, sentences, task_dir  # noqa: E402
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate  # noqa: E402
+from llmnpu_delegate.text import read_text, tokenize  # noqa: E402
+
+PAIRS = [("The capital of France is", " Paris"), ("Water boils at a temperature of one hundred", " degrees Celsius."),
+         ("", "Once upon a time")]
+
+
+def _requests(kind, args):
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def fp32_lm(smollm2):
+    return LlmNpuLM(smollm2, quant="fp32")
+
+
+@torch.inference_mode()
+def _step_by_step(lm, context: list[int], continuation: list[int]) -> float:
+    """Σ log p(continuation) one token at a time through the model's own KV cache: no shared code with
+    the adapter's single forward."""
+    out = lm.model(input_ids=torch.tensor([context]), use_cache=True)
+    total, past = 0.0, out.past_key_values
+    logits = out.logits[0, -1]
+    for tok in continuation:
+        total += float(F.log_softmax(logits.double(), -1)[tok])
+        out = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+    return total
+
+
+def test_loglikelihood_equals_a_step_by_step_float_computation(fp32_lm, smollm2):
+    got = fp32_lm.loglikelihood(_requests("loglikelihood", PAIRS), disable_tqdm=True)
+    tok = smollm2.tokenizer
+    for (context, continuation), (score, greedy) in zip(PAIRS, got):
+        if context:
+            ctx = tok.encode(context, add_special_tokens=False)
+            cont = tok.encode(context + continuation, add_special_tokens=False)[len(ctx):]
+        else:   # lm-eval conditions an empty context on the end-of-text token
+            ctx, cont = [tok.eos_token_id], tok.encode(continuation, add_special_tokens=False)
+        want = _step_by_step(smollm2, ctx, cont)
+        assert abs(score - want) <= 1e-4, (context, score, want)
+        assert score < 0 and isinstance(greedy, bool)
+    assert got[0][1], "' Paris' is the float model's greedy continuation here"
+
+
+def test_rolling_loglikelihood_equals_the_perplexity_harness(fp32_lm, smollm2):
+    text = read_text(None, "eval")[:2500]
+    ids = tokenize(smollm2, text).tolist()
+    assert len(ids) + 1 <= fp32_lm.max_length      # one window: the harness's scheme is one forward
+    (got,) = fp32_lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)
+    ppl = perplexity(smollm2.model, torch.tensor([[smollm2.tokenizer.eos_token_id] + ids]), progress=False)
+    assert abs(got + math.log(ppl) * len(ids)) <= 1e-4 * len(ids), (got, ppl)
+    # several windows: lm-eval's rolling scheme scores every token exactly once
+    short = LlmNpuLM(smollm2, quant="fp32", max_length=256)
+    (windows,) = short.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]), disable_tqdm=True)
+    assert windows < 0 and abs(windows - got) > 1e-3     # less context per token: a different sum
+
+
+def test_quantized_scores_follow_the_engine():
+    """The adapter's quantized reference against the chunked engine (an independent implementation),
+    on a random model with outlier channels: within a tenth of what quantization changes. (On the
+    embedded model a float-level change alone, e.g. another attention implementation, moves the
+    quantized logits as much as quantization does: its 25,000 activations flip roundings.)"""
+    from conftest import assert_within_quant_effect, inject_outliers
+
+    from llmnpu_delegate.backends.graph_cache import GraphCache
+    from llmnpu_delegate.models import load_model
+    from llmnpu_delegate.prefill import Prefiller
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    adapter = LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib)
+    ids = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(5))
+    engine = Prefiller(lm, 32, quant=QuantConfig(outliers="shadow", pruning_rate=0.0), calibration=calib,
+                       cache=GraphCache(), progress=False, attention="fp32")
+    assert engine.partition.by_kind("shadow")
+    got = adapter._logprobs(ids.tolist())[-1]
+    with torch.inference_mode():
+        float_logp = F.log_softmax(lm.model(input_ids=ids[None]).logits[0, -1].float(), -1)
+    assert_within_quant_effect(got, F.log_softmax(engine(ids).logits.float(), -1), float_logp)
+    nxt = int(got.argmin())
+    (score, greedy), = adapter._loglikelihood_tokens([(None, ids.tolist(), [nxt])], disable_tqdm=True)
+    assert not greedy and abs(score - float(got[nxt])) <= 1e-5
+
+
+def test_offline_tasks_are_deterministic_and_from_the_evaluation_text(tmp_path, monkeypatch):
+    folder = task_dir()
+    first = {t: (folder / f"{t}.jsonl").read_bytes() for t in TASKS}
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
+    again = task_dir()
+    assert again != folder and {t: (again / f"{t}.jsonl").read_bytes() for t in TASKS} == first
+    calib, text = read_text(None, "calib"), read_text(None, "eval")
+    cloze = [json.loads(line) for line in first["llmnpu_cloze"].splitlines()]
+    nexts = [json.loads(line) for line in first["llmnpu_nextsentence"].splitlines()]
+    pages = [json.loads(line) for line in first["llmnpu_wikitext"].splitlines()]
+    assert len(cloze) == 500 and len(nexts) == 500 and len(pages) == 40
+    for d in cloze:
+        word = d["target"].strip()
+        assert (d["context"] + d["target"]) in text and d["context"][:200] not in calib
+        assert word.lower() in d["context"].lower()               # the context holds the answer
+    for d in nexts:
+        true = d["choices"][d["label"]].strip()
+        assert (d["query"] + " " + true) in text and len(d["choices"]) == 4 and len(set(d["choices"])) == 4
+        assert all(c.strip() not in d["query"] for i, c in enumerate(d["choices"]) if i != d["label"])
+    assert [d["label"] for d in nexts].count(0) < 200              # the true ending is not always first
+    assert all(p["page"][:200] in text for p in pages)
+    assert sentences("One. Two three? Four") == ["One.", "Two three?", "Four"]
+
+
+def test_a_users_task_end_to_end_through_lm_eval(tmp_path, smollm2):
+    """A user's YAML (--include-path) through lm_eval.simple_evaluate; its accuracy recomputed here."""
+    docs = [{"q": c, "a": a} for c, a in PAIRS[:2]] + [{"q": "One, two, three, four,", "a": " five"}]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "mine.yaml").write_text(
+        "task: my_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {json.dumps(str(tmp_path / 'mine.jsonl'))}\ntest_split: test\noutput_type: loglikelihood\n"
+        'doc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\nmetric_list:\n  - metric: acc\n    aggregation: mean\n'
+        "    higher_is_better: true\n")
+    result = run_tasks(smollm2, ["my_cloze"], ["fp32"], include_path=str(tmp_path), progress=False)
+    acc, _ = result["results"]["fp32"]["my_cloze"]["acc"]
+    adapter = LlmNpuLM(smollm2, quant="fp32")
+    greedy = [g for _, g in adapter.loglikelihood(_requests("loglikelihood", [(d["q"], d["a"]) for d in docs]),
+                                                  disable_tqdm=True)]
+    assert result["samples"]["my_cloze"] == 3 and acc == pytest.approx(sum(greedy) / 3)
+
+
+def test_bad_arguments_get_one_line_errors(smollm2, capsys):
+    with pytest.raises(LlmNpuError, match="unknown quant 'int4'"):
+        LlmNpuLM(smollm2, quant="int4")
+    with pytest.raises(LlmNpuError, match="only apply to the shadow modes"):
+        LlmNpuLM(smollm2, quant="w8a8", pruning_rate=0.5)
+    with pytest.raises(LlmNpuError, match="unknown model_args"):
+        LlmNpuLM(smollm2, quant="fp32", pretrained="gpt2")
+    with pytest.raises(LlmNpuError, match="unknown task"):
+        run_tasks(smollm2, ["no_such_task"], ["fp32"], progress=False)
+    assert cli_main(["eval", "--limit", "3", "--no-progress"]) == 2
+    assert "--limit go with --tasks" in capsys.readouterr().err
