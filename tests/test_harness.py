@@ -19,7 +19,7 @@ from llmnpu_delegate.harness.tasks import TASKS, sentences, task_dir  # noqa: E4
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate  # noqa: E402
 from llmnpu_delegate.text import read_text, tokenize  # noqa: E402
 
-PAIRS = [("The capital of France is", " Paris"), ("Water boils at a temperature of one hundred", " degrees Celsius."),
+PAIRS = [("The capital of France is", " Paris"), ("The capital of France is", " the city of Lyon"), ("Water boils at a temperature of one hundred", " degrees Celsius."),
          ("", "Once upon a time")]
 
 
@@ -94,7 +94,7 @@ def test_quantized_scores_follow_the_engine():
     engine = Prefiller(lm, 32, quant=QuantConfig(outliers="shadow", pruning_rate=0.0), calibration=calib,
                        cache=GraphCache(), progress=False, attention="fp32")
     assert engine.partition.by_kind("shadow")
-    got = adapter._logprobs(ids.tolist())[-1]
+    got = adapter._logprobs(ids.tolist())[0][-1]
     with torch.inference_mode():
         float_logp = F.log_softmax(lm.model(input_ids=ids[None]).logits[0, -1].float(), -1)
     assert_within_quant_effect(got, F.log_softmax(engine(ids).logits.float(), -1), float_logp)
@@ -113,7 +113,7 @@ def test_offline_tasks_are_deterministic_and_from_the_evaluation_text(tmp_path, 
     cloze = [json.loads(line) for line in first["llmnpu_cloze"].splitlines()]
     nexts = [json.loads(line) for line in first["llmnpu_nextsentence"].splitlines()]
     pages = [json.loads(line) for line in first["llmnpu_wikitext"].splitlines()]
-    assert len(cloze) == 500 and len(nexts) == 500 and len(pages) == 40
+    assert len(cloze) == 500 and len(nexts) == 500 and len(pages) == 20
     for d in cloze:
         word = d["target"].strip()
         assert (d["context"] + d["target"]) in text and d["context"][:200] not in calib
@@ -127,21 +127,49 @@ def test_offline_tasks_are_deterministic_and_from_the_evaluation_text(tmp_path, 
     assert sentences("One. Two three? Four") == ["One.", "Two three?", "Four"]
 
 
-def test_a_users_task_end_to_end_through_lm_eval(tmp_path, smollm2):
-    """A user's YAML (--include-path) through lm_eval.simple_evaluate; its accuracy recomputed here."""
-    docs = [{"q": c, "a": a} for c, a in PAIRS[:2]] + [{"q": "One, two, three, four,", "a": " five"}]
-    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "mine.yaml").write_text(
+DOCS = [{"q": c, "a": a} for c, a in PAIRS[:3]] + [{"q": "One, two, three, four,", "a": " five"}]
+
+
+@pytest.fixture(scope="module")
+def user_task(tmp_path_factory, fp32_lm):
+    """A user's own lm-eval task (YAML + JSON lines) and the accuracy it must score, computed here."""
+    folder = tmp_path_factory.mktemp("tasks")
+    (folder / "mine.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (folder / "mine.yaml").write_text(
         "task: my_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {json.dumps(str(tmp_path / 'mine.jsonl'))}\ntest_split: test\noutput_type: loglikelihood\n"
+        f"    test: {json.dumps(str(folder / 'mine.jsonl'))}\ntest_split: test\noutput_type: loglikelihood\n"
         'doc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\nmetric_list:\n  - metric: acc\n    aggregation: mean\n'
         "    higher_is_better: true\n")
-    result = run_tasks(smollm2, ["my_cloze"], ["fp32"], include_path=str(tmp_path), progress=False)
-    acc, _ = result["results"]["fp32"]["my_cloze"]["acc"]
-    adapter = LlmNpuLM(smollm2, quant="fp32")
-    greedy = [g for _, g in adapter.loglikelihood(_requests("loglikelihood", [(d["q"], d["a"]) for d in docs]),
+    greedy = [g for _, g in fp32_lm.loglikelihood(_requests("loglikelihood", [(d["q"], d["a"]) for d in DOCS]),
                                                   disable_tqdm=True)]
-    assert result["samples"]["my_cloze"] == 3 and acc == pytest.approx(sum(greedy) / 3)
+    acc = sum(greedy) / len(DOCS)
+    assert 0 < acc < 1
+    return folder, acc
+
+
+def test_a_users_task_end_to_end_through_lm_eval(user_task, smollm2):
+    """A user's YAML (--include-path) through lm_eval.simple_evaluate."""
+    folder, acc = user_task
+    result = run_tasks(smollm2, ["my_cloze"], ["fp32"], include_path=str(folder), progress=False)
+    assert result["samples"]["my_cloze"] == 4
+    assert result["results"]["fp32"]["my_cloze"]["acc"][0] == pytest.approx(acc)
+
+
+def test_the_lm_eval_command_line_finds_the_llmnpu_model(user_task):
+    """``llmnpu-lm-eval``: lm_eval's own command line with ``--model llmnpu`` (the README's line)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, acc = user_task
+    exe = Path(sys.executable).with_name("llmnpu-lm-eval")
+    run = subprocess.run([str(exe), "--model", "llmnpu", "--model_args", "quant=fp32", "--tasks", "my_cloze",
+                          "--include_path", str(folder)], capture_output=True, text=True,
+                         env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = next(line for line in run.stdout.splitlines() if line.startswith("|my_cloze")).split("|")
+    assert row[5].strip() == "acc" and float(row[7]) == pytest.approx(acc, abs=1e-4), row
 
 
 def test_bad_arguments_get_one_line_errors(smollm2, capsys):
@@ -155,3 +183,20 @@ def test_bad_arguments_get_one_line_errors(smollm2, capsys):
         run_tasks(smollm2, ["no_such_task"], ["fp32"], progress=False)
     assert cli_main(["eval", "--limit", "3", "--no-progress"]) == 2
     assert "--limit go with --tasks" in capsys.readouterr().err
+
+
+def test_generation_is_the_float_models_own_in_fp32_mode(smollm2):
+    """generate_until through the product's prefill and decode (fp32 mode) against transformers' own
+    greedy generate, cut at the stop string as lm-eval asks."""
+    adapter = LlmNpuLM(smollm2, quant="fp32", decode="fp32")
+    prompts = ["The capital of France is", "A lighthouse is a tower that"]
+    got = adapter.generate_until(_requests("generate_until", [(p, {"until": ["."], "max_gen_toks": 12})
+                                                              for p in prompts]), disable_tqdm=True)
+    tok = smollm2.tokenizer
+    for prompt, text in zip(prompts, got):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            want = smollm2.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        assert text == tok.decode(want, skip_special_tokens=True).split(".")[0] and text
+    with pytest.raises(LlmNpuError, match="greedily"):
+        adapter.generate_until(_requests("generate_until", [(prompts[0], {"do_sample": True})]), disable_tqdm=True)

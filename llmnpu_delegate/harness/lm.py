@@ -16,6 +16,7 @@ CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 
@@ -74,24 +75,49 @@ class LlmNpuLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     @torch.inference_mode()
-    def _logprobs(self, tokens: list[int]) -> torch.Tensor:
-        """[len(tokens), vocab] log-probabilities of the next token after each position."""
-        ids = torch.tensor([tokens])
-        return F.log_softmax(self.scorer(input_ids=ids, use_cache=False).logits[0].float(), -1)
+    def _logprobs(self, tokens: list[int], keep: int | None = None, past=None):
+        """[keep, vocab] log-probabilities of the next token after each of the last ``keep`` positions
+        (all by default), and the K/V after ``tokens`` (given ``past``: the K/V before them)."""
+        out = self.scorer(input_ids=torch.tensor([tokens]), past_key_values=past, use_cache=True,
+                          logits_to_keep=keep or 0)
+        return F.log_softmax(out.logits[0].float(), -1), out.past_key_values
+
+    def _score(self, logp: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+        want = torch.tensor(continuation)
+        return float(logp.gather(1, want[:, None]).sum()), bool((logp.argmax(-1) == want).all())
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        out = []
-        for strings, context, continuation in tqdm(requests, desc=f"llmnpu {self.quant_name}", disable=disable_tqdm or not self.progress):
-            # the last max_length tokens of context + continuation, minus the last one (nothing follows it)
-            whole = (context + continuation)[-(self.max_length + 1):]
-            if len(continuation) > len(whole) - 1:
-                raise LlmNpuError(f"a continuation of {len(continuation)} tokens does not fit max_length={self.max_length}")
-            logp = self._logprobs(whole[:-1])[-len(continuation):]
-            want = torch.tensor(continuation)
-            score = float(logp.gather(1, want[:, None]).sum())
-            out.append((score, bool((logp.argmax(-1) == want).all())))
+        # Requests that share a context (a multiple-choice question's endings) run it once and continue
+        # each ending from a copy of its K/V: per-token numerics (static activation scales), so the
+        # same scores as one forward per request, to float rounding.
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, context, _) in enumerate(requests):
+            groups.setdefault(tuple(context), []).append(i)
+        out: list = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc=f"llmnpu {self.quant_name}", disable=disable_tqdm or not self.progress)
+        for context, members in groups.items():
+            conts = [requests[i][2] for i in members]
+            if len(context) + max(map(len, conts)) - 1 <= self.max_length:
+                head, past = self._logprobs(list(context), keep=1)
+                for i, cont in zip(members, conts):
+                    logp = head
+                    if len(cont) > 1:
+                        kv = copy.deepcopy(past) if len(members) > 1 else past
+                        logp = torch.cat([head, self._logprobs(cont[:-1], past=kv)[0]])
+                    out[i] = self._score(logp, cont)
+                    bar.update()
+                continue
+            for i, cont in zip(members, conts):
+                # the last max_length tokens of context + continuation, minus the last (nothing follows it)
+                whole = (list(context) + cont)[-(self.max_length + 1):]
+                if len(cont) > len(whole) - 1:
+                    raise LlmNpuError(f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
+                out[i] = self._score(self._logprobs(whole[:-1], keep=len(cont))[0], cont)
+                bar.update()
+        bar.close()
+        for (strings, _, _), result in zip(requests, out):
             if strings is not None:
-                self.cache_hook.add_partial("loglikelihood", strings, out[-1])
+                self.cache_hook.add_partial("loglikelihood", strings, result)
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -29,9 +29,9 @@ from ..text import read_text
 
 TASKS = ("llmnpu_cloze", "llmnpu_wikitext", "llmnpu_nextsentence")
 GROUP = "llmnpu_offline"
-FORMAT = 1          # bump when the selection rules change: the folder name changes with it
+FORMAT = 2          # bump when the selection rules change: the folder name changes with it
 
-CLOZE_DOCS, NEXT_DOCS, WIKI_DOCS, WIKI_WORDS = 500, 500, 40, 1000
+CLOZE_DOCS, NEXT_DOCS, WIKI_DOCS, WIKI_WORDS = 500, 500, 20, 1000
 STOP_WORDS = frozenset("""about above after again against also among another because been before being
 below between both could does doing down during each either even every from further have having here
 into itself just least many more most much must neither other others over same several should since
