@@ -20,10 +20,10 @@ def _code_lines(text: str):
             yield from block.replace("\\\n", " ").splitlines()
 
 
-def _commands(page: Path):
+def _commands(page: Path, program: str = "llmnpu"):
     for line in _code_lines(page.read_text()):
         line = line.split(" #")[0].strip()
-        m = re.match(r"^(?:\S*/)?llmnpu (.*)$", line)
+        m = re.match(rf"^(?:\S*/)?{program} (.*)$", line)
         if m:
             yield line, shlex.split(m.group(1))
 
@@ -42,6 +42,22 @@ def test_every_command_shown_parses(page):
             parser.parse_args(argv)
         except SystemExit as e:       # argparse's way of refusing
             raise AssertionError(f"{page.name}: `{line}` does not parse (exit {e.code})") from None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_lm_eval_command_shown_parses(page):
+    """`llmnpu-lm-eval` lines parse with lm_eval's own parser and name our model."""
+    shown = list(_commands(page, "llmnpu-lm-eval"))
+    if not shown:
+        return
+    from lm_eval._cli import HarnessCLI
+
+    for line, argv in shown:
+        try:
+            args = HarnessCLI()._parser.parse_args(["run", *argv])
+        except SystemExit as e:
+            raise AssertionError(f"{page.name}: `{line}` does not parse (exit {e.code})") from None
+        assert args.model == "llmnpu", line
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
