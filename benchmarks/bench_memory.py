@@ -10,6 +10,8 @@ it and decodes ``--new-tokens`` in its own process; the figure is that process's
 first, as after a fresh start. The reference is llama.cpp (cyllama) on the same GGUF requantized to
 Q8_0 with llama.cpp's own ``model_quantize``, with the program's context length and the same prompt,
 in a process that imports cyllama only. For the embedded model only (its GGUF ships in the package).
+The native runner runs twice: as is, and with ``--low-memory`` (NPU methods and decode step never
+loaded at once).
 
 The table beside the figures splits what the program asks for: its planned arenas (all methods, and
 the largest per lane: what one arena per lane holds), its weights (the program's constants and its
@@ -92,11 +94,11 @@ def prompt_ids(pte: Path, prompt_file: Path) -> list[int]:
     return chat_ids(tok, str(pte), prompt_file.read_text(), chat=True).reshape(-1).tolist()
 
 
-def native_peak(pte: Path, ids: list[int], new_tokens: int) -> float:
+def native_peak(pte: Path, ids: list[int], new_tokens: int, *flags: str) -> float:
     from llmnpu_delegate.runtime.native import find_runner, runner_env
 
     meta = json.loads(pte.with_suffix(".json").read_text())
-    cmd = [str(find_runner()), "--pte", str(pte), "--prompt-ids", "-", "--max-new-tokens", str(new_tokens)]
+    cmd = [str(find_runner()), "--pte", str(pte), "--prompt-ids", "-", "--max-new-tokens", str(new_tokens), *flags]
     return _peak_of(cmd, " ".join(map(str, ids)), runner_env(meta), _program_files(pte))[0]
 
 
@@ -153,6 +155,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         peaks = {"llama.cpp (Q8_0)": llamacpp_peak(ids, args.new_tokens, meta["context"], Path(tmp)),
                  "native runner": native_peak(args.pte, ids, args.new_tokens),
+                 "native --low-memory": native_peak(args.pte, ids, args.new_tokens, "--low-memory"),
                  "Python runner": python_peak(args.pte, ids, args.new_tokens)}
     ref = peaks["llama.cpp (Q8_0)"]
     result["peak_rss_mib"] = {k: round(v, 1) for k, v in peaks.items()}
@@ -162,7 +165,7 @@ def main(argv=None) -> None:
         return
     print(f"{result['cpu']}; prompt {len(ids)} tokens, context {meta['context']}, {args.new_tokens} new tokens")
     for k, v in peaks.items():
-        print(f"  {k:<18} peak RSS {v:8.1f} MiB   {v / ref:5.2f}x llama.cpp")
+        print(f"  {k:<20} peak RSS {v:8.1f} MiB   {v / ref:5.2f}x llama.cpp")
     print("  program:", ", ".join(f"{k} {v}" for k, v in result["program"].items()))
 
 

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+#include <sys/resource.h>
+
 #include <nlohmann/json.hpp>
 
 #include "decode.h"
@@ -26,11 +28,13 @@ namespace {
 const char* kUsage =
     "usage: llmnpu-runner --pte MODEL.pte (--prompt-ids FILE | --prompt-ids -) [--max-new-tokens N]\n"
     "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo|cp]\n"
-    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup]\n"
+    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--low-memory]\n"
     "       llmnpu-runner --pte MODEL.pte --dry-run --prompt-len N [--policy P]\n"
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
     "--warmup: one chunk of prefill and one decode step before the timed run (first-call set-up of\n"
     "every method, as a long-lived app has done before its first prompt).\n"
+    "--low-memory: never hold the NPU methods and the decode step at once (one packing of each weight\n"
+    "instead of two); decode then loads between the first token and the second.\n"
     "--dry-run: the policy's schedule on simulated time (each task takes its profiled cost), as JSON.\n";
 
 struct Args {
@@ -39,7 +43,7 @@ struct Args {
   std::optional<double> temperature;
   double top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool json = false, dry_run = false, warmup = false;
+  bool json = false, dry_run = false, warmup = false, low_memory = false;
   std::optional<std::pair<int, int>> fail_at;
 };
 
@@ -70,6 +74,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--json") { a.json = true; continue; }
     if (flag == "--dry-run") { a.dry_run = true; continue; }
     if (flag == "--warmup") { a.warmup = true; continue; }
+    if (flag == "--low-memory") { a.low_memory = true; continue; }
     if (i + 1 >= argc) throw InputError(flag + " needs a value (see --help)");
     std::string value = argv[++i];
     if (flag == "--pte") a.pte = value;
@@ -132,6 +137,13 @@ void check_prompt(const Sidecar& s, const std::vector<int64_t>& ids, long new_to
                      std::to_string(s.context) + ": generate fewer tokens or export with a larger --context");
 }
 
+// The process's peak resident memory so far (getrusage reports KiB on Linux).
+double peak_rss_mib() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
 nlohmann::json records_json(const std::vector<Record>& records) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : records)
@@ -156,7 +168,7 @@ int run(const Args& a) {
   check_prompt(s, ids, a.max_new_tokens);
 
   const auto l0 = Clock::now();
-  LoadedProgram program(a.pte, s);
+  LoadedProgram program(a.pte, s, a.low_memory);
   const double load_s = std::chrono::duration<double>(Clock::now() - l0).count();
 
   double warmup_s = 0;
@@ -166,6 +178,7 @@ int run(const Args& a) {
     PrefillResult w = prefill(s, program, first_chunk, policy);
     if (static_cast<int64_t>(first_chunk.size()) < s.context) Decoder(s, program, w).step(first_chunk.back());
     program.cold->fetched = 0;
+    program.switch_s = 0;
     warmup_s = std::chrono::duration<double>(Clock::now() - w0).count();
   }
 
@@ -210,7 +223,8 @@ int run(const Args& a) {
         {"decode_tok_s", tokens.size() > 1 && decode_s > 0 ? nlohmann::json((tokens.size() - 1) / decode_s) : nlohmann::json()},
         {"decision_us", 1e6 * pre.decision_s / std::max(pre.decisions, 1L)}, {"decisions", pre.decisions},
         {"npu_busy_s", busy[kNpu]}, {"cpu_busy_s", busy[kCpu]}, {"wall_s", pre.wall_s},
-        {"cold_rows", program.cold->fetched.load()}, {"stopped", is_eos(token) ? "eos" : "length"}};
+        {"cold_rows", program.cold->fetched.load()}, {"stopped", is_eos(token) ? "eos" : "length"},
+        {"low_memory", a.low_memory}, {"switch_s", program.switch_s}, {"peak_rss_mib", peak_rss_mib()}};
     std::cout << j.dump() << std::endl;
   }
   return 0;

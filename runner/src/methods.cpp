@@ -1,11 +1,15 @@
 #include "methods.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
@@ -252,13 +256,22 @@ std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs
 // the CPU worker's methods and decode load with it on. The NPU worker's load with it off: XNNPACK's
 // backend holds the cache's mutex through every execute, so two lanes on one cache take turns (the
 // prefill ran 16 % slower); decode never runs beside the CPU worker.
+// Freed packed weights go back to the system, not only to the heap's free lists (glibc keeps freed
+// memory below its adaptive mmap threshold in the heap).
+static void give_back() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
+
 static void weights_cache(bool on) {
   executorch::runtime::BackendOptions<1> xnn;
   xnn.set_option("weight_cache_enabled", on);
   (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
 }
 
-LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
+LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s, bool low_memory)
+    : pte_(pte), s_(s), low_memory_(low_memory) {
   // One XNNPACK workspace per program, i.e. per worker's Module: one workspace for all (the wheel's
   // default) would make the two workers take turns; one per delegate call re-grows (and page-faults)
   // every attention method's scratch memory at each longer past: 2.5x slower attention, measured.
@@ -278,26 +291,61 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) {
     modules[i] = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
                                           /*share_memory_arenas=*/true);
   modules[kDecodeModule] = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
-  {
-    // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
-    // pool when a method loads, so they load with the pool disabled.
-    executorch::extension::threadpool::NoThreadPoolGuard single;
-    for (const char* lane : {"npu", "cpu"}) {
-      weights_cache(lane == std::string("cpu"));
-      for (const auto& sub : s.subgraphs) {
-        if (sub.processor != lane) continue;
-        auto err = modules[sub.processor == "npu" ? kNpuModule : kCpuModule]->load_method(sub.method);
-        if (err != executorch::runtime::Error::Ok)
-          throw InputError("cannot load method " + sub.method + " of " + pte + " (" + error_text(err) +
-                           "): is it a program from llmnpu export, with its backend libraries present?");
-      }
-    }
+  load_lane("npu");
+  load_lane("cpu");
+  npu_loaded_ = true;
+  if (!low_memory_) {
+    auto err = modules[kDecodeModule]->load_method(s.decode_method);   // decode: both cores, cache on
+    if (err != executorch::runtime::Error::Ok)
+      throw InputError("cannot load method " + s.decode_method + " of " + pte + " (" + error_text(err) + ")");
+    decode_loaded_ = true;
   }
-  auto err = modules[kDecodeModule]->load_method(s.decode_method);   // decode: both cores, cache on
-  if (err != executorch::runtime::Error::Ok)
-    throw InputError("cannot load method " + s.decode_method + " of " + pte + " (" + error_text(err) + ")");
   for (const auto& sub : s.subgraphs)
     calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
+}
+
+void LoadedProgram::load_lane(const char* lane) {
+  // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
+  // pool when a method loads, so they load with the pool disabled.
+  executorch::extension::threadpool::NoThreadPoolGuard single;
+  weights_cache(lane == std::string("cpu"));
+  for (const auto& sub : s_.subgraphs) {
+    if (sub.processor != lane) continue;
+    auto& module = *modules[sub.processor == "npu" ? kNpuModule : kCpuModule];
+    if (module.is_method_loaded(sub.method)) continue;   // identical subgraphs share one method
+    auto err = module.load_method(sub.method);
+    if (err != executorch::runtime::Error::Ok)
+      throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
+                       "): is it a program from llmnpu export, with its backend libraries present?");
+  }
+  weights_cache(true);
+}
+
+void LoadedProgram::for_prefill() {
+  if (npu_loaded_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (decode_loaded_) modules[kDecodeModule]->unload_method(s_.decode_method);
+  decode_loaded_ = false;
+  give_back();
+  load_lane("npu");
+  npu_loaded_ = true;
+  switch_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void LoadedProgram::for_decode() {
+  if (decode_loaded_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (low_memory_ && npu_loaded_) {
+    for (const auto& sub : s_.subgraphs)
+      if (sub.processor == "npu") modules[kNpuModule]->unload_method(sub.method);
+    npu_loaded_ = false;
+    give_back();
+  }
+  auto err = modules[kDecodeModule]->load_method(s_.decode_method);
+  if (err != executorch::runtime::Error::Ok)
+    throw InputError("cannot load method " + s_.decode_method + " of " + pte_ + " (" + error_text(err) + ")");
+  decode_loaded_ = true;
+  switch_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace llmnpu

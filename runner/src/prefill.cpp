@@ -60,6 +60,7 @@ ValuePtr cut(const Value& kv, int64_t t) {
 
 PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, Policy policy,
                       std::optional<std::pair<int, int>> fail_at) {
+  program.for_prefill();
   std::vector<Env> envs = chunk_feeds(s, ids);
   const int chunks = static_cast<int>(envs.size());
   if (!s.has_profile && uses_costs(policy)) policy = Policy::kInorder;   // nothing to score with
