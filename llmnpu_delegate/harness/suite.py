@@ -2,7 +2,9 @@
 (one row per mode, one column per task metric, differences to fp32)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 from ..errors import LlmNpuError
 from ..evaluate import MODES
@@ -38,8 +40,9 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
         knobs = {k: v for k, v in (overrides or {}).items()
                  if MODES[mode] is not None and MODES[mode].outliers == "shadow" and (k != "pruning_rate" or MODES[mode].prunes)}
         model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, **knobs)
-        out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
-                              bootstrap_iters=1000, verbosity="ERROR")
+        with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
+            out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
+                                  bootstrap_iters=1000, verbosity="ERROR")
         results[mode] = {}
         for task, metrics in out["results"].items():
             if task in out.get("groups", {}) or task == GROUP:

@@ -29,7 +29,7 @@ from ..text import read_text
 
 TASKS = ("llmnpu_cloze", "llmnpu_wikitext", "llmnpu_nextsentence")
 GROUP = "llmnpu_offline"
-FORMAT = 2          # bump when the selection rules change: the folder name changes with it
+FORMAT = 3          # bump when the selection rules change: the folder name changes with it
 
 CLOZE_DOCS, NEXT_DOCS, WIKI_DOCS, WIKI_WORDS = 500, 500, 20, 1000
 STOP_WORDS = frozenset("""about above after again against also among another because been before being
@@ -114,8 +114,14 @@ doc_to_text: ""
 doc_to_target: "{{page}}"
 metric_list:
   - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
 """,
     "llmnpu_nextsentence": """output_type: multiple_choice
 doc_to_text: "{{query}}"
