@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +31,13 @@ from ..evaluate import DEFAULT_MODE, MODES, quantized_model
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
 from ..prefill import DEFAULT_CHUNK
 
-log = logging.getLogger(__name__)
-
 
 @register_model("llmnpu")
 class LlmNpuLM(TemplateLM):
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, quant: str = DEFAULT_MODE, pruning_rate=None,
                  clip_percentile=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
-                 max_length: int | None = None, calibration=None, progress: bool = False, batch_size=1, max_batch_size=None, device=None, **unknown):
+                 max_length: int | None = None, calibration=None, progress: bool = False,
+                 batch_size=1, max_batch_size=None, device=None, **unknown):
         super().__init__()
         if unknown:
             raise LlmNpuError(f"unknown model_args {sorted(unknown)}: use model, quant, pruning_rate, "
@@ -59,6 +57,7 @@ class LlmNpuLM(TemplateLM):
         self.tokenizer = self.lm.tokenizer
         limit = getattr(self.lm.model.config, "max_position_embeddings", 2048)
         self.max_length = int(max_length or min(limit, 2048))
+        self.calibration = calibration     # None: the cached one on the shipped calibration text
         self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
         self._wrapper = None
 
@@ -137,7 +136,7 @@ class LlmNpuLM(TemplateLM):
             from ..hf import LlmNpuForCausalLM
 
             self._wrapper = LlmNpuForCausalLM(self.lm, chunk_len=self.chunk_len, quant=self.config,
-                                              decode=self.decode, progress=False)
+                                              calibration=self.calibration, decode=self.decode, progress=False)
         return self._wrapper
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
