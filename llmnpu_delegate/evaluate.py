@@ -27,6 +27,14 @@ MODES: dict[str, QuantConfig | None] = {
 DEFAULT_MODE = "w8a8-shadow-pruned"     # the product's default: shadow outliers, automatic pruning
 
 
+def shadow_overrides(config: QuantConfig | None, overrides: dict | None) -> dict:
+    """The ``overrides`` (QuantConfig fields) that apply to a mode: the shadow knobs of shadow modes,
+    the pruning rate only to modes that prune."""
+    if config is None or config.outliers != "shadow":
+        return {}
+    return {k: v for k, v in (overrides or {}).items() if k != "pruning_rate" or config.prunes}
+
+
 def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
     """[n, window] non-overlapping windows; each predicts window-1 tokens; n*(window-1) >= max_tokens when possible."""
     if window < 2:
@@ -97,8 +105,9 @@ def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[s
         if config is None:
             results[mode] = {"ppl": perplexity(lm.model, windows, mode, progress)}
             continue
-        if config.outliers == "shadow" and overrides:
-            config = replace(config, **{k: v for k, v in overrides.items() if k != "pruning_rate" or config.prunes})
+        knobs = shadow_overrides(config, overrides)
+        if knobs:
+            config = replace(config, **knobs)
         results[mode] = run_quantized(lm, windows, calib, config, mode, progress)
     return {"model": lm.spec, "tokens": int(windows.numel() - windows.shape[0]), "window": window,
             "results": results}

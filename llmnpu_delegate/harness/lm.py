@@ -10,7 +10,7 @@ prefill and its decode.
 
 ``model_args`` take what the CLI takes: ``model=`` (default smollm2-135m), ``quant=`` (an ``llmnpu eval``
 mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default), ``pruning_rate=``,
-``clip_percentile=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
+``clip_percentile=``, ``importance=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
 CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch_size`` is ignored
 (one sequence at a time, so scores never depend on padding).
 """
@@ -35,20 +35,20 @@ from ..prefill import DEFAULT_CHUNK
 @register_model("llmnpu")
 class LlmNpuLM(TemplateLM):
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, quant: str = DEFAULT_MODE, pruning_rate=None,
-                 clip_percentile=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
+                 clip_percentile=None, importance=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
                  max_length: int | None = None, calibration=None, progress: bool = False,
                  batch_size=1, max_batch_size=None, device=None, **unknown):
         super().__init__()
         if unknown:
             raise LlmNpuError(f"unknown model_args {sorted(unknown)}: use model, quant, pruning_rate, "
-                              "clip_percentile, chunk_len, decode, max_length")
+                              "clip_percentile, importance, chunk_len, decode, max_length")
         if quant not in MODES:
             raise LlmNpuError(f"unknown quant '{quant}': use one of {', '.join(MODES)}")
         self.lm = model if isinstance(model, LoadedModel) else load_model(str(model))
         self.quant_name = quant
         self.config = MODES[quant]
-        knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile))
-                 if v is not None}
+        knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile),
+                                   ("importance", importance)) if v is not None}
         if knobs:
             if self.config is None or self.config.outliers != "shadow":
                 raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow modes (quant=w8a8-shadow...)")

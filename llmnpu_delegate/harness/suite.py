@@ -7,7 +7,7 @@ import logging
 import sys
 
 from ..errors import LlmNpuError
-from ..evaluate import MODES
+from ..evaluate import MODES, shadow_overrides
 from ..models import LoadedModel
 from . import require_lm_eval
 from .tasks import GROUP, task_dir
@@ -17,7 +17,8 @@ LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 
 
 def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path: str | None = None,
-              limit: float | None = None, overrides: dict | None = None, calib=None, text_file=None, progress: bool = True) -> dict:
+              limit: float | None = None, overrides: dict | None = None, calib=None, text_file=None,
+              progress: bool = True) -> dict:
     """{mode: {task: {metric: (value, stderr)}}} and the sample counts, through ``lm_eval.simple_evaluate``."""
     require_lm_eval()
     from lm_eval import simple_evaluate
@@ -37,9 +38,8 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     results, samples = {}, {}
     for mode in modes:
-        knobs = {k: v for k, v in (overrides or {}).items()
-                 if MODES[mode] is not None and MODES[mode].outliers == "shadow" and (k != "pruning_rate" or MODES[mode].prunes)}
-        model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, **knobs)
+        model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress,
+                         **shadow_overrides(MODES[mode], overrides))
         with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
             out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
                                   bootstrap_iters=1000, verbosity="ERROR")
@@ -50,7 +50,6 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
             results[mode][task] = {m.split(",")[0]: (v, metrics.get(m.replace(",", "_stderr,", 1)))
                                    for m, v in metrics.items() if "," in m and "_stderr" not in m}
             samples[task] = out.get("n-samples", {}).get(task, {}).get("effective")
-        del model
     return {"model": lm.spec, "limit": limit, "samples": samples, "results": results}
 
 

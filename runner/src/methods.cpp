@@ -294,12 +294,7 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s, bool low_
   load_lane("npu");
   load_lane("cpu");
   npu_loaded_ = true;
-  if (!low_memory_) {
-    auto err = modules[kDecodeModule]->load_method(s.decode_method);   // decode: both cores, cache on
-    if (err != executorch::runtime::Error::Ok)
-      throw InputError("cannot load method " + s.decode_method + " of " + pte + " (" + error_text(err) + ")");
-    decode_loaded_ = true;
-  }
+  if (!low_memory_) load_decode();
   for (const auto& sub : s.subgraphs)
     calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
 }
@@ -319,6 +314,13 @@ void LoadedProgram::load_lane(const char* lane) {
                        "): is it a program from llmnpu export, with its backend libraries present?");
   }
   weights_cache(true);
+}
+
+void LoadedProgram::load_decode() {
+  auto err = modules[kDecodeModule]->load_method(s_.decode_method);   // decode: both cores, cache on
+  if (err != executorch::runtime::Error::Ok)
+    throw InputError("cannot load method " + s_.decode_method + " of " + pte_ + " (" + error_text(err) + ")");
+  decode_loaded_ = true;
 }
 
 void LoadedProgram::for_prefill() {
@@ -341,10 +343,7 @@ void LoadedProgram::for_decode() {
     npu_loaded_ = false;
     give_back();
   }
-  auto err = modules[kDecodeModule]->load_method(s_.decode_method);
-  if (err != executorch::runtime::Error::Ok)
-    throw InputError("cannot load method " + s_.decode_method + " of " + pte_ + " (" + error_text(err) + ")");
-  decode_loaded_ = true;
+  load_decode();
   switch_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

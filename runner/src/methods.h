@@ -73,6 +73,7 @@ class LoadedProgram {
 
  private:
   void load_lane(const char* lane);
+  void load_decode();
   const std::string pte_;
   const Sidecar& s_;
   const bool low_memory_;
