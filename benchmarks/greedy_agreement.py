@@ -1,6 +1,6 @@
 """Greedy agreement of the NPU-prefilled wrapper with the float model, per quantization setting.
 
-    .venv/bin/python benchmarks/greedy_agreement.py [--max-new-tokens 24] [--pruning-rates 0.85 0.7 0.5 0]
+    .venv/bin/python benchmarks/greedy_agreement.py [--max-new-tokens 24] [--pruning-rates auto 0.75 0]
 
 Six chat prompts on the embedded model. For each setting: the share of the float model's greedy
 tokens that the wrapper predicts when fed the same continuation (teacher-forced), the share of
@@ -10,6 +10,7 @@ import argparse
 import json
 
 from llmnpu_delegate import load_model
+from llmnpu_delegate.cli.common import pruning_rate
 from llmnpu_delegate.hf import LlmNpuForCausalLM, greedy_agreement
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
@@ -18,7 +19,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")
 ap.add_argument("--max-new-tokens", type=int, default=24)
-ap.add_argument("--pruning-rates", type=float, nargs="+", default=[0.85, 0.7, 0.5, 0.0])
+ap.add_argument("--pruning-rates", type=pruning_rate, nargs="+", default=["auto", 0.75, 0.0],
+                help='"auto" (the default choice on this machine) or shares in [0, 1]')
 args = ap.parse_args()
 
 lm = load_model(args.model)

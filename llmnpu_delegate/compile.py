@@ -31,7 +31,7 @@ from .errors import LlmNpuError
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
 from .partitioner.regions import is_linear, linear_names, partition_graph
-from .prefill import default_calibration, quant_config
+from .prefill import choose_pruning, default_calibration, quant_config
 from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linears
 from .quantize.apply import LinearPlan
 from .runtime.program import build_steps
@@ -77,6 +77,7 @@ def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | N
     if config is None:
         return {**common, "plans": None, "weights": "channel"}
     calib = calibration if calibration is not None else default_calibration(lm, progress)
+    choose_pruning(model, calib, config, progress)
     plans = plan_linears(module, calib, config, fp, progress)
     return {**common, "plans": plans, "weights": config.weights}
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
+import statistics
 import threading
 import time
 import weakref
@@ -28,10 +30,20 @@ from .kernels.attention import resolve_precision
 from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
 from .models import keep_first_blocks, load_model
-from .partitioner.regions import partition_graph
-from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
+from .format.tasks import build_tasks
+from .partitioner.regions import partition_graph, shadow_delta
+from .quantize import (
+    CalibConfig,
+    Calibration,
+    QuantConfig,
+    ShadowCost,
+    auto,
+    load_or_calibrate,
+    plan_linears,
+    quantizable_linears,
+)
 from .runtime.allocator import give_back, tune_malloc
-from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, check_policy
+from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, assign_costs, check_policy, simulate
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, program_digest
 from .runtime.prompt import PrefillResult, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
@@ -39,6 +51,7 @@ from .text import calibration_ids
 
 DEFAULT_CHUNK = 256
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
+PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
 # Named quantization modes of the engine (the eval harness's names); a QuantConfig works too.
 QUANT_MODES: dict[str, QuantConfig | None] = {
     "fp32": None,
@@ -111,6 +124,7 @@ class Prefiller:
         if self.quant is not None and calibration is None:
             calibration = default_calibration(lm, progress)
         self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
+        choose_pruning(model, calibration, self.quant, progress)
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
 
@@ -141,8 +155,7 @@ class Prefiller:
         each task's median of ``PROFILE_RUNS`` runs: one run on a busy machine skewed every later
         schedule of the model (the profile is stored)."""
         t = time.perf_counter()
-        ids = torch.randint(0, self.model.config.vocab_size, (min(2 * self.chunk_len, self.max_context),),
-                            generator=torch.Generator().manual_seed(0))
+        ids = self._profile_ids()
         with torch.inference_mode():
             self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
             if profile:
@@ -152,6 +165,55 @@ class Prefiller:
                 self.profile = Profile.from_records(records, self.program, self.chunk_len)
                 self.profile.save(self._profile_path())
         self.timings["warmup_s"] = time.perf_counter() - t
+
+    def _profile_ids(self) -> Tensor:
+        """Two chunks of real text when the calibration holds them apart (outliers follow the text),
+        else random ids."""
+        n = min(2 * self.chunk_len, self.max_context)
+        held = self.calibration.held_ids if self.calibration is not None else None
+        probe = held.flatten() if held is not None else None
+        if probe is not None and probe.numel() >= n:
+            return probe[:n]
+        return torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+    def shadow_cost(self, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
+        """What each shadow path costs this engine's prefill of a ``prompt_len``-token prompt, for the
+        automatic pruning: every subgraph and shadow path timed in order (``PROFILE_RUNS`` runs of two
+        chunks), and the prefill predicted by the ``ooo`` scheduler without the pruned paths: their
+        time leaves the subgraph that holds them, and a subgraph left with no path does not run.
+        Each task also pays the executor's own handling, measured in the same runs (wall time not
+        spent inside a task); a task that does not run saves it."""
+        shadows = self.program.shadow
+        for m in shadows.values():
+            m.calls, m.seconds = 0, 0.0
+        feeds, records, handling = self.feeds(self._profile_ids()), [], []
+        with torch.inference_mode():
+            for _ in range(PROFILE_RUNS):
+                stats = self.executor.run(feeds, "inorder")[1]
+                records += stats.records
+                inside = sum(r.end - r.start for r in stats.records)
+                handling.append(max(stats.wall_s - inside, 0.0) / max(len(stats.records), 1))
+        per_task = statistics.median(handling)
+        base = Profile.from_records(records, self.program, self.chunk_len)
+        seconds = {name: m.seconds / max(m.calls, 1) for name, m in shadows.items()}
+        paths = {j: {node.args[1] for node in step.sub.nodes if node.op == "call_function" and node.target is shadow_delta}
+                 for j, step in enumerate(self.program.steps)}
+        chunks = math.ceil(min(prompt_len, self.max_context) / self.chunk_len)
+        costs = base.costs(chunks)
+
+        def makespan(kept: frozenset) -> float:
+            c = {}
+            for key, t in costs.items():
+                step = key[0] if isinstance(key, tuple) else key
+                if paths[step] and not paths[step] & kept:
+                    c[key] = 0.0            # a shadow subgraph with every path pruned is not run
+                else:
+                    c[key] = max(t - sum(seconds[n] for n in paths[step] - kept), 0.0) + per_task
+            tasks = build_tasks(self.program, chunks)
+            assign_costs(tasks, c)
+            return simulate(tasks, "ooo").wall_s
+
+        return ShadowCost("host", seconds, makespan)
 
     # ------------------------------------------------------------------ prompts
     def check_prompt(self, input_ids) -> Tensor:
@@ -231,6 +293,26 @@ def default_calibration(lm: LoadedModel | None, progress: bool = True, config: C
     return load_or_calibrate(lm.model, ids, lm.fingerprint, config, progress=progress)
 
 
+def choose_pruning(model: LoadedModel | nn.Module, calibration: Calibration, quant: QuantConfig | None,
+                   progress: bool = True) -> None:
+    """Make the automatic pruning choice of ``quant`` for this machine's engine, unless it is made
+    (it is cached in ``calibration``): the engine is built with every shadow path, its paths are
+    priced by ``Prefiller.shadow_cost`` at the default chunk length, and ``quantize/auto.py`` chooses.
+    A phone SoC's choice comes from its device model instead (``simulate/phone.py``)."""
+    if quant is None or not auto.needs_choice(calibration, quant):
+        return
+    if quant.pruning_target != "host":
+        auto.pruned_layers(calibration, quant)      # says where that choice is made
+    base = model.model if isinstance(model, LoadedModel) else model
+    fingerprint = model.fingerprint if isinstance(model, LoadedModel) else model_fingerprint(base)
+    chunk = min(DEFAULT_CHUNK, max_context(base.config))
+    unpruned = Prefiller(model, chunk, quant=dataclasses.replace(quant, pruning_rate=0.0), calibration=calibration,
+                         progress=progress)
+    cost = unpruned.shadow_cost()
+    unpruned.release_runtime()
+    plan_linears(base, calibration, quant, fingerprint, progress, cost)
+
+
 def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: str, chunk_len: int,
                        quant: QuantConfig | None, calibration: Calibration | None = None, norms: str = "cpu",
                        progress: bool = True, timings: dict | None = None):
@@ -287,14 +369,17 @@ def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_
     return engine(input_ids)
 
 
-def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True):
+def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True,
+                  choose=choose_pruning):
     """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
     ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
-    (planned on the whole model first, so pruning ranks every layer as in the full model)."""
+    (planned on the whole model first, so pruning ranks every layer as in the full model). ``choose``
+    makes an automatic pruning choice (for a phone SoC: ``simulate.phone.choose_pruning``)."""
     if quant is None:
         raise LlmNpuError("export writes INT8 NPU subgraphs: use quant w8a8-shadow or w8a8, not fp32")
     lm = load_model(spec)
     calib = default_calibration(lm, progress)
+    choose(lm, calib, quant, progress)
     if blocks is not None:
         plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
         keep_first_blocks(lm, blocks)

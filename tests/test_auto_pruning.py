@@ -1,16 +1,20 @@
-"""pruning_rate="auto": the rate comes from held-apart calibration text, and it is the highest grid
-rate within the budget, checked by re-quantizing at that rate and the next one independently."""
+"""pruning_rate="auto": shadow paths go only where their time reaches the predicted prefill, most time
+per unit of accuracy first, until the kept ones cost at most ``shadow_share`` or the accuracy budget
+on held-apart calibration text stops it. Checked against the cost it was given and against the KL
+divergence from the float model measured on independently quantized copies."""
 import copy
-import math
 
 import pytest
 import torch
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, plan_linears, quantize_
-from llmnpu_delegate.quantize.auto import GRID, chosen, mean_loss
+from llmnpu_delegate.quantize import CalibConfig, QuantConfig, QuantLinear, ShadowCost, calibrate, plan_linears, quantize_
+from llmnpu_delegate.quantize.auto import chosen, divergence, log_probs
 from llmnpu_delegate.quantize.calibrate import calibration_samples, held_apart_windows
+from llmnpu_delegate.quantize.importance import importance_key
+
+TARGET = "test-device"      # a choice made with a given cost: no engine, no device model
 
 
 def test_held_apart_windows_never_overlap_calibration_samples():
@@ -22,42 +26,133 @@ def test_held_apart_windows_never_overlap_calibration_samples():
     assert held_apart_windows(torch.arange(600), config) is None       # no gap wide enough
 
 
-def test_auto_rate_is_the_highest_within_budget():
+@pytest.fixture(scope="module")
+def tiny():
     from conftest import inject_outliers
 
     lm = load_model("random:tiny-llama")
     inject_outliers(lm.model)
     text = torch.randint(0, 1000, (4096,), generator=torch.Generator().manual_seed(1))
-    calib = calibrate(lm.model, text, lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128),
-                      progress=False)
-    config = QuantConfig()
-    assert config.pruning_rate == "auto"
-    plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False)
+    return lm, text
+
+
+def _calib(tiny):
+    lm, text = tiny
+    return calibrate(lm.model, text, lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128),
+                     progress=False)
+
+
+def _hidden_until(seconds: dict[str, float], slack: float) -> ShadowCost:
+    """Shadow paths that hide behind 1 s of NPU work until together they take more than ``slack``."""
+    return ShadowCost(TARGET, dict(seconds), lambda kept: 1.0 + max(0.0, sum(seconds[n] for n in kept) - slack))
+
+
+def _seconds(lm) -> dict[str, float]:
+    names = sorted(n for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n)
+    return {n: 1e-3 * (1 + i % 5) for i, n in enumerate(names)}
+
+
+def _kl_with(lm, calib, pruned: set[str]) -> float:
+    """Held-apart KL from the float model of a fresh copy quantized with every shadow path, then
+    ``pruned`` switched off."""
+    model = copy.deepcopy(lm.model)
+    quantize_(model, calib, QuantConfig(pruning_rate=0.0), lm.fingerprint, progress=False)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and name in pruned:
+            m.pruned = True
+    return divergence(model, calib.held_ids, log_probs(lm.model, calib.held_ids))
+
+
+def test_hidden_shadow_paths_are_kept_and_no_importance_is_profiled(tiny):
+    lm, _ = tiny
+    calib = _calib(tiny)
+    config = QuantConfig(pruning_target=TARGET)
+    seconds = _seconds(lm)
+    plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False,
+                         cost=_hidden_until(seconds, slack=sum(seconds.values())))
+    assert all(p.shadow for p in plans.values())
+    assert chosen(calib, config)["rate"] == 0.0 and chosen(calib, config)["pruned"] == []
+    assert importance_key(config) not in calib.importance      # nothing had to go: nothing was measured
+
+
+def test_paths_go_most_time_per_accuracy_first_until_the_rest_hides(tiny):
+    lm, _ = tiny
+    calib = _calib(tiny)
+    config = QuantConfig(pruning_target=TARGET, pruning_budget=100.0)      # accuracy does not bind here
+    seconds = _seconds(lm)
+    slack = 0.5 * sum(seconds.values())
+    cost = _hidden_until(seconds, slack)
+    plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False, cost=cost)
     choice = chosen(calib, config)
-    rate = choice["rate"]
-    assert sum(not p.shadow for p in plans.values()) == round(rate * len(plans))
+    pruned = set(choice["pruned"])
+    assert pruned == {n for n, p in plans.items() if not p.shadow} and 0 < len(pruned) < len(plans)
+    assert choice["rate"] == len(pruned) / len(plans)
+    # the order: time saved per unit of measured importance, highest first
+    imp = calib.importance[importance_key(config)]
+    ratio = {n: seconds[n] / max(imp[n], 1e-9) for n in seconds}
+    assert min(ratio[n] for n in pruned) >= max(ratio[n] for n in seconds if n not in pruned)
+    # kept paths fit in the share, and keeping the last one pruned as well would not
+    kept = set(seconds) - pruned
+    allowed = (1 + config.shadow_share) * cost.makespan(frozenset())
+    assert cost.makespan(frozenset(kept)) <= allowed
+    last = choice["pruned"][-1]
+    assert cost.makespan(frozenset(kept | {last})) > allowed
 
-    def loss_at(r):   # an independent path: quantize a copy at a fixed rate
-        model = copy.deepcopy(lm.model)
-        quantize_(model, calib, QuantConfig(pruning_rate=r), lm.fingerprint, progress=False)
-        return mean_loss(model, calib.held_ids)
 
-    limit = loss_at(0.0) + math.log1p(config.pruning_budget)
-    assert loss_at(rate) <= limit + 1e-6
-    following = [r for r in GRID if r > rate]
-    if following:
-        assert loss_at(following[0]) > limit - 1e-6
-    assert choice["perplexity_ratio"] <= 1 + config.pruning_budget
+def test_the_accuracy_budget_stops_pruning_first(tiny):
+    lm, _ = tiny
+    calib = _calib(tiny)
+    config = QuantConfig(pruning_target=TARGET, pruning_budget=0.5)
+    seconds = _seconds(lm)
+    plan_linears(lm.model, calib, config, lm.fingerprint, progress=False, cost=_hidden_until(seconds, slack=0.0))
+    choice = chosen(calib, config)
+    assert 0.0 < choice["rate"] < 1.0          # with no slack, only the budget keeps any path
+    order = choice["pruned"]
+    limit = _kl_with(lm, calib, set()) * (1 + config.pruning_budget)
+    assert _kl_with(lm, calib, set(order)) <= limit * (1 + 1e-5)
+    imp = calib.importance[importance_key(config)]
+    following = max((n for n in seconds if n not in order), key=lambda n: seconds[n] / max(imp[n], 1e-9))
+    assert _kl_with(lm, calib, set(order) | {following}) > limit * (1 - 1e-5)
 
 
-def test_auto_needs_held_apart_text_and_bad_rates_are_refused():
+def test_a_choice_is_kept_per_target_and_an_unmade_one_says_where_it_is_made(tiny):
+    lm, _ = tiny
+    calib = _calib(tiny)
+    seconds = _seconds(lm)
+    plan_linears(lm.model, calib, QuantConfig(pruning_target=TARGET), lm.fingerprint, progress=False,
+                 cost=_hidden_until(seconds, slack=sum(seconds.values())))
+    with pytest.raises(LlmNpuError, match="not chosen yet.*device model"):
+        plan_linears(lm.model, calib, QuantConfig(pruning_target="SM8650"), lm.fingerprint, progress=False)
+
+
+def test_auto_needs_held_apart_text_when_it_must_prune_and_bad_settings_are_refused():
     lm = load_model("random:tiny-llama")
     calib = calibrate(lm.model, torch.randint(0, 1000, (300,)), lm.fingerprint,
                       CalibConfig(samples=2, tokens=128, probe_tokens=128), progress=False)
+    seconds = _seconds(lm)
     with pytest.raises(LlmNpuError, match="held-apart calibration text"):
-        plan_linears(lm.model, calib, QuantConfig(), lm.fingerprint, progress=False)
+        plan_linears(lm.model, calib, QuantConfig(pruning_target=TARGET), lm.fingerprint, progress=False,
+                     cost=_hidden_until(seconds, slack=0.0))
     with pytest.raises(LlmNpuError, match="'auto' or lie in"):
         QuantConfig(pruning_rate="most")
+    with pytest.raises(LlmNpuError, match="shadow_share"):
+        QuantConfig(shadow_share=1.5)
+    with pytest.raises(LlmNpuError, match="pruning_target"):
+        QuantConfig(pruning_target="")
+
+
+def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
+    """The host's cost: every shadowed linear timed, and the kept paths lengthen the predicted prefill
+    by no more than their own time (4 chunks of it) and never shorten it."""
+    from llmnpu_delegate.prefill import Prefiller
+
+    lm, _ = tiny
+    calib = _calib(tiny)
+    engine = Prefiller(lm, 64, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False)
+    cost = engine.shadow_cost(prompt_len=256)
+    assert set(cost.seconds) == set(engine.program.shadow) and all(s > 0 for s in cost.seconds.values())
+    added = cost.makespan(frozenset(cost.seconds)) - cost.makespan(frozenset())
+    assert 0 <= added <= 4 * sum(cost.seconds.values()) + 1e-9
 
 
 def test_default_calibration_text_has_chat_formatted_samples(smollm2):

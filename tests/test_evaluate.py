@@ -10,7 +10,6 @@ from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.evaluate import eval_windows, perplexity
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.quantize.auto import GRID
 from llmnpu_delegate.text import read_text
 
 
@@ -61,8 +60,8 @@ def test_cli_eval_json(tmp_path, capsys):
         assert r["ppl"] > 1
         if "shadow" in mode:
             assert 0 <= r["outlier_fraction"] < 0.05
-    # the default rate is "auto": the report gives the grid rate it chose
-    assert out["results"]["w8a8-shadow-pruned"]["pruning_rate"] in GRID
+    # the default rate is "auto": the report gives the share of paths it chose to prune
+    assert 0.0 <= out["results"]["w8a8-shadow-pruned"]["pruning_rate"] <= 1.0
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -11,6 +11,7 @@ from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.format.rows import ColdRows
 from llmnpu_delegate.models import RANDOM_SHAPES, load_model
 from llmnpu_delegate.paths import load_checked, save_checked
+from llmnpu_delegate.quantize.importance import importance_key
 from llmnpu_delegate.quantize import (
     CalibConfig,
     Calibration,
@@ -297,19 +298,22 @@ def test_pruning_by_output_effect_is_profiled_once_and_saved(tmp_path):
         q = m.get_submodule(name)
         assert q.pruned and q.shadow is None and q.full_scale == pytest.approx(calib.layers[name].absmax / 127)
     saved = Calibration.load(tmp_path / "c.pt")
-    assert len(saved.importance["output/p99.5/channel"]) == n
+    key = importance_key(cfg)
+    assert len(saved.importance[key]) == n
     # the kept layers are the ones whose removal hurt most
-    imp = saved.importance["output/p99.5/channel"]
+    imp = saved.importance[key]
     assert min(imp[s] for s in rep.shadow_layers) >= max(imp[p] for p in rep.pruned_layers)
 
 
 @pytest.mark.parametrize("shape", TINY)
 def test_output_importance_replay_equals_full_recompute(shape):
-    """Replaying the unchanged early blocks gives the same per-layer effects as running everything."""
+    """Replaying the unchanged early blocks gives the same effects as running everything: a layer with
+    real outliers measured alone, the quiet layers of a block together, sharing their effect."""
     import copy
 
     from llmnpu_delegate.quantize import importance as I
     lm = _tiny(shape)
+    inject_outliers(lm.model)
     ids = torch.randint(0, 2000, (400,))
     calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=2, tokens=48, probe_tokens=96,
                                                                  percentiles=(95.0, 99.5)), progress=False)
@@ -319,18 +323,23 @@ def test_output_importance_replay_equals_full_recompute(shape):
     layers = {n: m.get_submodule(n) for n in quantizable_linears(lm.model)}
     calls = []
     hooks = [blk.register_forward_hook(lambda *_a, i=i: calls.append(i)) for i, blk in enumerate(m.model.layers)]
-    fast = I.output_importance(m, layers, calib.probe_ids, float_logits, progress=False)
+    fast = I.output_importance(m, layers, calib.probe_ids, float_logits, calib, 95.0, progress=False)
     for h in hooks:
         h.remove()
     n_blocks = len(m.model.layers)
-    block_of = [int(n.split(".layers.")[1].split(".")[0]) for n in layers]
-    assert len(calls) == n_blocks + sum(n_blocks - b for b in block_of)  # early blocks were replayed
+    block_of = {n: int(n.split(".layers.")[1].split(".")[0]) for n in layers}
+    groups = I.profile_groups(calib, list(layers), 95.0, block_of)
+    assert any(len(g) == 1 for g in groups) and any(len(g) > 1 for g in groups)      # both kinds occur
+    assert sorted(n for g in groups for n in g) == sorted(layers)
+    assert len(calls) == n_blocks + sum(n_blocks - block_of[g[0]] for g in groups)  # early blocks were replayed
     ref = I._kl(float_logits.log_softmax(-1), I.logits_of(m, calib.probe_ids))
-    for name, q in layers.items():
-        q.pruned = True
+    for group in groups:
+        for name in group:
+            layers[name].pruned = True
         slow = I._kl(float_logits.log_softmax(-1), I.logits_of(m, calib.probe_ids)) - ref
-        q.pruned = False
-        assert fast[name] == pytest.approx(slow, rel=1e-4, abs=1e-7), name
+        for name in group:
+            layers[name].pruned = False
+            assert fast[name] == pytest.approx(slow / len(group), rel=1e-4, abs=1e-7), name
     assert any(v > 0 for v in fast.values())
     assert all(type(b).__name__ != "_Replay" for b in m.model.layers)  # the stack is restored
 

@@ -181,13 +181,45 @@ def test_a_plan_is_carried_over_by_depth_and_role():
 
 def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
     """A random-weight model takes the embedded model's plan, and with it the rate that plan was
-    chosen at (the embedded calibration is cached by the tests before this file)."""
+    chosen at for the SoC (the embedded calibration is cached by the tests before this file)."""
     from llmnpu_delegate.prefill import quant_config
-    from llmnpu_delegate.quantize.auto import GRID
 
     assert quant_config("w8a8-shadow", None).pruning_rate == "auto"
     scn = prepare("random:tiny-llama", C, progress=False)
-    assert isinstance(scn.pruning_rate, float) and scn.pruning_rate in GRID
+    assert isinstance(scn.pruning_rate, float) and 0.0 <= scn.pruning_rate <= 1.0
+
+
+def test_a_phone_keeps_the_shadow_paths_its_npu_hides():
+    """On SM8650 the embedded model's shadow work runs beside the NPU's graphs: the device model finds
+    nothing worth pruning, and each path's price is its shadow product's cost in the CPU subgraph."""
+    from llmnpu_delegate.models import load_model
+    from llmnpu_delegate.partitioner.regions import shadow_delta
+    from llmnpu_delegate.prefill import default_calibration
+    from llmnpu_delegate.quantize import QuantConfig
+    from llmnpu_delegate.quantize.auto import chosen
+    from llmnpu_delegate.simulate import cost as costs
+    from llmnpu_delegate.simulate.phone import choose_pruning, shadow_cost
+    from llmnpu_delegate.simulate.device import load_device
+
+    scn = prepare("random:tiny-llama", C, pruning_rate=0.0, progress=False,
+                  plan={"model.layers.0.mlp.down_proj": 0.02, "model.layers.1.self_attn.q_proj": 0.01})
+    cost = shadow_cost(scn, "SM8650", prompt_len=4 * C)
+    device = load_device("SM8650")
+    for sub in scn.partition.subgraphs:
+        for node in sub.nodes:
+            if node.op == "call_function" and node.target is shadow_delta:
+                w = costs.node_work(node, 0, device["cpu.float_bytes"], scn.outlier_rate)
+                want = device["cpu.op_launch_s"] + max(w.flops / device["cpu.float_ops_per_s"],
+                                                       w.bytes / device["cpu.memory_bytes_per_s"])
+                assert cost.seconds[node.args[1]] == pytest.approx(want, rel=1e-9)
+                assert costs.node_work(node, 0, 2.0, {}).ops == 0      # pruned: it does not run
+
+    lm = load_model("smollm2-135m")
+    calib = default_calibration(lm, progress=False)
+    config = QuantConfig(pruning_target="SM8650")
+    choose_pruning(lm, calib, config, progress=False)
+    choice = chosen(calib, config)
+    assert choice["pruned"] == [] and choice["makespan_all_s"] <= 1.01 * choice["makespan_none_s"]
 
 
 # ------------------------------------------------------------------ bad input

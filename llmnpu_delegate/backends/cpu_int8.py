@@ -11,6 +11,8 @@ With ``plans=None`` the same subgraphs run as float linears: the float reference
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -79,11 +81,15 @@ class ShadowDelta(nn.Module):
         self.name, self.clip, self.rows = name, clip, rows
         self.outlier_elements = 0
         self.seen_elements = 0
+        self.calls, self.seconds = 0, 0.0     # what this path costs (automatic pruning reads it)
 
     def forward(self, x: Tensor) -> Tensor:
+        t = time.perf_counter()
         x2 = x.reshape(-1, x.shape[-1])
         self.seen_elements += x2.numel()
         y, outliers = self.rows.product(x2, self.clip)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t
         if y is None:
             return x.new_zeros(())
         self.outlier_elements += outliers

@@ -1,10 +1,14 @@
 """``llmnpu export``."""
 from __future__ import annotations
 
+import dataclasses
+
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
 from ..lower.pte import DEFAULT_CONTEXT, export_pte
 from ..prefill import DEFAULT_CHUNK, QUANT_MODES, export_engine, quant_config
+from ..quantize import auto
+from ..simulate.phone import choose_pruning
 from ..text import calibration_ids
 from .common import add_output_args, pruning_rate
 
@@ -48,7 +52,10 @@ def cmd_export(args) -> dict:
     quant = quant_config(args.quant, args.pruning_rate)
     backend = backends.get(args.backend)
     backend.check_target(args.soc)       # before the model is loaded and planned
-    lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress)
+    if backend.uses_soc and auto.is_auto(quant):    # pruned for the phone's schedule, not this machine's
+        quant = dataclasses.replace(quant, pruning_target=args.soc)
+    lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress,
+                               choose=choose_pruning)
     calib_ids = calibration_ids(lm, None)
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,

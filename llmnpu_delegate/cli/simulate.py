@@ -47,7 +47,8 @@ def cmd_simulate(args) -> dict:
         rows = sweep(args.model, args.soc, args.prompt_len, SWEEP_PRUNING_RATES, progress=not args.no_progress)
         args.text = _format_sweep(args, rows)
         return {"model": args.model, "soc": args.soc, "prompt_len": args.prompt_len, "sweep": rows}
-    scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.norms, progress=not args.no_progress)
+    scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.norms, progress=not args.no_progress,
+                  soc=args.soc)
     result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir)
     args.text = _format_simulate(result)
     return result

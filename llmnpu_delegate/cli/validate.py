@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..errors import LlmNpuError
 from ..prefill import export_engine
+from ..simulate.phone import choose_pruning
 from ..quantize import QuantConfig
 from ..runtime.pte_runner import PteRunner
 from ..runtime.validate import validate_pte
@@ -31,7 +32,7 @@ def cmd_validate(args) -> dict:
     if "spec" not in model:
         raise LlmNpuError(f"{args.pte}'s sidecar does not say which model it was exported from")
     lm, engine = export_engine(model["spec"], meta["chunk_len"], QuantConfig.from_dict(meta["quant"]),
-                               model.get("blocks"), progress=not args.no_progress)
+                               model.get("blocks"), progress=not args.no_progress, choose=choose_pruning)
     ids = tokenize(lm, read_text(None, "eval"))
     prompt = ids[: args.prompt_tokens] if args.prompt_tokens else None
     result = validate_pte(args.pte, engine, ids, prompt, runner=runner)

@@ -1,5 +1,6 @@
 """Preparation stage: calibrate the float model, then ``quantize_`` it to W8A8 with shadow outliers."""
-from .apply import LinearPlan, QuantReport, outlier_counters, plan_linears, quantize_  # noqa: F401
+from .apply import LinearPlan, QuantReport, outlier_counters, plan_linears, pruned_set, quantize_  # noqa: F401
+from .auto import ShadowCost  # noqa: F401
 from .calibrate import (  # noqa: F401
     Calibration,
     LayerStats,

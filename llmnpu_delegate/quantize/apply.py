@@ -70,12 +70,13 @@ class LinearPlan:
 
 
 def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fingerprint: str,
-                 progress: bool = True) -> dict[str, LinearPlan]:
+                 progress: bool = True, cost: auto.ShadowCost | None = None) -> dict[str, LinearPlan]:
     """Per-linear quantization decisions of ``quantize_`` without touching ``model`` (weights are
     converted later, by the backend that compiles them).
 
-    Pruning by output effect needs a one-time profile; it is made (on a temporarily quantized
-    model, then restored) and cached in ``calib`` like ``quantize_`` does.
+    Pruning by output effect needs a one-time profile, and an "auto" rate a choice made with
+    ``cost``; both are made (on a temporarily quantized model, then restored) and cached in
+    ``calib`` like ``quantize_`` does.
     """
     if config.outliers == "smooth":
         raise LlmNpuError("the chunked NPU engine runs outliers='shadow' or 'none'; SmoothQuant rescales "
@@ -84,19 +85,15 @@ def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fing
     calib.check_model(fingerprint)
     linears = quantizable_linears(model)
     calib.check_linears(linears)
-    needs_profile = config.prunes and config.importance == "output" and importance_key(config) not in calib.importance
-    if needs_profile or (config.prunes and config.pruning_rate == "auto" and auto.chosen(calib, config) is None):
+    fixed_needs_profile = (config.prunes and not auto.is_auto(config) and config.importance == "output"
+                           and importance_key(config) not in calib.importance)
+    if fixed_needs_profile or auto.needs_choice(calib, config):
         try:
-            quantize_(model, calib, config, fingerprint, progress)
+            quantize_(model, calib, config, fingerprint, progress, cost)
         finally:
             for name, lin in linears.items():
                 _set_submodule(model, name, lin)
-    config = auto.resolve(config, calib)
-    pruned: set[str] = set()
-    if config.prunes:
-        importance = (ratio_importance(calib, config.clip_percentile) if config.importance == "ratio"
-                      else calib.importance[importance_key(config)])
-        pruned = layers_to_prune(importance, config.pruning_rate)
+    pruned = pruned_set(calib, config)
     plans = {}
     for name in linears:
         stats = calib.layers[name]
@@ -115,20 +112,39 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent), leaf, module)
 
 
+def pruned_set(calib: Calibration, config: QuantConfig) -> set[str]:
+    """The layers ``config`` prunes: an "auto" config's cached choice, else the ``pruning_rate`` share
+    that ranks lowest (the importance profile must be in ``calib``)."""
+    if not config.prunes:
+        return set()
+    if auto.is_auto(config):
+        return auto.pruned_layers(calib, config)
+    importance = (ratio_importance(calib, config.clip_percentile) if config.importance == "ratio"
+                  else calib.importance[importance_key(config)])
+    return layers_to_prune(importance, config.pruning_rate)
+
+
 @torch.inference_mode()
 def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerprint: str,
-              progress: bool = True) -> QuantReport:
+              progress: bool = True, cost: auto.ShadowCost | None = None) -> QuantReport:
     """Quantize ``model`` (a float causal LM) in place with ``config`` and calibration ``calib``.
 
     With pruning by measured output effect, the per-layer effect is profiled on calibration's probe
-    tokens the first time and stored in ``calib`` (and re-saved if it has a path).
+    tokens the first time it is needed and stored in ``calib`` (and re-saved if it has a path). An
+    "auto" pruning rate not chosen yet is chosen with ``cost`` (``quantize/auto.py``), and stored alike.
     """
     calib.check_model(fingerprint)
     linears = quantizable_linears(model)
     calib.check_linears(linears)
     key = importance_key(config)
-    need_profile = config.prunes and config.importance == "output" and key not in calib.importance
+    choosing = auto.needs_choice(calib, config)
+    if choosing and cost is None:
+        auto.pruned_layers(calib, config)       # says how to get the choice
+    must_prune = choosing and auto.must_prune(cost, config)     # else no profile is needed for the choice
+    wants_importance = config.prunes and (must_prune if choosing else not auto.is_auto(config))
+    need_profile = wants_importance and config.importance == "output" and key not in calib.importance
     float_logits = logits_of(model, calib.probe_ids) if need_profile else None
+    held_reference = auto.log_probs(model, calib.held_ids) if must_prune and calib.held_ids is not None else None
 
     layers = {name: _build(lin, name, calib, config, fingerprint) for name, lin in linears.items()}
     for name, q in layers.items():
@@ -137,23 +153,26 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
     report = QuantReport(config, len(layers))
     if config.outliers != "shadow":
         return report
-    pruned: set[str] = set()
-    if config.prunes:
+
+    def importance() -> dict[str, float]:
         if config.importance == "ratio":
-            importance = ratio_importance(calib, config.clip_percentile)
-        else:
-            if need_profile:
-                calib.importance[key] = output_importance(model, layers, calib.probe_ids, float_logits, progress)
-                if calib.path is not None:
-                    calib.save()
-            importance = calib.importance[key]
-        if config.pruning_rate == "auto" and auto.chosen(calib, config) is None:
-            calib.importance[auto.auto_key(config)] = auto.choose_rate(model, layers, calib, config, importance)
+            return ratio_importance(calib, config.clip_percentile)
+        if key not in calib.importance:
+            calib.importance[key] = output_importance(model, layers, calib.probe_ids, float_logits, calib,
+                                                      config.clip_percentile, progress)
             if calib.path is not None:
                 calib.save()
-        config = auto.resolve(config, calib)
-        report.config = config
-        pruned = layers_to_prune(importance, config.pruning_rate)
+        return calib.importance[key]
+
+    if choosing:
+        calib.pruning[auto.auto_key(config)] = auto.choose(model, layers, calib, config, importance,
+                                                           lambda: held_reference, cost)
+        if calib.path is not None:
+            calib.save()
+    elif config.prunes and not auto.is_auto(config):
+        importance()
+    pruned = pruned_set(calib, config)
+    report.config = auto.resolve(config, calib)
     for name, q in layers.items():
         q.pruned = name in pruned
         if q.pruned:

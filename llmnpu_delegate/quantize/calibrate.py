@@ -54,7 +54,8 @@ class LayerStats:
 
 @dataclass
 class Calibration:
-    """The calibration artefact. ``importance`` caches per-layer pruning rankings by key."""
+    """The calibration artefact. ``importance`` caches per-layer pruning rankings by key, ``pruning``
+    the automatic pruning choices by key (``quantize/auto.py``)."""
     model_fingerprint: str
     config: CalibConfig
     text_sha: str
@@ -64,6 +65,7 @@ class Calibration:
     # [n, L] windows of the calibration text that no calibration sample touches: the automatic pruning
     # rate is checked on them (quantize/auto.py)
     held_ids: Tensor | None = None
+    pruning: dict[str, dict] = field(default_factory=dict)
     version: int = CALIB_VERSION
     path: Path | None = None                 # where it was loaded from / saved to
 
@@ -94,7 +96,8 @@ class Calibration:
         payload = {"version": self.version, "model_fingerprint": self.model_fingerprint,
                    "config": self.config.to_dict(), "text_sha": self.text_sha,
                    "layers": {n: s.to_dict() for n, s in self.layers.items()},
-                   "probe_ids": self.probe_ids, "importance": self.importance, "held_ids": self.held_ids}
+                   "probe_ids": self.probe_ids, "importance": self.importance, "held_ids": self.held_ids,
+                   "pruning": self.pruning}
         save_checked(payload, path, KIND)
         self.path = path
         return path
@@ -146,8 +149,26 @@ class Calibration:
         held = d["held_ids"]
         if held is not None and (not isinstance(held, Tensor) or held.dim() != 2 or held.dtype != torch.int64):
             raise TypeError("held_ids is not a [n, L] int64 tensor")
+        pruning = {key: _choice(choice, f"pruning[{key}]")
+                   for key, choice in _typed(d.get("pruning", {}), dict, "pruning").items()}
         return cls(_typed(d["model_fingerprint"], str, "model_fingerprint"), config,
-                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, held, d["version"], path)
+                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, held, pruning, d["version"], path)
+
+
+def _choice(choice, what: str) -> dict:
+    """An automatic pruning choice: its target, the layers it prunes, and numbers."""
+    _typed(choice, dict, what)
+    for k, v in choice.items():
+        if k == "target":
+            _typed(v, str, f"{what}.target")
+        elif k == "pruned":
+            if not all(isinstance(n, str) for n in _typed(v, list, f"{what}.pruned")):
+                raise TypeError(f"{what}.pruned is not a list of layer names")
+        else:
+            _typed(v, float, f"{what}.{k}")
+    if "pruned" not in choice or "rate" not in choice:
+        raise TypeError(f"{what} has no pruned layers or rate")
+    return choice
 
 
 def _typed(value, kind, what: str):

@@ -33,7 +33,7 @@ class CalibConfig:
     samples: int = 8
     tokens: int = 512
     percentiles: tuple[float, ...] = (99.0, 99.5, 99.9, 99.99)
-    probe_tokens: int = 512
+    probe_tokens: int = 128
     version: int = 1
 
     def __post_init__(self):
@@ -62,9 +62,16 @@ class QuantConfig:
         clip_percentile: percentile of |x| used as the clipping threshold in "shadow" mode.
         pruning_rate: share of linear layers whose shadow path is removed ("shadow" mode); a
             pruned layer quantizes with its full-range scale, so nothing is silently clipped.
-            "auto" (default): the highest rate whose measured cost on held-apart calibration text
-            stays within ``pruning_budget`` (``quantize/auto.py``).
-        pruning_budget: for "auto", the allowed perplexity increase over no pruning (0.01: 1 %).
+            "auto" (default): the paths whose time reaches the critical path of the prefill on
+            ``pruning_target``, most time per unit of accuracy first, within ``pruning_budget``
+            (``quantize/auto.py``).
+        pruning_budget: for "auto", how much pruning may add to the quantized model's KL divergence
+            from the float model on held-apart calibration text, as a share of that divergence with
+            every shadow path (1.0: at most double it).
+        pruning_target: for "auto", whose prefill the shadow paths are priced on: "host" (this
+            machine's engine, profiled) or a phone SoC's device model (e.g. "SM8650").
+        shadow_share: for "auto", how much longer the kept shadow paths may make the predicted
+            prefill than none at all (0.01: 1 %).
         importance: how layers are ranked for pruning: "output" (measured effect of removing the
             layer's shadow path on the model's output distribution) or "ratio" (the paper's
             largest outlier / quantization scale).
@@ -75,7 +82,9 @@ class QuantConfig:
     weights: str = "channel"
     clip_percentile: float = 99.5
     pruning_rate: float | str = "auto"
-    pruning_budget: float = 0.01
+    pruning_budget: float = 1.0
+    pruning_target: str = "host"
+    shadow_share: float = 0.01
     importance: str = "output"
     hot_coverage: float = 0.8
     smooth_alpha: float = 0.5
@@ -91,8 +100,13 @@ class QuantConfig:
         if self.pruning_rate != "auto" and not (isinstance(self.pruning_rate, (int, float))
                                                 and 0.0 <= self.pruning_rate <= 1.0):
             raise LlmNpuError(f"pruning_rate must be 'auto' or lie in [0, 1], got {self.pruning_rate!r}")
-        if not 0.0 <= self.pruning_budget < 1.0:
-            raise LlmNpuError(f"pruning_budget must lie in [0, 1), got {self.pruning_budget}")
+        if not (isinstance(self.pruning_budget, (int, float)) and 0.0 <= self.pruning_budget <= 100.0):
+            raise LlmNpuError(f"pruning_budget must lie in [0, 100] (a share of the unpruned divergence), "
+                              f"got {self.pruning_budget!r}")
+        if not isinstance(self.pruning_target, str) or not self.pruning_target or "/" in self.pruning_target:
+            raise LlmNpuError(f"pruning_target must be 'host' or a SoC name, got {self.pruning_target!r}")
+        if not 0.0 <= self.shadow_share < 1.0:
+            raise LlmNpuError(f"shadow_share must lie in [0, 1), got {self.shadow_share}")
         if not 0.0 <= self.hot_coverage <= 1.0:
             raise LlmNpuError(f"hot_coverage must lie in [0, 1], got {self.hot_coverage}")
         if not 0.0 < self.smooth_alpha < 1.0:

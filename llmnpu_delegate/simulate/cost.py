@@ -10,7 +10,8 @@ paper Table 4), whatever dtype the graph was traced in.
   bandwidth) + activation bytes in and out / memory bandwidth``: the roofline fitted to Table 3,
   applied GEMM by GEMM, plus the shared-memory traffic of the graph's inputs and outputs.
 - CPU: each op that does work costs ``op_launch + max(flops / float rate, bytes / memory
-  bandwidth)``; views and shape arithmetic are free.
+  bandwidth)``; views and shape arithmetic are free. A shadow product of a linear absent from the
+  plan's outlier shares is a pruned path and costs nothing.
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def node_work(node: Node, past: int, float_bytes: float, outlier_rate: dict[str,
     out_bytes = _val_bytes(node, past, float_bytes)
     if node.target is shadow_delta:
         x, name = node.args
+        if name not in outlier_rate:
+            return Work()       # a pruned path: it does not run
         xs = node_shape(x, past)
         k, n = xs[-1], node_shape(node, past)[-1]
         elements = math.prod(xs)

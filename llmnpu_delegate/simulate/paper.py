@@ -26,7 +26,7 @@ def validate(soc: str = "SM8650", chunk: int = 256, prompt_len: int = 1024, prog
     def run(model, rate, length, policies=("inorder", "overlap", "ooo")):
         key = (model, rate)
         if key not in scenarios:
-            scenarios[key] = prepare(model, chunk, pruning_rate=rate, progress=progress)
+            scenarios[key] = prepare(model, chunk, pruning_rate=rate, progress=progress, soc=soc)
         return simulate_prefill(scenarios[key], soc, length, policies)
 
     rows = []

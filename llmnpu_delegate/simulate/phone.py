@@ -14,6 +14,7 @@ cost model's time. Energy integrates each processor's busy and idle power over t
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from ..evaluate import eval_windows, run_quantized
 from ..families import FAMILIES
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
-from ..partitioner.regions import Partition, partition_graph
-from ..prefill import default_calibration, quant_config
-from ..quantize import QuantConfig, auto, plan_linears, quantizable_linears
+from ..partitioner.regions import Partition, partition_graph, shadow_delta
+from ..prefill import DEFAULT_CHUNK, PRUNING_PROMPT, default_calibration, quant_config
+from ..prefill import choose_pruning as choose_host_pruning
+from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quantizable_linears
 from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
 from ..runtime.program import ChunkProgram, Step
 from ..runtime.trace import metrics, step_label, write_timeline, write_trace
@@ -97,19 +99,64 @@ def embedded_plan(quant: QuantConfig, progress: bool) -> tuple[dict[str, float],
 
 def model_plan(lm, quant: QuantConfig, progress: bool) -> tuple[dict[str, float], float | None]:
     """Shadowed linear -> calibrated outlier share, and the pruning rate that chose them (an
-    automatic rate resolved to the one it picked)."""
+    automatic rate resolved to the one it picked for ``quant.pruning_target``)."""
     calib = default_calibration(lm, progress)
+    choose_pruning(lm, calib, quant, progress)
     plans = plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
     rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
     return rates, auto.resolve(quant, calib).pruning_rate
 
 
+def shadow_cost(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
+    """What each shadow path of ``scn`` (planned with every path) costs the predicted ``ooo`` prefill of a
+    ``prompt_len``-token prompt on ``soc``: the automatic pruning's prices for a phone."""
+    device = load_device(soc)
+    chunks = math.ceil(min(prompt_len, scn.context) / scn.chunk)
+    seconds = {}
+    for sub in scn.partition.subgraphs:
+        names = [n.args[1] for n in sub.nodes if n.op == "call_function" and n.target is shadow_delta]
+        for name in names:
+            if name in scn.outlier_rate:
+                without = {k: v for k, v in scn.outlier_rate.items() if k != name}
+                seconds[name] = (cost.seconds(sub, 0, device, scn.outlier_rate) - cost.seconds(sub, 0, device, without))
+
+    def makespan(kept: frozenset) -> float:
+        kept_scn = dataclasses.replace(scn, outlier_rate={k: v for k, v in scn.outlier_rate.items() if k in kept})
+        tasks = build_tasks(scn.program, chunks)
+        assign_costs(tasks, step_costs(kept_scn, device, chunks))
+        return simulate(tasks, "ooo").wall_s
+
+    return ShadowCost(soc, seconds, makespan)
+
+
+def choose_pruning(lm, calib: Calibration, quant: QuantConfig | None, progress: bool = True) -> None:
+    """Make the automatic pruning choice of ``quant`` for its phone SoC (``pruning_target``), unless
+    it is made (cached in ``calib``): ``lm`` planned with every shadow path and partitioned at the
+    default chunk length, its paths priced by the SoC's device model. The host's choice is the
+    engine's (``prefill.choose_pruning``), made from here too."""
+    if quant is None or not auto.needs_choice(calib, quant):
+        return
+    if quant.pruning_target == "host":
+        return choose_host_pruning(lm, calib, quant, progress)
+    unpruned = dataclasses.replace(quant, pruning_rate=0.0)
+    plans = plan_linears(lm.model, calib, unpruned, lm.fingerprint, progress)
+    rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
+    scn = _scenario(lm.model, str(lm.fingerprint), min(DEFAULT_CHUNK, max_context(lm.model.config)), rates,
+                    "unpruned", 0.0, "cpu")
+    plan_linears(lm.model, calib, quant, lm.fingerprint, progress, shadow_cost(scn, quant.pruning_target))
+
+
 def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,
-            norms: str = "cpu", progress: bool = True, plan: dict[str, float] | None = None) -> Scenario:
-    """Partition ``model``'s chunk step and attach its shadow plan (``plan`` overrides it: tests)."""
+            norms: str = "cpu", progress: bool = True, plan: dict[str, float] | None = None,
+            soc: str = "SM8650") -> Scenario:
+    """Partition ``model``'s chunk step and attach its shadow plan (``plan`` overrides it: tests). An
+    automatic pruning is the one chosen for ``soc``."""
     if quant not in QUANT_MODES:
         raise LlmNpuError(f"simulate runs INT8 NPU graphs: --quant must be one of {', '.join(QUANT_MODES)}, got '{quant}'")
     config = quant_config(quant, pruning_rate)
+    if auto.is_auto(config):
+        load_device(soc)
+        config = dataclasses.replace(config, pruning_target=soc)
     lm = None
     if model.startswith("random:") or Path(model).is_dir():
         net: nn.Module = model_skeleton(model)
@@ -127,6 +174,12 @@ def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: fl
         base, rate, base_layers = embedded_plan(config, progress)
         rates = carry_over(base, base_layers, list(quantizable_linears(net)), net.config.num_hidden_layers)
         source = f"{DEFAULT_MODEL}'s calibration, carried over by depth and role"
+    return _scenario(net, model, chunk, rates, source, rate, norms)
+
+
+def _scenario(net: nn.Module, model: str, chunk: int, rates: dict[str, float], source: str,
+              rate: float | None, norms: str) -> Scenario:
+    """``net``'s chunk step partitioned with the linears of ``rates`` shadowed."""
     ep = export_chunk_step(net, chunk)
     partition = partition_graph(ep.module(), quantizable_linears(net), shadowed=list(rates), norms=norms, prefix="model.")
     rates = {k: v for k, v in rates.items() if k in partition.shadowed}
@@ -208,7 +261,7 @@ def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, pro
         ppl = run_quantized(lm, windows, calib, quant_config("w8a8-shadow", rate), f"ppl at pruning {rate}",
                             progress)["ppl"]
         for chunk in chunks:
-            scn = prepare(model, chunk, pruning_rate=rate, progress=progress)
+            scn = prepare(model, chunk, pruning_rate=rate, progress=progress, soc=soc)
             r = simulate_prefill(scn, soc, prompt_len, ("ooo",))["policies"]["ooo"]
             rows.append({"chunk": chunk, "pruning_rate": rate, "tok_s": r["tok_s"], "energy_j": r["energy_j"],
                          "shadowed_linears": scn.shadowed, "embedded_ppl": ppl})
