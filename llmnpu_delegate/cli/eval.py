@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
     p.add_argument("--clip-percentile", type=float, default=None, help="shadow clipping percentile (default 99.5)")
-    p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="pruning rate of pruned modes: auto (default: the highest within 1 %% perplexity on "
-                        "held-apart calibration text) or a share in [0, 1]")
+    p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="pruning rate of pruned modes: auto (default: the paths whose time reaches this "
+                        "machine's predicted prefill, within a KL budget on held-apart calibration text) or a "
+                        "share in [0, 1]")
     p.add_argument("--importance", choices=["output", "ratio"], default=None,
                    help="layer ranking for pruning (default: output)")
     p.add_argument("--sweep", action="store_true",

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", choices=[m for m in QUANT_MODES if m != "fp32"], default="w8a8-shadow",
                    help="quantization (default w8a8-shadow)")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None,
-                   help="share of layers without a shadow path (w8a8-shadow): auto (default) or a share in [0, 1]")
+                   help="share of layers without a shadow path (w8a8-shadow): auto (default: priced on --soc's "
+                        "device model for qnn, on this machine's engine for cpu-int8) or a share in [0, 1]")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
                    help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
                         "in a file read when hit) or dense (the whole linear on the residue: a reference)")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import LlmNpuError
-from ..kernels import int8_path
+from ..kernels import int8_path, native_ops
 from ..kernels.cpu import detect
 from .calibrate import Calibration
 from .config import QuantConfig
@@ -48,10 +48,10 @@ class ShadowCost:
 
 
 def target_key(config: QuantConfig) -> str:
-    """Where a choice holds: a SoC by name; the host by its CPU (an engine profile is this CPU's)."""
+    """Where a choice holds: a SoC by name; the host by its CPU and kernels (an engine profile is theirs)."""
     if config.pruning_target != "host":
         return config.pruning_target
-    return f"host:{detect().model}:{int8_path.current()}"
+    return f"host:{detect().model}:{int8_path.current()}:{native_ops.library_digest()}"
 
 
 def auto_key(config: QuantConfig) -> str:

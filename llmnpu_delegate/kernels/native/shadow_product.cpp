@@ -13,12 +13,34 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+// Whether any of the 16 floats at p has |x| > t: one compare on AVX-512, two on AVX2.
+inline bool any_above(const float* p, float t) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(p));
+  return _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f), vt = _mm256_set1_ps(t);
+  const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(p));
+  const __m256 b = _mm256_andnot_ps(sign, _mm256_loadu_ps(p + 8));
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, vt, _CMP_GT_OQ), _mm256_cmp_ps(b, vt, _CMP_GT_OQ))) != 0;
+#else
+  for (int j = 0; j < 16; ++j)
+    if (std::fabs(p[j]) > t) return true;
+  return false;
+#endif
+}
 
 // Returns y [M, N], the hit input channels (sorted) and the number of outlier elements.
 std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold, const at::Tensor& hot,
@@ -47,30 +69,29 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
   const float t = static_cast<float>(threshold);
   std::vector<uint8_t> hit(K, 0);
   int64_t outliers = 0;
+  // Most blocks hold no outlier (~85 % at a 1 % rate): a whole block is tested with one or two
+  // vector compares, and only a block that fires is walked element by element. The product adds one row of W^T per outlier, on restrict pointers (no aliasing
+  // checks, so it vectorises).
   constexpr int64_t kBlock = 16;   // one AVX-512 register of floats
-  std::vector<float> residue(K);
+  const int64_t full = K - K % kBlock;
+  auto add_row = [&](float* __restrict out, int64_t k, float r) {
+    const float* __restrict w = sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N;
+    for (int64_t n = 0; n < N; ++n) out[n] += r * w[n];
+    hit[k] = 1;
+    ++outliers;
+  };
+  auto walk = [&](const float* row, float* out, int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const float r = row[k] - std::clamp(row[k], -t, t);
+      if (r != 0.0f) add_row(out, k, r);
+    }
+  };
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xp + m * K;
     float* out = yp + m * N;
-    for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
-      const int64_t k1 = std::min(K, k0 + kBlock);
-      // branch-free (vectorised): the block's residue, and whether any of it is nonzero
-      int any = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float r = row[k] - std::clamp(row[k], -t, t);
-        residue[k] = r;
-        any |= r != 0.0f;
-      }
-      if (!any) continue;   // ~85 % of blocks at a 1 % outlier rate
-      for (int64_t k = k0; k < k1; ++k) {
-        const float r = residue[k];
-        if (r == 0.0f) continue;
-        const float* w = sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N;
-        for (int64_t n = 0; n < N; ++n) out[n] += r * w[n];
-        hit[k] = 1;
-        ++outliers;
-      }
-    }
+    for (int64_t k0 = 0; k0 < full; k0 += kBlock)
+      if (any_above(row + k0, t)) walk(row, out, k0, k0 + kBlock);
+    walk(row, out, full, K);
   }
   std::vector<int64_t> channels;
   for (int64_t k = 0; k < K; ++k)
