@@ -7,10 +7,11 @@ keep theirs (minus the KL with all shadow paths on). On SmolLM2 the ratio rankin
 layers (perplexity +3.8 % at 85 % pruning), the measured one far fewer.
 
 The profile is kept cheap by measuring apart only the layers with real outliers: a layer whose
-largest calibrated input is within ``OUTLIER_RATIO`` times its clipping threshold (a random-weight
-model's every layer; three quarters of SmolLM2's) is measured together with the other such layers of
-its block, and they share the group's effect equally. On SmolLM2 those layers' individual effects
-are 1-2 % of the top layers' each, so the ranking they get matters little.
+largest calibrated input is within ``OUTLIER_RATIO`` times its clipping threshold (pruning it costs
+at most 2 of its 8 bits of resolution; a random-weight model's every layer, a third of SmolLM2's)
+is measured together with the other such layers of its block, and they share the group's effect
+equally. On SmolLM2 that ranking lets as many paths go within the same divergence as measuring
+every layer alone (39 against 38), in 27 s against 35 s on 128 probe tokens.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def ratio_importance(calib: Calibration, percentile: float) -> dict[str, float]:
     return out
 
 
-OUTLIER_RATIO = 8.0
+OUTLIER_RATIO = 4.0
 
 
 def importance_key(config: QuantConfig) -> str:
