@@ -142,8 +142,8 @@ def test_auto_needs_held_apart_text_when_it_must_prune_and_bad_settings_are_refu
 
 
 def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
-    """The host's cost: every shadowed linear timed, and the kept paths lengthen the predicted prefill
-    by no more than their own time (4 chunks of it) and never shorten it."""
+    """The host's cost: every shadowed linear timed; the kept paths never shorten the predicted
+    prefill, and with none kept what remains is the rest of the engine's work."""
     from llmnpu_delegate.prefill import Prefiller
 
     lm, _ = tiny
@@ -151,8 +151,8 @@ def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
     engine = Prefiller(lm, 64, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False)
     cost = engine.shadow_cost(prompt_len=256)
     assert set(cost.seconds) == set(engine.program.shadow) and all(s > 0 for s in cost.seconds.values())
-    added = cost.makespan(frozenset(cost.seconds)) - cost.makespan(frozenset())
-    assert 0 <= added <= 4 * sum(cost.seconds.values()) + 1e-9
+    everything, nothing = cost.makespan(frozenset(cost.seconds)), cost.makespan(frozenset())
+    assert 0 < nothing <= everything
 
 
 def test_default_calibration_text_has_chat_formatted_samples(smollm2):
