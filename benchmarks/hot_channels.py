@@ -19,7 +19,7 @@ import torch
 
 from llmnpu_delegate.evaluate import eval_windows
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import default_calibration, quant_config
+from llmnpu_delegate.prefill import choose_pruning, default_calibration, quant_config
 from llmnpu_delegate.quantize.apply import plan_linears
 from llmnpu_delegate.quantize.calibrate import quantizable_linears
 from llmnpu_delegate.quantize.shadow import hot_channels
@@ -61,6 +61,7 @@ def main() -> None:
     lm = load_model()
     calib = default_calibration(lm, progress=False)
     config = quant_config("w8a8-shadow", None)
+    choose_pruning(lm, calib, config, progress=False)
     plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False)
     shadowed = {n: p for n, p in plans.items() if p.shadow}
     linears = quantizable_linears(lm.model)
