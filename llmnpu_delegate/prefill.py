@@ -124,7 +124,7 @@ class Prefiller:
         if self.quant is not None and calibration is None:
             calibration = default_calibration(lm, progress)
         self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
-        choose_pruning(model, calibration, self.quant, progress)
+        choose_pruning(model, calibration, self.quant, progress, attention)
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
 
@@ -294,11 +294,12 @@ def default_calibration(lm: LoadedModel | None, progress: bool = True, config: C
 
 
 def choose_pruning(model: LoadedModel | nn.Module, calibration: Calibration, quant: QuantConfig | None,
-                   progress: bool = True) -> None:
+                   progress: bool = True, attention: str = "auto") -> None:
     """Make the automatic pruning choice of ``quant`` for this machine's engine, unless it is made
     (it is cached in ``calibration``): the engine is built with every shadow path, its paths are
-    priced by ``Prefiller.shadow_cost`` at the default chunk length, and ``quantize/auto.py`` chooses.
-    A phone SoC's choice comes from its device model instead (``simulate/phone.py``)."""
+    priced by ``Prefiller.shadow_cost`` at the default chunk length (and the caller's ``attention``),
+    and ``quantize/auto.py`` chooses. A phone SoC's choice comes from its device model instead
+    (``simulate/phone.py``)."""
     if quant is None or not auto.needs_choice(calibration, quant):
         return
     if quant.pruning_target != "host":
@@ -307,7 +308,7 @@ def choose_pruning(model: LoadedModel | nn.Module, calibration: Calibration, qua
     fingerprint = model.fingerprint if isinstance(model, LoadedModel) else model_fingerprint(base)
     chunk = min(DEFAULT_CHUNK, max_context(base.config))
     unpruned = Prefiller(model, chunk, quant=dataclasses.replace(quant, pruning_rate=0.0), calibration=calibration,
-                         progress=progress)
+                         progress=progress, attention=attention)
     cost = unpruned.shadow_cost()
     unpruned.release_runtime()
     plan_linears(base, calibration, quant, fingerprint, progress, cost)
