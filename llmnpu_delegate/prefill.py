@@ -31,7 +31,7 @@ from .models import LoadedModel
 from .models import fingerprint as model_fingerprint
 from .models import keep_first_blocks, load_model
 from .format.tasks import build_tasks
-from .partitioner.regions import partition_graph, shadow_delta
+from .partitioner.regions import partition_graph, shadow_paths
 from .quantize import (
     CalibConfig,
     Calibration,
@@ -196,8 +196,7 @@ class Prefiller:
         per_task = statistics.median(handling)
         base = Profile.from_records(records, self.program, self.chunk_len)
         seconds = {name: m.seconds / max(m.calls, 1) for name, m in shadows.items()}
-        paths = {j: {node.args[1] for node in step.sub.nodes if node.op == "call_function" and node.target is shadow_delta}
-                 for j, step in enumerate(self.program.steps)}
+        paths = {j: set(shadow_paths(step.sub.nodes)) for j, step in enumerate(self.program.steps)}
         chunks = math.ceil(min(prompt_len, self.max_context) / self.chunk_len)
         costs = base.costs(chunks)
 

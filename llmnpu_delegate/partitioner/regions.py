@@ -43,6 +43,11 @@ def shadow_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
     raise LlmNpuError(f"shadow path of {linear} was not bound by a backend")
 
 
+def shadow_paths(nodes) -> list[str]:
+    """The linears whose shadow product ``nodes`` hold (``shadow_delta`` markers), in order."""
+    return [n.args[1] for n in nodes if n.op == "call_function" and n.target is shadow_delta]
+
+
 def is_linear(node: Node) -> bool:
     if node.op != "call_function":
         return False

@@ -28,7 +28,7 @@ from ..evaluate import eval_windows, run_quantized
 from ..families import FAMILIES
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
-from ..partitioner.regions import Partition, partition_graph, shadow_delta
+from ..partitioner.regions import Partition, partition_graph, shadow_paths
 from ..prefill import DEFAULT_CHUNK, PRUNING_PROMPT, default_calibration, quant_config
 from ..prefill import choose_pruning as choose_host_pruning
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quantizable_linears
@@ -114,8 +114,7 @@ def shadow_cost(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT) -> Sh
     chunks = math.ceil(min(prompt_len, scn.context) / scn.chunk)
     seconds = {}
     for sub in scn.partition.subgraphs:
-        names = [n.args[1] for n in sub.nodes if n.op == "call_function" and n.target is shadow_delta]
-        for name in names:
+        for name in shadow_paths(sub.nodes):
             if name in scn.outlier_rate:
                 without = {k: v for k, v in scn.outlier_rate.items() if k != name}
                 seconds[name] = (cost.seconds(sub, 0, device, scn.outlier_rate) - cost.seconds(sub, 0, device, without))
