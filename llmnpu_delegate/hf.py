@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import backends
@@ -30,6 +31,7 @@ from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_
 from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
 from .quantize import Calibration, QuantConfig
 from .runtime.decode import DecodeCache, Int8Decoder, unsupported
+from .runtime.prefix_cache import PrefixCache
 
 DECODE_MODES = ("auto", "int8", "fp32")
 
@@ -65,10 +67,25 @@ def _route_forward(model: nn.Module):
     return forward
 
 
-def fill_cache(cache, result) -> None:
-    """Put a prefill's K/V into a transformers cache (its layers crop sliding windows as HF does)."""
+def fill_cache(cache, result, start: int = 0) -> None:
+    """Put a prefill's K/V from token ``start`` on into a transformers cache that holds the tokens
+    before it (its layers crop sliding windows as HF does)."""
     for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
-        cache.update(k, v, layer)
+        cache.update(k[:, :, start:], v[:, :, start:], layer)
+
+
+def cache_past(cache, length: int) -> tuple[list, list]:
+    """The first ``length`` tokens' K/V of a transformers cache (dynamic or static), per layer
+    [1, KVH, length, d], for a prefill that continues it."""
+    keys, values = [], []
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.shape[2] < length:
+            raise LlmNpuError("past_key_values holds fewer tokens than its length in some layer (a sliding "
+                              "window): pass the whole conversation without past_key_values, and the "
+                              "wrapper's prefix cache reuses what it can")
+        keys.append(layer.keys[:, :, :length])
+        values.append(layer.values[:, :, :length])
+    return keys, values
 
 
 class LlmNpuForCausalLM:
@@ -83,15 +100,21 @@ class LlmNpuForCausalLM:
         decode: ``"int8"`` (``runtime/decode.Int8Decoder``), ``"fp32"`` (the model's own float forward,
             token for token Hugging Face's decode) or ``"auto"`` (default: INT8 where the family allows
             it and the prefill is quantized, else fp32).
+        prefix_cache: ``True`` (default: an in-memory ``PrefixCache`` of the default budget), ``False``
+            (none), or a ``PrefixCache`` (e.g. one with a folder on disk): a prompt that starts like an
+            earlier one, e.g. a chat's whole history again, prefills only what follows the cached part.
 
-    Calibration artefacts and compiled graphs are cached on disk, so a second start is fast.
+    Calibration artefacts and compiled graphs are cached on disk, so a second start is fast. A
+    conversation continues either way transformers users know: ``generate(whole_ids,
+    past_key_values=previous.past_key_values)`` (the previous call's cache, with
+    ``return_dict_in_generate=True``), or the whole history again, served by the prefix cache.
     """
 
     def __init__(self, model: LoadedModel | nn.Module, tokenizer=None, *, chunk_len: int = DEFAULT_CHUNK,
                  backend: str = backends.DEFAULT, quant: QuantConfig | str | None = "w8a8-shadow",
                  pruning_rate: float | None = None, clip_percentile: float | None = None,
                  calibration: Calibration | None = None, policy: str = "ooo", decode: str = "auto",
-                 progress: bool = True):
+                 prefix_cache: PrefixCache | bool = True, progress: bool = True):
         if decode not in DECODE_MODES:
             raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(DECODE_MODES)}")
         if not isinstance(model, LoadedModel):
@@ -103,8 +126,14 @@ class LlmNpuForCausalLM:
         self.loaded = model
         self.model = model.model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        if prefix_cache is True:
+            prefix_cache = PrefixCache()
+        elif prefix_cache is False:
+            prefix_cache = None
+        elif not isinstance(prefix_cache, PrefixCache):
+            raise LlmNpuError(f"prefix_cache must be True, False or a PrefixCache, got {type(prefix_cache).__name__}")
         self.engine = Prefiller(model, chunk_len, backend, quant_config(quant, pruning_rate, clip_percentile),
-                                calibration, progress=progress, policy=policy)
+                                calibration, progress=progress, policy=policy, prefix_cache=prefix_cache)
         self.decoder = self._make_decoder(decode)
         self.last_prefill: dict = {}
         self._lock = threading.Lock()
@@ -147,10 +176,9 @@ class LlmNpuForCausalLM:
 
     @torch.inference_mode()
     def generate(self, *args, **kwargs):
-        """``transformers``' ``generate`` with the prompt prefilled by the NPU path (batch 1, no padding)."""
-        if self.decoder is not None and kwargs.get("past_key_values") is not None:
-            raise LlmNpuError("INT8 decode keeps the K/V in its own static cache: drop past_key_values, "
-                              "or use decode='fp32'")
+        """``transformers``' ``generate`` with the prompt prefilled by the NPU path (batch 1, no padding).
+        With ``past_key_values`` (a cache that holds the first tokens of ``input_ids``), only the
+        tokens after them are prefilled."""
         with self._lock, self._npu_prefill():
             return self.model.generate(*args, **kwargs)
 
@@ -185,8 +213,6 @@ class LlmNpuForCausalLM:
             raise LlmNpuError("the NPU prefill takes token ids, not inputs_embeds")
         if cache is None:
             raise LlmNpuError("the NPU prefill hands its KV cache to the decoder: keep use_cache=True")
-        if cache.get_seq_length() != 0:
-            raise LlmNpuError("generate was given a non-empty cache: the NPU prefill starts from an empty one")
         if input_ids.shape[0] != 1:
             raise LlmNpuError(f"the NPU prefill runs one prompt at a time (batch 1), got {input_ids.shape[0]}")
         mask = model_kwargs.get("attention_mask")
@@ -195,13 +221,28 @@ class LlmNpuForCausalLM:
         if generation_config.prefill_chunk_size is not None:
             warnings.warn("prefill_chunk_size is ignored: the NPU path prefills in chunks of "
                           f"{self.engine.chunk_len} (chunk_len)", stacklevel=2)
+        past_len = int(cache.get_seq_length())
+        # As transformers reads it: input_ids hold the cached tokens too, unless an attention mask
+        # longer than them says they are the new tokens only.
+        new_ids = input_ids if mask is not None and mask.shape[1] > input_ids.shape[1] else input_ids[:, past_len:]
+        if new_ids.shape[1] == 0:
+            raise LlmNpuError(f"past_key_values holds {past_len} tokens and input_ids {input_ids.shape[1]}: pass "
+                              "the whole conversation (the cached tokens, then the new ones)")
+        if past_len and self.decoder is None and not isinstance(cache, DynamicCache):
+            raise LlmNpuError(f"float decode continues a DynamicCache, not a {type(cache).__name__}: pass the "
+                              "previous generate's past_key_values, or none")
         t = time.perf_counter()
-        result = self.engine(input_ids)
+        if past_len:
+            result = self.engine(new_ids, past=cache_past(cache, past_len))
+        else:
+            result = self.engine(input_ids)
         if self.decoder is not None:      # the decoder's static cache, sized for the whole generation
             cache = DecodeCache(self.model.config, max(generation_config.max_length, result.tokens + 1))
             model_kwargs["past_key_values"] = cache
-        fill_cache(cache, result)
-        self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks,
+            fill_cache(cache, result)
+        else:
+            fill_cache(cache, result, past_len)
+        self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks, "cached_tokens": result.reused,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
         return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)
 

@@ -46,7 +46,8 @@ from .runtime.allocator import give_back, tune_malloc
 from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, assign_costs, check_policy, simulate
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, program_digest
-from .runtime.prompt import PrefillResult, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
+from .runtime.prefix_cache import PrefixCache
+from .runtime.prompt import PrefillResult, check_past, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
 from .text import calibration_ids
 
 DEFAULT_CHUNK = 256
@@ -97,12 +98,15 @@ class Prefiller:
         attention: precision of the float side's attention and LM head, ``"auto"`` (bf16 operands
             with fp32 accumulation and softmax, and the head's weights in bf16, for the quantized
             modes where the native kernels run; fp32 for the float reference), ``"fp32"`` or ``"bf16"``.
+        prefix_cache: a ``PrefixCache``: a prompt that starts like an earlier one (under this engine's
+            ``kv_key``) prefills only the tokens after the cached part, and every prompt is kept.
     """
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
                  norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
-                 policy: str = "ooo", workers: Workers | None = None, attention: str = "auto"):
+                 policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
+                 prefix_cache: PrefixCache | None = None):
         lm = model if isinstance(model, LoadedModel) else None
         self.model = lm.model if lm else model
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
@@ -142,6 +146,8 @@ class Prefiller:
             with torch.inference_mode():
                 K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path(), self.program)
+        self.prefix_cache = prefix_cache
+        self.kv_key = self._kv_key()
         self.last_run: RunStats | None = None
         self.released = False
         self._lock = threading.Lock()       # one prompt at a time: profile, counters, last_run
@@ -215,20 +221,39 @@ class Prefiller:
         return ShadowCost("host", seconds, makespan)
 
     # ------------------------------------------------------------------ prompts
-    def check_prompt(self, input_ids) -> Tensor:
-        return check_prompt(input_ids, self.max_context, self.model.config.vocab_size)
+    def check_prompt(self, input_ids, past_len: int = 0) -> Tensor:
+        return check_prompt(input_ids, self.max_context, self.model.config.vocab_size, past_len)
 
-    def feeds(self, ids: Tensor) -> list[dict[str, Tensor]]:
-        """Per chunk: its ids, positions and logits row (the past K/V arrive from the previous chunk)."""
-        return chunk_feeds(ids, self.chunk_len, self.kv)
+    def feeds(self, ids: Tensor, past=None) -> list[dict[str, Tensor]]:
+        """Per chunk: its ids, positions and logits row (the past K/V arrive from the previous chunk,
+        the first chunk's from ``past``: empty by default)."""
+        return chunk_feeds(ids, self.chunk_len, self.kv, past)
 
     @torch.inference_mode()
-    def __call__(self, input_ids, policy: str | None = None) -> PrefillResult:
-        """Prefill one prompt. Safe to call from several threads: prompts run one after another."""
-        ids = self.check_prompt(input_ids)
+    def __call__(self, input_ids, policy: str | None = None, past=None) -> PrefillResult:
+        """Prefill one prompt. Safe to call from several threads: prompts run one after another.
+
+        ``past``: (per-layer K, per-layer V) of ``P`` tokens that come before ``input_ids`` (e.g. an
+        earlier ``PrefillResult``'s ``past_k, past_v``); the result then holds the K/V of all
+        ``P + len(input_ids)`` tokens. Without it, an engine with a ``prefix_cache`` prefills only
+        what follows the longest cached prefix of ``input_ids`` (``result.reused`` tokens), and keeps
+        the prompt's K/V for later prompts."""
         policy = check_policy(policy or self.policy)
+        if past is not None:
+            past = check_past(past, self.kv)
+            ids = self.check_prompt(input_ids, past[0][0].shape[2])
+            with self._lock:
+                return self._run(ids, policy, past)
+        ids = self.check_prompt(input_ids)
         with self._lock:
-            return self._run(ids, policy)
+            hit = self.prefix_cache.lookup(self.kv_key, ids) if self.prefix_cache is not None else None
+            if hit is None:
+                result = self._run(ids, policy)
+            else:
+                result = self._run(ids[hit.tokens:], policy, (hit.past_k, hit.past_v))
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(self.kv_key, ids, result.past_k, result.past_v)
+            return result
 
     def release_runtime(self) -> None:
         """Let go of what running prompts needs: the compiled steps with their INT8 weights, shadow
@@ -243,20 +268,22 @@ class Prefiller:
         gc.collect()
         give_back()
 
-    def _run(self, ids: Tensor, policy: str) -> PrefillResult:
+    def _run(self, ids: Tensor, policy: str, past=None) -> PrefillResult:
         if self.released:
             raise LlmNpuError("this engine's runtime was released (release_runtime): build a new Prefiller to run prompts")
-        feeds = self.feeds(ids)
+        reused = past[0][0].shape[2] if past is not None else 0
+        feeds = self.feeds(ids, past)
         seen0, outliers0 = self._outlier_counts()
         # The cost-driven policies (ooo, cp) need each subgraph's time: an engine made for another policy has
         # none until its first prompt, which then runs in order and is profiled (same outputs).
         run_policy = "inorder" if policy in COST_POLICIES and self.profile is None else policy
-        out, stats = self.executor.run(feeds, run_policy, self.profile.costs(len(feeds)) if self.profile else None)
-        if self.profile is None and run_policy == "inorder":
+        costs = self.profile.costs(len(feeds), reused / self.chunk_len) if self.profile else None
+        out, stats = self.executor.run(feeds, run_policy, costs)
+        if self.profile is None and run_policy == "inorder" and not reused:
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
             self.profile.save(self._profile_path())
         self.last_run = stats
-        result = gather(self.program, out, ids.numel(), len(feeds), stats)
+        result = gather(self.program, out, reused + ids.numel(), len(feeds), stats, reused)
         seen, outliers = self._outlier_counts()
         result.seen_elements, result.outlier_elements = seen - seen0, outliers - outliers0
         return result
@@ -264,6 +291,14 @@ class Prefiller:
     def _outlier_counts(self) -> tuple[int, int]:
         shadows = self.program.shadow.values()
         return sum(m.seen_elements for m in shadows), sum(m.outlier_elements for m in shadows)
+
+    def _kv_key(self) -> str:
+        """What a prompt's K/V depend on: an entry of the prefix cache made under another key (model,
+        quantization plan, program, attention precision) is never used here."""
+        plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
+        return "prefill:" + entry_key({"kv": 1, "backend": self.backend_name, "model": self.fingerprint,
+                                       "chunk_len": self.chunk_len, "plan": plan, "quant": repr(self.quant),
+                                       "program": program_digest(self.program), "attention": self.attention})
 
     def _profile_path(self):
         plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())

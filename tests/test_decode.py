@@ -4,7 +4,6 @@ use of it (static cache written in place, generate's arguments, clear refusals).
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
@@ -132,8 +131,10 @@ def test_decode_refusals_are_one_line():
     with pytest.raises(LlmNpuError, match="unknown decode mode 'int4'"):
         LlmNpuForCausalLM(lm, quant="fp32", decode="int4", progress=False)
     wrapper = LlmNpuForCausalLM(lm, chunk_len=16, quant="fp32", decode="int8", progress=False)
-    with pytest.raises(LlmNpuError, match="drop past_key_values"):
-        wrapper.generate(torch.ones(1, 4, dtype=torch.long), past_key_values=DynamicCache(), max_new_tokens=2)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    cache = wrapper.generate(ids, max_new_tokens=3, return_dict_in_generate=True).past_key_values
+    with pytest.raises(LlmNpuError, match="holds 6 tokens and input_ids 6: pass the whole conversation"):
+        wrapper.generate(torch.ones(1, 6, dtype=torch.long), past_key_values=cache, max_new_tokens=2)
     gemma = load_model("random:tiny-gemma2")
     with pytest.raises(LlmNpuError, match="INT8 decode does not support .*decode='fp32'"):
         LlmNpuForCausalLM(gemma, chunk_len=16, quant="fp32", decode="int8", progress=False)

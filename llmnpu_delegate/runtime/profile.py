@@ -54,21 +54,26 @@ class Profile:
             static.update(dict.fromkeys(steps, cost))
         return cls(static, dynamic)
 
-    def cost(self, step: int, position: int) -> float:
+    def cost(self, step: int, position: float) -> float:
+        """Seconds of ``step`` at chunk ``position``; a fractional position (a prompt that continues
+        a past of part of a chunk) reads keys between two profiled positions'."""
         if step in self.static:
             return self.static[step]
         times = self.dynamic.get(step)
         if not times:
             return 0.0
-        if position < len(times):
-            return times[position]
+        if position <= len(times) - 1:
+            low = int(position)
+            high = min(low + 1, len(times) - 1)
+            return times[low] + (times[high] - times[low]) * (position - low)
         return times[-1] * (position + 1) / len(times)   # attention reads (position + 1) chunks of keys
 
-    def costs(self, chunks: int) -> dict:
+    def costs(self, chunks: int, past_chunks: float = 0.0) -> dict:
+        """Every task's cost for a ``chunks``-chunk prompt after a past of ``past_chunks`` chunks."""
         out: dict = dict(self.static)
         for step in self.dynamic:
             for position in range(chunks):
-                out[(step, position)] = self.cost(step, position)
+                out[(step, position)] = self.cost(step, position + past_chunks)
         return out
 
     def save(self, path: Path) -> None:
