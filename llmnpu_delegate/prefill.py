@@ -246,14 +246,9 @@ class Prefiller:
                 return self._run(ids, policy, past)
         ids = self.check_prompt(input_ids)
         with self._lock:
-            hit = self.prefix_cache.lookup(self.kv_key, ids) if self.prefix_cache is not None else None
-            if hit is None:
-                result = self._run(ids, policy)
-            else:
-                result = self._run(ids[hit.tokens:], policy, (hit.past_k, hit.past_v))
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(self.kv_key, ids, result.past_k, result.past_v)
-            return result
+            if self.prefix_cache is None:
+                return self._run(ids, policy)
+            return self.prefix_cache.prefill(self.kv_key, ids, lambda x, p: self._run(x, policy, p))
 
     def release_runtime(self) -> None:
         """Let go of what running prompts needs: the compiled steps with their INT8 weights, shadow

@@ -108,6 +108,28 @@ def test_reference_runner_prefills_like_the_engine(engine, exported, tokens):
     assert torch.equal(inorder.logits, ours.logits) and runner.last_run.policy == "inorder"
 
 
+def test_reference_runner_continues_a_past_like_the_whole_prompt(exported):
+    """A prompt after a past that ends mid-chunk (45 = 1 chunk + 13), through ``past=`` and through
+    the prefix cache: the K/V and logits of the whole 70-token prompt prefilled at once."""
+    from llmnpu_delegate.runtime.prefix_cache import PrefixCache
+
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(70))
+    runner = PteRunner(exported[0])
+    whole, head = runner(ids), runner(ids[:45])
+    rest = runner(ids[45:], past=(head.past_k, head.past_v))
+    assert rest.reused == 45 and rest.tokens == 70 and rest.chunks == 1
+    cached = PteRunner(exported[0], prefix_cache=PrefixCache())
+    cached(ids[:45])
+    again = cached(ids)
+    assert again.reused == 45
+    for got in (rest, again):
+        torch.testing.assert_close(got.logits, whole.logits, atol=1e-5, rtol=0)
+        for a, b in zip(got.past_k + got.past_v, whole.past_k + whole.past_v):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # a short continuation (the 25 new tokens) costs one chunk, not the three of the whole prompt
+    assert whole.chunks == 3
+
+
 def test_identical_cpu_subgraphs_share_one_method(exported):
     """Subgraphs that compute the same program name one method (the first's), on one lane; the .pte
     holds each method once. (The runner tests above prefill through the shared methods.)"""
@@ -430,6 +452,19 @@ def test_run_pte_generates_from_the_program_alone(exported, tmp_path, capsys, mo
     assert tokens == s["tokens"]
     sampled = [runner.generate(ids, 6, temperature=0.8, top_p=0.9, seed=3).tokens for _ in range(2)]
     assert sampled[0] == sampled[1]
+
+
+def test_chat_with_the_program_alone_prefills_only_what_is_new(exported, tmp_path, capsys):
+    from llmnpu_delegate.cli import main
+
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text('{"role": "user", "content": "one two three"}\n{"role": "user", "content": "four"}\n')
+    assert main(["chat", "--pte", str(exported[0]), "--turns", str(turns), "--max-new-tokens", "3", "--json"]) == 0
+    one, two = json.loads(capsys.readouterr().out)["turns"]
+    assert one["cached_tokens"] == 0 and two["cached_tokens"] == one["prompt_tokens"]
+    assert two["prompt_tokens"] > one["prompt_tokens"] + len(one["tokens"]) - 1
+    assert main(["chat", "--pte", str(exported[0]), "--chunk", "8", "--turns", str(turns)]) == 2
+    assert "drop --chunk" in capsys.readouterr().err
 
 
 def test_run_pte_refuses_bad_programs_and_prompts(exported, tmp_path, capsys):

@@ -12,10 +12,10 @@ quiet_third_party_logs()     # before the commands import torchao and transforme
 
 from .. import __version__  # noqa: E402
 from ..errors import LlmNpuError  # noqa: E402
-from . import bench, calibrate, eval, export, info, partition, prepare_text, run, simulate, validate  # noqa: E402
+from . import bench, calibrate, chat, eval, export, info, partition, prepare_text, run, simulate, validate  # noqa: E402
 
 # in the order ``llmnpu --help`` lists them
-COMMANDS = (run, calibrate, eval, partition, bench, simulate, export, validate, info, prepare_text)
+COMMANDS = (run, chat, calibrate, eval, partition, bench, simulate, export, validate, info, prepare_text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -130,6 +130,16 @@ class PrefixCache:
         self.stats.reused_tokens += best_n
         return Hit(best_n, [k[:, :, :best_n] for k in entry.k], [v[:, :, :best_n] for v in entry.v])
 
+    def prefill(self, key: str, ids: Tensor, run):
+        """A runner's prefill of ``ids`` through the cache: ``run(ids, past)`` prefills the tokens
+        after the longest cached prefix (``past`` None when nothing is cached), and the whole
+        prompt's K/V are kept. Every runner with a prefix cache (the engine, the ``.pte`` runner)
+        goes through here."""
+        hit = self.lookup(key, ids)
+        result = run(ids, None) if hit is None else run(ids[hit.tokens:], (hit.past_k, hit.past_v))
+        self.store(key, ids, result.past_k, result.past_v)
+        return result
+
     # ------------------------------------------------------------------ store
     def store(self, key: str, ids: Tensor, past_k: list[Tensor], past_v: list[Tensor]) -> None:
         """Keep the K/V (per layer [1, KVH, T, d]) of the ``T`` tokens ``ids``; copies them."""

@@ -33,7 +33,8 @@ from ..partitioner.regions import Subgraph
 from .executor import COST_POLICIES, PROCESSORS, Executor, Workers, check_policy
 from .profile import Profile
 from .program import ChunkProgram, Step
-from .prompt import check_prompt, chunk_feeds, gather
+from .prefix_cache import PrefixCache
+from .prompt import check_past, check_prompt, chunk_feeds, gather
 from .sampling import check_sampling, next_token
 
 
@@ -99,6 +100,7 @@ class Generation:
     cold_rows: int
     policy: str
     stopped: str = "length"                        # "length" | "eos"
+    cached_tokens: int = 0                         # prompt tokens whose K/V came from the prefix cache
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -106,10 +108,14 @@ class Generation:
 
 
 class PteRunner:
-    """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``."""
+    """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``.
+    With a ``prefix_cache``, a prompt that starts like an earlier one prefills only the rest (as the
+    engine's ``Prefiller``; entries are keyed by the program's checksums)."""
 
-    def __init__(self, pte: str | Path, policy: str = "ooo", workers: Workers | None = None):
+    def __init__(self, pte: str | Path, policy: str = "ooo", workers: Workers | None = None,
+                 prefix_cache: PrefixCache | None = None):
         check_policy(policy)
+        self.prefix_cache = prefix_cache
         self.meta = meta = load_sidecar(pte)
         try:
             self._build(Path(pte), meta, workers)
@@ -150,16 +156,29 @@ class PteRunner:
         self.program = ChunkProgram(steps, meta["graph"]["outputs"], self.chunk_len, self.kv.layers)
         self.executor = Executor(self.program, workers)
         self.profile = Profile.from_dict(meta["profile"], self.program) if meta["profile"] else None
+        self.kv_key = f"pte:{meta['pte_sha256']}:{meta['sidecar_sha256']}"
 
     @torch.inference_mode()
-    def __call__(self, input_ids, policy: str | None = None):
-        ids = check_prompt(input_ids, self.context, self.vocab)
+    def __call__(self, input_ids, policy: str | None = None, past=None):
+        """Prefill a prompt; ``past`` and the prefix cache as for ``Prefiller.__call__``."""
         policy = check_policy(policy or self.policy)
-        feeds = chunk_feeds(ids, self.chunk_len, self.kv)
-        costs = self.profile.costs(len(feeds)) if self.profile else None
+        if past is not None:
+            past = check_past(past, self.kv)
+            return self._run(check_prompt(input_ids, self.context, self.vocab, past[0][0].shape[2]), policy, past)
+        ids = check_prompt(input_ids, self.context, self.vocab)
+        if self.prefix_cache is None:
+            return self._run(ids, policy)
+        return self.prefix_cache.prefill(self.kv_key, ids, lambda x, p: self._run(x, policy, p))
+
+    def _run(self, ids, policy: str, past=None):
+        reused = past[0][0].shape[2] if past is not None else 0
+        if past is not None:        # ExecuTorch takes contiguous inputs only (a cached prefix is a slice)
+            past = tuple([t.contiguous() for t in ts] for ts in past)
+        feeds = chunk_feeds(ids, self.chunk_len, self.kv, past)
+        costs = self.profile.costs(len(feeds), reused / self.chunk_len) if self.profile else None
         out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)
         self.last_run = stats
-        return gather(self.program, out, ids.numel(), len(feeds), stats)
+        return gather(self.program, out, reused + ids.numel(), len(feeds), stats, reused)
 
     # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
@@ -210,4 +229,5 @@ class PteRunner:
             if on_token:
                 on_token(token)
         return Generation(tokens, ids.numel(), pre.chunks, prefill_s, first - start, last - first,
-                          self.cold.fetched - fetched, self.last_run.policy, "eos" if token in eos_ids else "length")
+                          self.cold.fetched - fetched, self.last_run.policy, "eos" if token in eos_ids else "length",
+                          pre.reused)
