@@ -107,6 +107,27 @@ class PteResponder:
                      g.cached_tokens, g.ttft_s, g.decode_tok_s)
 
 
+class NativeResponder:
+    """Turns answered by an exported program on the native runner, one ``--serve`` process that keeps
+    the last prompt's K/V (``runtime/native.NativeSession``)."""
+
+    def __init__(self, session, context: int, tokenizer, max_new_tokens: int):
+        self.session, self.context, self.tokenizer, self.max_new_tokens = session, context, tokenizer, max_new_tokens
+
+    def reply(self, ids: torch.Tensor, on_token: Callable[[int], None] | None) -> Reply:
+        room = self.context - ids.numel() + 1
+        if room < 1:
+            raise LlmNpuError(f"the conversation has {ids.numel()} tokens, the program's context is "
+                              f"{self.context}: /reset, or export with a larger --context")
+        run = self.session.turn(ids.tolist(), min(self.max_new_tokens, room), on_token)
+        s = run.summary
+        return Reply(self.tokenizer.decode(run.tokens, skip_special_tokens=True), run.tokens, s["prompt_tokens"],
+                     s["cached_tokens"], s["ttft_s"], s["decode_tok_s"])
+
+    def close(self) -> None:
+        self.session.close()
+
+
 class Conversation:
     """A history of messages and the responder that answers it, turn by turn."""
 

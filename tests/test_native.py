@@ -178,7 +178,14 @@ def test_the_sanitized_build_runs_prefill_decode_and_the_failure_path_clean(prog
     assert low.returncode == 0, low.stderr[-3000:]
     bad = _runner("--pte", pte, "--prompt-ids", "-", "--fail-at", "1:1", binary=ASAN_BUILD, stdin=prompt)
     assert bad.returncode == 1 and len(_error_lines(bad.stderr)) == 1, bad.stderr[-3000:]
-    for run in (ok, low, bad):
+    turns = [{"ids": ids[:70].tolist(), "max_new_tokens": 2}, {"ids": [-1]}, "not json",
+             {"ids": ids.tolist(), "max_new_tokens": 2}]      # a continuation mid-chunk, after two refusals
+    served = _runner("--pte", pte, "--serve", "--low-memory", binary=ASAN_BUILD,
+                     stdin="\n".join(t if isinstance(t, str) else json.dumps(t) for t in turns))
+    assert served.returncode == 0, served.stderr[-3000:]
+    replies = [json.loads(ln) for ln in served.stdout.splitlines() if ln.startswith("{")]
+    assert ["error" in r for r in replies] == [False, True, True, False] and replies[3]["cached_tokens"] == 70
+    for run in (ok, low, bad, served):
         assert "Sanitizer" not in run.stderr and "runtime error:" not in run.stderr, run.stderr[-3000:]
 
 
@@ -240,3 +247,33 @@ def test_the_program_stores_the_table_in_float16_and_the_int8_head_once(program)
     assert list(tables.values()) == [ScalarType.HALF], tables
     heads = [b for b in pte_file.named_data.buffers if len(b) == vocab * hidden]
     assert len(heads) == 1, heads
+
+
+def test_serve_keeps_the_last_prompt_and_answers_as_the_python_runner(program, tmp_path):
+    """``--serve``, three prompts: the second starts with the first (mid-chunk: 70 of 64-token
+    chunks), the third shares part of the second; each against the Python runner with its prefix
+    cache (the same reuse, the same tokens, logits as close as a single run's) and the reuse against
+    the whole prompt prefilled by the native runner in one go (the independent reference)."""
+    from llmnpu_delegate.errors import LlmNpuError
+    from llmnpu_delegate.runtime.native import NativeSession
+    from llmnpu_delegate.runtime.prefix_cache import PrefixCache
+
+    pte, ids = program
+    python = PteRunner(pte, prefix_cache=PrefixCache())
+    prompts = [ids[:70], ids, torch.cat([ids[:50], ids[:9]])]
+    with NativeSession(pte, python.meta) as session:
+        for i, prompt in enumerate(prompts):
+            got = session.turn(prompt.tolist(), 6, logits_out=tmp_path / f"turn{i}.bin")
+            pre = python(prompt)
+            assert got.summary["cached_tokens"] == pre.reused == [0, 70, 50][i]
+            ref, logits = pre.logits.numpy(), _logits(tmp_path, f"turn{i}.bin")
+            assert np.abs(logits - ref).max() <= 4 * np.spacing(np.abs(ref).max())
+            assert got.tokens == python.generate(prompt, 6).tokens
+        with pytest.raises(LlmNpuError, match="outside the vocabulary"):
+            session.turn([10**9], 2)
+        again = session.turn(ids.tolist(), 2, logits_out=tmp_path / "again.bin")    # the session goes on
+        assert again.summary["cached_tokens"] == 50
+    whole = run_native(pte, ids.tolist(), python.meta, 2, logits_out=tmp_path / "whole.bin")
+    assert again.tokens == whole.tokens
+    a, b = _logits(tmp_path, "again.bin"), _logits(tmp_path, "whole.bin")
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), np.abs(a - b).max()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -76,8 +77,12 @@ def cmd_chat(args) -> dict:
     lines = read_turns(args.turns) if args.turns is not None else interactive_lines()
     interactive = args.turns is None and sys.stdin.isatty()
     # with --json, stdout holds the one JSON object; what commands say goes to stderr
-    records = chat_loop(conv, lines, stream=not args.json, out=sys.stderr if args.json else sys.stdout,
-                        keep_going=interactive)
+    try:
+        records = chat_loop(conv, lines, stream=not args.json, out=sys.stderr if args.json else sys.stdout,
+                            keep_going=interactive)
+    finally:
+        if hasattr(responder, "close"):
+            responder.close()
     turns = [r for r in records if "text" in r]
     args.text = (f"--- {len(turns)} turn(s); prompt tokens from the cache: "
                  f"{sum(r['cached_tokens'] for r in turns)} of {sum(r['prompt_tokens'] for r in turns)}")
@@ -109,7 +114,16 @@ def _pte_responder(args, cache: PrefixCache):
         raise LlmNpuError(f"--pte runs the exported program alone, which fixes the model and its settings: "
                           f"drop {', '.join(given)}")
     if args.native:
-        raise LlmNpuError("llmnpu chat --pte --native is not built yet: drop --native to chat on the Python runner")
+        from ..chat import NativeResponder
+        from ..format.sidecar import load_sidecar
+        from ..runtime.native import NativeSession
+
+        if args.kv_cache_dir is not None:
+            raise LlmNpuError("the native runner keeps the last prompt's K/V in its own memory: drop --kv-cache-dir")
+        meta = load_sidecar(args.pte)
+        tok = load_program_tokenizer(meta, Path(args.pte))
+        session = NativeSession(args.pte, meta, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        return NativeResponder(session, meta["context"], tok, args.max_new_tokens)
     runner = PteRunner(args.pte, prefix_cache=cache)
     tok = load_program_tokenizer(runner.meta, runner.pte)
     return PteResponder(runner, tok, args.max_new_tokens, args.temperature, args.top_p, args.seed)

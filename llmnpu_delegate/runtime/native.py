@@ -1,5 +1,6 @@
 """Driving the native runner (``runner/``, the ``llmnpu-runner`` binary) from Python: token ids in on
-its standard input, token ids streamed back one per line, then one JSON line of timings."""
+its standard input, token ids streamed back one per line, then one JSON line of timings; or, with
+``NativeSession``, one long-lived ``--serve`` process answering prompt after prompt (a conversation)."""
 from __future__ import annotations
 
 import json
@@ -82,9 +83,71 @@ def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int,
         log.seek(0)
         err = log.read()
     if proc.returncode != 0:
-        ours = [ln for ln in err.splitlines() if ln.startswith(f"{BINARY}: error: ")]
-        message = ours[-1][len(f"{BINARY}: error: "):] if ours else f"exited with code {proc.returncode}: {err[-500:]}"
-        raise LlmNpuError(f"native runner: {message}")
+        raise _failure(proc.returncode, err)
     if summary is None:
         raise LlmNpuError("native runner printed no summary line")
     return NativeRun(tokens, summary)
+
+
+def _failure(code: int, err: str) -> LlmNpuError:
+    ours = [ln for ln in err.splitlines() if ln.startswith(f"{BINARY}: error: ")]
+    message = ours[-1][len(f"{BINARY}: error: "):] if ours else f"exited with code {code}: {err[-500:]}"
+    return LlmNpuError(f"native runner: {message}")
+
+
+class NativeSession:
+    """One ``llmnpu-runner --serve`` process for a conversation: it keeps the last prompt's K/V, so
+    a prompt that starts like the last one prefills only the rest (``cached_tokens`` in its summary)."""
+
+    def __init__(self, pte: str | Path, meta: dict, policy: str = "ooo", temperature: float | None = None,
+                 top_p: float = 1.0, seed: int | None = None, binary: Path | None = None,
+                 extra: list[str] | None = None):
+        cmd = [str(binary or find_runner()), "--pte", str(pte), "--serve", "--policy", policy]
+        if temperature is not None:
+            cmd += ["--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        self._log = tempfile.TemporaryFile("w+")      # stderr to a file (see run_native)
+        self.proc = subprocess.Popen(cmd + (extra or []), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=runner_env(meta))
+
+    def turn(self, ids: list[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+             logits_out: str | Path | None = None) -> NativeRun:
+        request = {"ids": [int(i) for i in ids], "max_new_tokens": int(max_new_tokens)}
+        if logits_out is not None:
+            request["logits_out"] = str(logits_out)
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+        tokens = []
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.isdigit():
+                tokens.append(int(line))
+                if on_token:
+                    on_token(int(line))
+            elif line.startswith('{"'):
+                reply = json.loads(line)
+                if "error" in reply:
+                    raise LlmNpuError(f"native runner: {reply['error']}")
+                return NativeRun(tokens, reply)
+        raise self._died()
+
+    def _died(self) -> LlmNpuError:
+        code = self.proc.wait()
+        self._log.seek(0)
+        return _failure(code, self._log.read())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

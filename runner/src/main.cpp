@@ -1,7 +1,9 @@
 // llmnpu-runner: generation from an exported program (.pte, its sidecar and cold rows file) without
 // Python. Prefill in chunks on two worker threads (npu, cpu) under a scheduling policy, then decode
 // with the program's decode method. Token ids in, token ids out (the tokenizer stays with the caller:
-// `llmnpu run --pte F --native` drives this binary).
+// `llmnpu run --pte F --native` drives this binary). With --serve it answers prompt after prompt
+// and keeps the last prompt's K/V, so a prompt that starts like the last one (a conversation's next
+// turn) prefills only what follows the shared part (`llmnpu chat --pte F --native` drives that).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,12 +31,17 @@ const char* kUsage =
     "usage: llmnpu-runner --pte MODEL.pte (--prompt-ids FILE | --prompt-ids -) [--max-new-tokens N]\n"
     "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo|cp]\n"
     "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--low-memory]\n"
+    "       llmnpu-runner --pte MODEL.pte --serve [--max-new-tokens N] [sampling, --policy, --low-memory]\n"
     "       llmnpu-runner --pte MODEL.pte --dry-run --prompt-len N [--policy P]\n"
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
     "--warmup: one chunk of prefill and one decode step before the timed run (first-call set-up of\n"
     "every method, as a long-lived app has done before its first prompt).\n"
     "--low-memory: never hold the NPU methods and the decode step at once (one packing of each weight\n"
     "instead of two); decode then loads between the first token and the second.\n"
+    "--serve: one request per line on standard input, {\"ids\": [...], \"max_new_tokens\": N,\n"
+    "\"logits_out\": FILE} (the last two optional); each is answered with its token ids, one per line,\n"
+    "then a JSON line of timings with \"cached_tokens\" (prompt tokens whose K/V were kept from the\n"
+    "previous request), or a JSON line {\"error\": ...}. The K/V kept are the previous prompt's own.\n"
     "--dry-run: the policy's schedule on simulated time (each task takes its profiled cost), as JSON.\n";
 
 struct Args {
@@ -43,7 +50,7 @@ struct Args {
   std::optional<double> temperature;
   double top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool json = false, dry_run = false, warmup = false, low_memory = false;
+  bool json = false, dry_run = false, warmup = false, low_memory = false, serve = false;
   std::optional<std::pair<int, int>> fail_at;
 };
 
@@ -75,6 +82,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--dry-run") { a.dry_run = true; continue; }
     if (flag == "--warmup") { a.warmup = true; continue; }
     if (flag == "--low-memory") { a.low_memory = true; continue; }
+    if (flag == "--serve") { a.serve = true; continue; }
     if (i + 1 >= argc) throw InputError(flag + " needs a value (see --help)");
     std::string value = argv[++i];
     if (flag == "--pte") a.pte = value;
@@ -152,6 +160,108 @@ nlohmann::json records_json(const std::vector<Record>& records) {
   return out;
 }
 
+struct Answer {
+  std::vector<int64_t> tokens;
+  PrefillResult pre;
+  nlohmann::json summary;
+};
+
+// Prefill `ids` after `past`, then decode up to `max_new` tokens, each printed on its own line as it
+// comes; the summary holds the timings of this prompt.
+Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, const Past* past,
+              long max_new, Sampling& sampling, Policy policy, std::optional<std::pair<int, int>> fail_at,
+              const std::string& logits_out, const std::string& trace) {
+  using Clock = std::chrono::steady_clock;
+  const long fetched = program.cold->fetched.load();
+  const auto start = Clock::now();
+  Answer out;
+  out.pre = prefill(s, program, ids, policy, fail_at, past);
+  const PrefillResult& pre = out.pre;
+  const double prefill_s = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!logits_out.empty()) {
+    std::ofstream f(logits_out, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(pre.logits.data()), static_cast<std::streamsize>(pre.logits.size() * 4));
+    if (!f) throw InputError("cannot write " + logits_out);
+  }
+  if (!trace.empty()) write_trace(trace, s, pre.records);
+
+  auto is_eos = [&](int64_t t) { return std::find(s.eos_ids.begin(), s.eos_ids.end(), t) != s.eos_ids.end(); };
+  int64_t token = next_token(pre.logits, sampling);
+  const auto first = Clock::now();
+  auto last = first;
+  out.tokens = {token};
+  std::cout << token << std::endl;
+  Decoder decoder(s, program, pre);
+  while (static_cast<long>(out.tokens.size()) < max_new && !is_eos(token)) {
+    token = next_token(decoder.step(token), sampling);
+    out.tokens.push_back(token);
+    last = Clock::now();
+    std::cout << token << std::endl;
+  }
+  const double ttft = std::chrono::duration<double>(first - start).count();
+  const double decode_s = std::chrono::duration<double>(last - first).count();
+  double busy[2] = {0, 0};
+  for (const auto& r : pre.records) busy[r.processor] += r.end - r.start;
+  const size_t reused = past ? static_cast<size_t>(past->length()) : 0;
+  out.summary = {
+      {"tokens", out.tokens}, {"prompt_tokens", reused + ids.size()}, {"cached_tokens", reused},
+      {"chunks", pre.chunks},
+      {"policy", policy_name(s.has_profile || !uses_costs(policy) ? policy : Policy::kInorder)},
+      {"prefill_s", prefill_s}, {"ttft_s", ttft}, {"decode_s", decode_s},
+      {"prefill_tok_s", ids.size() / prefill_s},
+      {"decode_tok_s", out.tokens.size() > 1 && decode_s > 0 ? nlohmann::json((out.tokens.size() - 1) / decode_s)
+                                                             : nlohmann::json()},
+      {"decision_us", 1e6 * pre.decision_s / std::max(pre.decisions, 1L)}, {"decisions", pre.decisions},
+      {"npu_busy_s", busy[kNpu]}, {"cpu_busy_s", busy[kCpu]}, {"wall_s", pre.wall_s},
+      {"cold_rows", program.cold->fetched.load() - fetched}, {"stopped", is_eos(token) ? "eos" : "length"}};
+  return out;
+}
+
+// --serve: requests line by line; the last prompt's ids and K/V are kept, and a request reuses the
+// longest prefix it shares with them (all but its last token at most: its logits are needed).
+// What a request gets wrong is answered with an error line and the next request is read; a method
+// that fails ends the process, as in a single run.
+int serve(const Args& a, const Sidecar& s, LoadedProgram& program, Sampling& sampling, Policy policy) {
+  std::vector<int64_t> held;
+  std::vector<ValuePtr> held_k, held_v;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      nlohmann::json request;
+      std::vector<int64_t> ids;
+      long max_new = a.max_new_tokens;
+      std::string logits_out;
+      try {
+        request = nlohmann::json::parse(line);
+        ids = request.at("ids").get<std::vector<int64_t>>();
+        if (request.contains("max_new_tokens")) max_new = request.at("max_new_tokens").get<long>();
+        if (request.contains("logits_out")) logits_out = request.at("logits_out").get<std::string>();
+      } catch (const nlohmann::json::exception&) {
+        throw InputError("a request is one JSON object per line: {\"ids\": [token ids], \"max_new_tokens\": N}");
+      }
+      if (max_new < 1) throw InputError("max new tokens must be at least 1");
+      check_prompt(s, ids, max_new);
+      size_t shared = 0;
+      while (shared < held.size() && shared < ids.size() && held[shared] == ids[shared]) ++shared;
+      shared = std::min(shared, ids.size() - 1);
+      Past past;
+      if (shared > 0) past = first_tokens(held_k, held_v, static_cast<int64_t>(shared));
+      const std::vector<int64_t> rest(ids.begin() + static_cast<std::ptrdiff_t>(shared), ids.end());
+      Answer ans = answer(s, program, rest, shared ? &past : nullptr, max_new, sampling, policy, std::nullopt,
+                          logits_out, "");
+      held = ids;
+      held_k = ans.pre.k;
+      held_v = ans.pre.v;
+      ans.summary["peak_rss_mib"] = peak_rss_mib();
+      std::cout << ans.summary.dump() << std::endl;
+    } catch (const InputError& e) {
+      std::cout << nlohmann::json{{"error", e.what()}}.dump() << std::endl;
+    }
+  }
+  return 0;
+}
+
 int run(const Args& a) {
   using Clock = std::chrono::steady_clock;
   const Sidecar s = read_sidecar(a.pte);
@@ -163,15 +273,18 @@ int run(const Args& a) {
     std::cout << nlohmann::json{{"policy", policy_name(policy)}, {"records", records_json(records)}}.dump() << "\n";
     return 0;
   }
-  if (a.prompt_ids.empty()) throw InputError("give the prompt with --prompt-ids FILE (or - for standard input)");
-  const std::vector<int64_t> ids = read_ids(a.prompt_ids);
-  check_prompt(s, ids, a.max_new_tokens);
+  if (a.serve && !a.prompt_ids.empty()) throw InputError("--serve reads its prompts from standard input: drop --prompt-ids");
+  if (!a.serve && a.prompt_ids.empty())
+    throw InputError("give the prompt with --prompt-ids FILE (or - for standard input)");
+  const std::vector<int64_t> ids = a.serve ? std::vector<int64_t>{} : read_ids(a.prompt_ids);
+  if (!a.serve) check_prompt(s, ids, a.max_new_tokens);
 
   const auto l0 = Clock::now();
   LoadedProgram program(a.pte, s, a.low_memory);
   const double load_s = std::chrono::duration<double>(Clock::now() - l0).count();
 
   double warmup_s = 0;
+  if (a.warmup && a.serve) throw InputError("--warmup times one prompt: drop it with --serve");
   if (a.warmup) {
     const auto w0 = Clock::now();
     const std::vector<int64_t> first_chunk(ids.begin(), ids.begin() + std::min<int64_t>(ids.size(), s.chunk_len));
@@ -186,45 +299,13 @@ int run(const Args& a) {
   sampling.temperature = a.temperature;
   sampling.top_p = a.top_p;
   sampling.rng.seed(a.seed ? *a.seed : std::random_device{}());
+  if (a.serve) return serve(a, s, program, sampling, policy);
 
-  const auto start = Clock::now();
-  PrefillResult pre = prefill(s, program, ids, policy, a.fail_at);
-  const double prefill_s = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!a.logits_out.empty()) {
-    std::ofstream out(a.logits_out, std::ios::binary);
-    out.write(reinterpret_cast<const char*>(pre.logits.data()), static_cast<std::streamsize>(pre.logits.size() * 4));
-    if (!out) throw InputError("cannot write " + a.logits_out);
-  }
-  if (!a.trace.empty()) write_trace(a.trace, s, pre.records);
-
-  auto is_eos = [&](int64_t t) { return std::find(s.eos_ids.begin(), s.eos_ids.end(), t) != s.eos_ids.end(); };
-  int64_t token = next_token(pre.logits, sampling);
-  const auto first = Clock::now();
-  auto last = first;
-  std::vector<int64_t> tokens = {token};
-  std::cout << token << std::endl;
-  Decoder decoder(s, program, pre);
-  while (static_cast<long>(tokens.size()) < a.max_new_tokens && !is_eos(token)) {
-    token = next_token(decoder.step(token), sampling);
-    tokens.push_back(token);
-    last = Clock::now();
-    std::cout << token << std::endl;
-  }
+  Answer ans = answer(s, program, ids, nullptr, a.max_new_tokens, sampling, policy, a.fail_at, a.logits_out, a.trace);
   if (a.json) {
-    const double ttft = std::chrono::duration<double>(first - start).count();
-    const double decode_s = std::chrono::duration<double>(last - first).count();
-    double busy[2] = {0, 0};
-    for (const auto& r : pre.records) busy[r.processor] += r.end - r.start;
-    nlohmann::json j = {
-        {"tokens", tokens}, {"prompt_tokens", ids.size()}, {"chunks", pre.chunks},
-        {"policy", policy_name(s.has_profile || !uses_costs(policy) ? policy : Policy::kInorder)},
-        {"load_s", load_s}, {"warmup_s", warmup_s}, {"prefill_s", prefill_s}, {"ttft_s", ttft}, {"decode_s", decode_s},
-        {"prefill_tok_s", ids.size() / prefill_s},
-        {"decode_tok_s", tokens.size() > 1 && decode_s > 0 ? nlohmann::json((tokens.size() - 1) / decode_s) : nlohmann::json()},
-        {"decision_us", 1e6 * pre.decision_s / std::max(pre.decisions, 1L)}, {"decisions", pre.decisions},
-        {"npu_busy_s", busy[kNpu]}, {"cpu_busy_s", busy[kCpu]}, {"wall_s", pre.wall_s},
-        {"cold_rows", program.cold->fetched.load()}, {"stopped", is_eos(token) ? "eos" : "length"},
-        {"low_memory", a.low_memory}, {"switch_s", program.switch_s}, {"peak_rss_mib", peak_rss_mib()}};
+    nlohmann::json j = ans.summary;
+    j.update({{"load_s", load_s}, {"warmup_s", warmup_s}, {"low_memory", a.low_memory}, {"switch_s", program.switch_s},
+              {"peak_rss_mib", peak_rss_mib()}});
     std::cout << j.dump() << std::endl;
   }
   return 0;

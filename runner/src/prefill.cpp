@@ -23,9 +23,11 @@ using Env = std::unordered_map<std::string, ValuePtr>;
 std::string past_name(const char* kind, int64_t layer) { return std::string("past_") + kind + "_" + std::to_string(layer); }
 
 // Per chunk: ids (the last chunk padded with 0), positions, the row whose logits are wanted; the
-// first chunk also gets the empty past K/V (runtime/program.py chunk_feeds).
-std::vector<Env> chunk_feeds(const Sidecar& s, const std::vector<int64_t>& ids) {
+// first chunk also gets the past K/V, empty or `past`, whose tokens come before the prompt's
+// (runtime/prompt.py chunk_feeds).
+std::vector<Env> chunk_feeds(const Sidecar& s, const std::vector<int64_t>& ids, const Past* past) {
   const int64_t c = s.chunk_len, n = static_cast<int64_t>(ids.size());
+  const int64_t p0 = past ? past->length() : 0;
   std::vector<Env> feeds;
   for (int64_t start = 0; start < n; start += c) {
     const int64_t part = std::min(c, n - start);
@@ -34,15 +36,15 @@ std::vector<Env> chunk_feeds(const Sidecar& s, const std::vector<int64_t>& ids) 
     auto index = Value::make(ScalarType::Long, {1});
     for (int64_t i = 0; i < c; ++i) {
       input->i64()[i] = i < part ? ids[start + i] : 0;
-      pos->i64()[i] = start + i;
+      pos->i64()[i] = p0 + start + i;
     }
     index->i64()[0] = part - 1;
     feeds.push_back({{"input_ids", input}, {"cache_position", pos}, {"logits_index", index}});
   }
   ValuePtr empty = Value::make(ScalarType::Float, {1, s.kv_heads, 0, s.head_dim});
   for (int64_t l = 0; l < s.layers; ++l) {
-    feeds[0][past_name("k", l)] = empty;
-    feeds[0][past_name("v", l)] = empty;
+    feeds[0][past_name("k", l)] = past ? past->k.at(l) : empty;
+    feeds[0][past_name("v", l)] = past ? past->v.at(l) : empty;
   }
   return feeds;
 }
@@ -58,13 +60,23 @@ ValuePtr cut(const Value& kv, int64_t t) {
 
 }  // namespace
 
+Past first_tokens(const std::vector<ValuePtr>& k, const std::vector<ValuePtr>& v, int64_t t) {
+  Past past;
+  for (size_t l = 0; l < k.size(); ++l) {
+    past.k.push_back(cut(*k[l], t));
+    past.v.push_back(cut(*v[l], t));
+  }
+  return past;
+}
+
 PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, Policy policy,
-                      std::optional<std::pair<int, int>> fail_at) {
+                      std::optional<std::pair<int, int>> fail_at, const Past* past) {
   program.for_prefill();
-  std::vector<Env> envs = chunk_feeds(s, ids);
+  std::vector<Env> envs = chunk_feeds(s, ids, past);
   const int chunks = static_cast<int>(envs.size());
+  const int64_t reused = past ? past->length() : 0;
   if (!s.has_profile && uses_costs(policy)) policy = Policy::kInorder;   // nothing to score with
-  std::vector<Task> tasks = expand(s, chunks);
+  std::vector<Task> tasks = expand(s, chunks, static_cast<double>(reused) / static_cast<double>(s.chunk_len));
   Scheduler sched(tasks, policy);
 
   // a value is dropped once its last reader of the chunk has run, unless the result needs it
@@ -160,7 +172,7 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
   if (!error.empty()) throw RunError(error);
 
   const Env& last = envs.back();
-  const int64_t total = static_cast<int64_t>(ids.size());
+  const int64_t total = reused + static_cast<int64_t>(ids.size());
   const Value& logits = *last.at(s.graph_outputs[0]);
   result.logits.assign(logits.f32(), logits.f32() + logits.numel());
   for (int64_t l = 0; l < s.layers; ++l) {

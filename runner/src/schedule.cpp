@@ -19,7 +19,7 @@ const char* policy_name(Policy p) {
   return p == Policy::kInorder ? "inorder" : p == Policy::kOverlap ? "overlap" : p == Policy::kOoo ? "ooo" : "cp";
 }
 
-std::vector<Task> expand(const Sidecar& s, int chunks) {
+std::vector<Task> expand(const Sidecar& s, int chunks, double past_chunks) {
   const auto& table = s.tasks;
   std::vector<Task> tasks;
   std::map<int, int> previous;   // step -> its task in the chunk before
@@ -42,7 +42,7 @@ std::vector<Task> expand(const Sidecar& s, int chunks) {
           if (it == previous.end()) throw InputError("the sidecar's task table is inconsistent: export the program again");
           t.deps.push_back(it->second);
         }
-      t.cost = s.has_profile ? profile_cost(s, j, i) : 0.0;
+      t.cost = s.has_profile ? profile_cost(s, j, i + past_chunks) : 0.0;
       current[j] = t.id;
       tasks.push_back(std::move(t));
     }

@@ -27,8 +27,9 @@ inline bool uses_costs(Policy p) { return p == Policy::kOoo || p == Policy::kCp;
 Policy parse_policy(const std::string& name);   // throws InputError
 const char* policy_name(Policy p);
 
-// The tasks of a `chunks`-chunk prompt, in program order, with their profiled costs.
-std::vector<Task> expand(const Sidecar& s, int chunks);
+// The tasks of a `chunks`-chunk prompt, in program order, with their profiled costs (at chunk
+// positions shifted by `past_chunks`: a prompt after a past of that many chunks of tokens).
+std::vector<Task> expand(const Sidecar& s, int chunks, double past_chunks = 0.0);
 
 class Scheduler {
  public:

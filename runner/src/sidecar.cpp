@@ -1,5 +1,7 @@
 #include "sidecar.h"
 
+#include <algorithm>
+
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
@@ -174,13 +176,18 @@ Sidecar read_sidecar(const std::string& pte) {
   return s;
 }
 
-double profile_cost(const Sidecar& s, int step, int position) {
+double profile_cost(const Sidecar& s, int step, double position) {
   auto st = s.profile_static.find(step);
   if (st != s.profile_static.end()) return st->second;
   auto dy = s.profile_dynamic.find(step);
   if (dy == s.profile_dynamic.end() || dy->second.empty()) return 0.0;
   const auto& times = dy->second;
-  if (static_cast<size_t>(position) < times.size()) return times[position];
+  const double last = static_cast<double>(times.size() - 1);
+  if (position <= last) {
+    const size_t low = static_cast<size_t>(position);
+    const size_t high = std::min(low + 1, times.size() - 1);
+    return times[low] + (times[high] - times[low]) * (position - static_cast<double>(low));
+  }
   // attention reads (position + 1) chunks of keys
   return times.back() * (position + 1) / static_cast<double>(times.size());
 }

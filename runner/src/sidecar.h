@@ -68,6 +68,8 @@ struct Sidecar {
 Sidecar read_sidecar(const std::string& pte);
 
 // Seconds of `step` at chunk `position`, as runtime/profile.py Profile.cost computes them.
-double profile_cost(const Sidecar& s, int step, int position);
+// Seconds of `step` at chunk `position`; a fractional position (a prompt after a past of part of a
+// chunk) lies between two profiled ones (runtime/profile.py `Profile.cost`).
+double profile_cost(const Sidecar& s, int step, double position);
 
 }  // namespace llmnpu
