@@ -23,7 +23,7 @@ STAGES = {
     "backends": 7, "lower": 7,                     # an NPU backend lowers a region; lower/ exports a program
     "runtime": 8,                                  # executor, schedules, runners of a program
     "prefill": 9,                                  # the engine: all of the above for one model
-    "compile": 10, "hf": 10, "run": 10, "chat": 10, "bench": 10, "evaluate": 10, "simulate": 10, "info": 10,
+    "compile": 10, "hf": 10, "run": 10, "chat": 10, "bench_turns": 10, "bench": 10, "evaluate": 10, "simulate": 10, "info": 10,
     "harness": 10,                                 # lm-eval's model over evaluate and hf
     "cli": 11,                                     # the doors, and the CLI over them
     "__init__": 4,                                 # the package itself: its version, errors, load_model

@@ -236,6 +236,23 @@ def test_a_prompt_past_the_context_is_refused(tiny):
         simulate_prefill(tiny, "SM8650", 4097)
     with pytest.raises(LlmNpuError, match="unknown policy 'fifo': use one of inorder, overlap, ooo, cp"):
         simulate_prefill(tiny, "SM8650", 16, ("fifo",))
+    with pytest.raises(LlmNpuError, match=r"in 1\.\.96 \(the model's context of 4096 after a past of 4000\)"):
+        simulate_prefill(tiny, "SM8650", 97, past=4000)
+
+
+def test_a_later_turn_pays_for_its_new_tokens_and_its_longer_past(tiny):
+    """A prompt after a kept past runs only its own chunks; only its attention reads the past."""
+    def predict(prompt_len, past=0):
+        r = simulate_prefill(tiny, "SM8650", prompt_len, ("ooo",), past=past)
+        return r["chunks"], r["policies"]["ooo"]
+
+    first_chunks, first = predict(7 * C)
+    later_chunks, later = predict(3 * C + 5, past=7 * C + 11)      # mid-chunk past, as a chat's turn
+    fresh_chunks, fresh = predict(3 * C + 5)
+    assert (first_chunks, later_chunks, fresh_chunks) == (7, 4, 4)
+    assert later["wall_s"] < first["wall_s"]
+    # the same new tokens cost more after a past (their attention reads it), by attention work only
+    assert later["cpu_busy_s"] > fresh["cpu_busy_s"] and later["npu_busy_s"] == pytest.approx(fresh["npu_busy_s"])
 
 
 def test_float_linears_are_not_simulated():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..bench import bench, bench_e2e
+from ..bench_turns import bench_turns, format_turns
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
 from ..models import load_model
@@ -38,6 +39,13 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt-file", help="with --e2e: read the prompt from this text file")
     p.add_argument("--chat", action="store_true", help="with --e2e: wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --e2e: tokens to generate (default 64)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="with --e2e, instead of one prompt: TTFT at each turn of N-turn conversations (the whole "
+                        "history sent every turn) for the wrapper with and without its prefix cache, HF generate "
+                        "with past_key_values and llama.cpp keeping its context")
+    p.add_argument("--form", choices=["agent", "chat"], default="agent",
+                   help="with --turns: agent (~400 fixed tokens, a ~300-token screen and a 16-token answer a turn; "
+                        "default) or chat (a ~40-token question and a 16-token answer a turn)")
     add_output_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -47,6 +55,14 @@ def cmd_bench(args) -> dict:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if args.turns is not None:
+        if not args.e2e or args.prompt is not None or args.prompt_file is not None:
+            raise LlmNpuError("--turns times conversations of the shipped text: give it with --e2e and without "
+                              "--prompt/--prompt-file")
+        result = bench_turns(load_model(args.model), args.form, args.turns, args.chunk, args.repeats, args.quant,
+                             progress=not args.no_progress)
+        args.text = format_turns(result)
+        return result
     if args.e2e != (args.prompt_file is not None or args.prompt is not None):
         raise LlmNpuError("--e2e times one prompt: give --e2e with --prompt or --prompt-file (and only with --e2e)")
     lm = load_model(args.model)

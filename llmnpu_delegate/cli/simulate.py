@@ -1,6 +1,7 @@
 """``llmnpu simulate``."""
 from __future__ import annotations
 
+from ..errors import LlmNpuError
 from ..evaluate import SWEEP_PRUNING_RATES
 from ..models import RANDOM_SHAPES
 from ..prefill import DEFAULT_CHUNK
@@ -22,6 +23,9 @@ def add_parser(sub) -> None:
                         f"paper's models: {', '.join(s for s in RANDOM_SHAPES if not s.startswith('tiny'))})")
     p.add_argument("--soc", default="SM8650", help=f"device profile: {', '.join(socs())} (default SM8650)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--past", type=int, default=0,
+                   help="tokens before the prompt whose K/V are kept (a later turn of a conversation: the prompt "
+                        "is its new tokens only; default 0)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--quant", choices=list(SIM_QUANT), default="w8a8-shadow", help="default w8a8-shadow")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
@@ -38,6 +42,8 @@ def add_parser(sub) -> None:
 
 def cmd_simulate(args) -> dict:
     load_device(args.soc)   # an unknown SoC fails before any model is loaded
+    if args.past and (args.validate or args.sweep):
+        raise LlmNpuError("--past predicts one later turn: drop it with --validate or --sweep")
     if args.validate:
         result = validate(args.soc, args.chunk, args.prompt_len, progress=not args.no_progress)
         args.text = format_validation(result)
@@ -49,13 +55,14 @@ def cmd_simulate(args) -> dict:
         return {"model": args.model, "soc": args.soc, "prompt_len": args.prompt_len, "sweep": rows}
     scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.norms, progress=not args.no_progress,
                   soc=args.soc)
-    result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir)
+    result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir, args.past)
     args.text = _format_simulate(result)
     return result
 
 
 def _format_simulate(r: dict) -> str:
-    lines = [f"{r['model']} on {r['soc']} ({r['device']}), simulated: {r['prompt_len']} tokens in {r['chunks']} "
+    after = f" after a kept past of {r['past']}" if r["past"] else ""
+    lines = [f"{r['model']} on {r['soc']} ({r['device']}), simulated: {r['prompt_len']} tokens{after} in {r['chunks']} "
              f"chunks of {r['chunk']}, {r['subgraphs']} subgraphs, {r['shadowed_linears']} shadowed linears "
              f"(plan: {r['plan_source']})"]
     lines.append(f"{'policy':<10}{'tok/s':>8}{'wall ms':>9}{'NPU ms':>8}{'CPU ms':>8}{'bubbles':>9}{'bound':>8}"

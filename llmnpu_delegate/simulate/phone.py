@@ -187,15 +187,16 @@ def _scenario(net: nn.Module, model: str, chunk: int, rates: dict[str, float], s
     return Scenario(model, partition, program, chunk, max_context(net.config), rates, source, rate)
 
 
-def step_costs(scn: Scenario, device: Device, chunks: int) -> dict:
-    """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones."""
+def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0) -> dict:
+    """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones
+    (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys)."""
     costs: dict = {}
     for j, step in enumerate(scn.program.steps):
         if step.static:
             costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate)
         else:
             for i in range(chunks):
-                costs[(j, i)] = cost.seconds(step.sub, i * scn.chunk, device, scn.outlier_rate)
+                costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate)
     return costs
 
 
@@ -211,18 +212,25 @@ def energy(stats: RunStats, device: Device) -> dict:
 
 
 def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES,
-                     trace_dir: Path | None = None) -> dict:
-    """Predicted prefill of a ``prompt_len``-token prompt on ``soc``, per policy."""
+                     trace_dir: Path | None = None, past: int = 0) -> dict:
+    """Predicted prefill of a ``prompt_len``-token prompt on ``soc``, per policy; with ``past``, the
+    prompt continues a conversation whose first ``past`` tokens' K/V are kept (a later turn: its
+    chunks start at position ``past``, mid-chunk or not, and only the last one is padded)."""
     device = load_device(soc)
-    if not isinstance(prompt_len, int) or not 0 < prompt_len <= scn.context:
-        raise LlmNpuError(f"prompt length must be in 1..{scn.context} (the model's context), got {prompt_len}")
+    if not isinstance(past, int) or past < 0:
+        raise LlmNpuError(f"the past must be a whole number of tokens >= 0, got {past!r}")
+    if not isinstance(prompt_len, int) or not 0 < prompt_len <= scn.context - past:
+        after = f" after a past of {past}" if past else ""
+        raise LlmNpuError(f"prompt length must be in 1..{scn.context - past} (the model's context of {scn.context}"
+                          f"{after}), got {prompt_len}")
     if not policies:
         raise LlmNpuError(f"no scheduling policy given: use one or more of {', '.join(POLICIES)}")
     for p in policies:
         check_policy(p)
     chunks = math.ceil(prompt_len / scn.chunk)
-    costs = step_costs(scn, device, chunks)
-    out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "chunk": scn.chunk,
+    costs = step_costs(scn, device, chunks, past)
+    out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "past": past,
+           "chunk": scn.chunk,
            "chunks": chunks, "pruning_rate": scn.pruning_rate, "shadowed_linears": scn.shadowed,
            "plan_source": scn.plan_source, "subgraphs": len(scn.program.steps), "policies": {}}
     names = {i: step_label(s.sub) for i, s in enumerate(scn.program.steps)}
