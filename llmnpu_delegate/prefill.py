@@ -287,18 +287,21 @@ class Prefiller:
         shadows = self.program.shadow.values()
         return sum(m.seen_elements for m in shadows), sum(m.outlier_elements for m in shadows)
 
+    def _plan_fields(self) -> list:
+        return sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
+
     def _kv_key(self) -> str:
         """What a prompt's K/V depend on: an entry of the prefix cache made under another key (model,
         quantization plan, program, attention precision) is never used here."""
-        plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
         return "prefill:" + entry_key({"kv": 1, "backend": self.backend_name, "model": self.fingerprint,
-                                       "chunk_len": self.chunk_len, "plan": plan, "quant": repr(self.quant),
-                                       "program": program_digest(self.program), "attention": self.attention})
+                                       "chunk_len": self.chunk_len, "plan": self._plan_fields(),
+                                       "quant": repr(self.quant), "program": program_digest(self.program),
+                                       "attention": self.attention})
 
     def _profile_path(self):
-        plan = sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
         key = entry_key({"profile": 3, "backend": self.backend_name, "model": self.fingerprint,
-                         "chunk_len": self.chunk_len, "plan": plan, "threads": self.executor.workers.threads,
+                         "chunk_len": self.chunk_len, "plan": self._plan_fields(),
+                         "threads": self.executor.workers.threads,
                          "program": program_digest(self.program), "kernels": native_ops.library_digest(),
                          "int8_kernel": int8_path.current(), "attention": self.attention})
         return self.cache.root / f"profile-{key}.json"

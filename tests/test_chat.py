@@ -70,7 +70,8 @@ def test_commands_save_load_and_refusals(tmp_path, capsys):
     echo = _Echo()
     conv = Conversation(echo, system="be brief")
     path = tmp_path / "c.json"
-    records = chat_loop(conv, ["hello there, how are you", f"/save {path}", "/reset", "hi", f"/load {path}", "more"], stream=False)
+    lines = ["hello there, how are you", f"/save {path}", "/reset", "hi", f"/load {path}", "more"]
+    records = chat_loop(conv, lines, stream=False)
     assert [r.get("turn") for r in records] == [1, None, None, 2, None, 3]
     # after /reset the history is one message; after /load it is the saved two plus the new one
     assert echo.prompts[1].numel() < echo.prompts[0].numel() < echo.prompts[2].numel()
