@@ -101,3 +101,7 @@ def test_chat_command_refusals(tmp_path, capsys):
     assert "--native runs an exported program" in capsys.readouterr().err
     assert main(["chat", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
+    assert main(["chat", "--kv-cache-mb", "-1"]) == 2
+    assert "--kv-cache-mb must be >= 0" in capsys.readouterr().err
+    assert main(["chat", "--pte", "m.pte", "--native", "--kv-cache-dir", str(tmp_path)]) == 2
+    assert "keeps the last prompt's K/V in its own memory" in capsys.readouterr().err

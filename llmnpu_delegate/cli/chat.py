@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                    help="also keep the prompts' K/V in DIR, so another process resumes a conversation (/load) "
                         "without prefilling it again")
-    p.add_argument("--kv-cache-mb", type=int, default=DEFAULT_BYTES >> 20,
+    p.add_argument("--kv-cache-mb", type=int, default=None,
                    help=f"K/V of earlier prompts held in memory, MiB (default {DEFAULT_BYTES >> 20})")
     p.add_argument("--backend", choices=list(backends.names(engine=True)), default=None,
                    help=f"NPU backend of the prefill (default {backends.DEFAULT})")
@@ -59,14 +59,15 @@ _MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
 def cmd_chat(args) -> dict:
     if args.max_new_tokens < 1:
         raise LlmNpuError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.kv_cache_mb < 0:
+    if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
         raise LlmNpuError(f"--kv-cache-mb must be >= 0, got {args.kv_cache_mb}")
     check_sampling(args.temperature, args.top_p)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    cache = PrefixCache(args.kv_cache_mb << 20, args.kv_cache_dir)
+    cache = PrefixCache((DEFAULT_BYTES >> 20 if args.kv_cache_mb is None else args.kv_cache_mb) << 20,
+                        args.kv_cache_dir)
     if args.pte is not None:
         responder = _pte_responder(args, cache)
     elif args.native:
@@ -118,8 +119,9 @@ def _pte_responder(args, cache: PrefixCache):
         from ..format.sidecar import load_sidecar
         from ..runtime.native import NativeSession
 
-        if args.kv_cache_dir is not None:
-            raise LlmNpuError("the native runner keeps the last prompt's K/V in its own memory: drop --kv-cache-dir")
+        if args.kv_cache_dir is not None or args.kv_cache_mb is not None:
+            raise LlmNpuError("the native runner keeps the last prompt's K/V in its own memory: drop "
+                              "--kv-cache-dir and --kv-cache-mb")
         meta = load_sidecar(args.pte)
         tok = load_program_tokenizer(meta, Path(args.pte))
         session = NativeSession(args.pte, meta, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
