@@ -28,6 +28,6 @@ prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], ad
                                             return_tensors="pt", return_dict=True)["input_ids"] for q in QUESTIONS]
 settings = [("w8a8-shadow", rate) for rate in args.pruning_rates] + [("w8a8", None)]
 for quant, rate in settings:
-    wrapper = LlmNpuForCausalLM(lm, quant=quant, pruning_rate=rate, progress=False)
+    wrapper = LlmNpuForCausalLM(lm, quant=quant, pruning_rate=rate, prefix_cache=False, progress=False)
     result = greedy_agreement(wrapper, prompts, args.max_new_tokens)
     print(json.dumps({"quant": quant, "pruning_rate": rate, **{k: round(v, 3) for k, v in result.items()}}))

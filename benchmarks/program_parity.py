@@ -55,7 +55,7 @@ def main() -> None:
                                         "engine_next": int(want.logits.argmax()), "fp32_next": int(f.argmax())}
 
     n = args.tokens
-    wrapper = LlmNpuForCausalLM(lm, chunk_len=chunk, progress=False)
+    wrapper = LlmNpuForCausalLM(lm, chunk_len=chunk, prefix_cache=False, progress=False)
     want = wrapper.generate(demo[None], attention_mask=torch.ones(1, demo.numel(), dtype=torch.long), max_new_tokens=n,
                             do_sample=False, pad_token_id=tok.eos_token_id)[0, demo.numel():].tolist()
     with torch.no_grad():

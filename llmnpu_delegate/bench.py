@@ -254,7 +254,9 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
         raise LlmNpuError(f"repeats must be at least 1, got {repeats}")
     tune_malloc()
     threads = Workers.auto().threads * 2
-    wrappers = {mode: LlmNpuForCausalLM(lm, chunk_len=chunk, quant=quant, decode=mode, progress=progress)
+    # no prefix cache: every timed run repeats the same prompt, which it would serve from memory
+    wrappers = {mode: LlmNpuForCausalLM(lm, chunk_len=chunk, quant=quant, decode=mode, prefix_cache=False,
+                                        progress=progress)
                 for mode in ("fp32", "int8")}
     if wrappers["int8"].decode_mode != "int8":
         del wrappers["int8"]          # a family the INT8 decoder does not cover: nothing to time

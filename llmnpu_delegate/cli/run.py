@@ -74,7 +74,7 @@ def cmd_run(args) -> dict:
     wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
                                 pruning_rate=args.pruning_rate, policy=args.policy, decode=args.decode,
-                                progress=not args.no_progress)
+                                prefix_cache=False, progress=not args.no_progress)   # one prompt: nothing to reuse
     sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
                 if args.temperature is not None else {"do_sample": False})
     if args.seed is not None:
