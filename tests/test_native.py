@@ -266,6 +266,7 @@ def test_serve_keeps_the_last_prompt_and_answers_as_the_python_runner(program, t
             got = session.turn(prompt.tolist(), 6, logits_out=tmp_path / f"turn{i}.bin")
             pre = python(prompt)
             assert got.summary["cached_tokens"] == pre.reused == [0, 70, 50][i]
+            assert got.summary["chunks"] == pre.chunks == [2, 1, 1][i]       # only the new tokens' chunks ran
             ref, logits = pre.logits.numpy(), _logits(tmp_path, f"turn{i}.bin")
             assert np.abs(logits - ref).max() <= 4 * np.spacing(np.abs(ref).max())
             assert got.tokens == python.generate(prompt, 6).tokens

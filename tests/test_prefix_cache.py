@@ -5,14 +5,14 @@ import logging
 
 import pytest
 import torch
-from conftest import assert_within_quant_effect, inject_outliers
+from conftest import assert_within_quant_effect
+from test_prefill import llama, llama_calib  # noqa: F401 - fixtures: tiny-llama with outliers, its calibration
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.hf import LlmNpuForCausalLM
-from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller
-from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.quantize import QuantConfig
 from llmnpu_delegate.runtime.prefix_cache import PrefixCache, common_prefix
 
 CHUNK = 8
@@ -20,24 +20,10 @@ QUANT = QuantConfig(pruning_rate=0.5)     # shadow paths on half the linears
 
 
 @pytest.fixture(scope="module")
-def llama():
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
-    return lm
-
-
-@pytest.fixture(scope="module")
-def calib(llama):
-    ids = torch.randint(0, 1000, (4 * 64,), generator=torch.Generator().manual_seed(1))
-    return calibrate(llama.model, ids, llama.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64),
-                     progress=False)
-
-
-@pytest.fixture(scope="module")
-def engines(llama, calib, tmp_path_factory):
+def engines(llama, llama_calib, tmp_path_factory):
     cache = GraphCache(tmp_path_factory.mktemp("graphs"))
     return {"fp32": Prefiller(llama, CHUNK, quant=None, cache=cache, progress=False, attention="fp32"),
-            "w8a8": Prefiller(llama, CHUNK, quant=QUANT, calibration=calib, cache=cache, progress=False,
+            "w8a8": Prefiller(llama, CHUNK, quant=QUANT, calibration=llama_calib, cache=cache, progress=False,
                               attention="fp32")}
 
 
@@ -92,11 +78,12 @@ def test_the_prefix_cache_serves_the_longest_shared_prefix(engines, mode):
             _close(k, want, flt, mode)
 
 
-def test_an_entry_of_another_configuration_is_never_used(engines, llama, calib):
+def test_an_entry_of_another_configuration_is_never_used(engines, llama, llama_calib):
     shared = PrefixCache()
     ids = _prompt(30, seed=4)
-    others = [engines["w8a8"], Prefiller(llama, 16, quant=QUANT, calibration=calib, progress=False, attention="fp32"),
-              Prefiller(llama, CHUNK, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False,
+    others = [engines["w8a8"],
+              Prefiller(llama, 16, quant=QUANT, calibration=llama_calib, progress=False, attention="fp32"),
+              Prefiller(llama, CHUNK, quant=QuantConfig(pruning_rate=0.0), calibration=llama_calib, progress=False,
                         attention="fp32")]
     keys = {engines["fp32"].kv_key, *(e.kv_key for e in others)}
     assert len(keys) == 4
@@ -175,7 +162,7 @@ def test_common_prefix():
 
 # ---------------------------------------------------------------------- the Hugging Face door
 @pytest.mark.parametrize("decode", ["fp32", "int8"])
-def test_generate_continues_from_its_own_past_key_values(llama, calib, decode):
+def test_generate_continues_from_its_own_past_key_values(llama, llama_calib, decode):
     """Turn 2 from turn 1's returned cache prefills only its new tokens and gives the tokens of a
     full prefill of the whole history (fp32 mode: identical)."""
     wrapper = LlmNpuForCausalLM(llama, chunk_len=CHUNK, quant="fp32", decode=decode, prefix_cache=False,
@@ -192,8 +179,8 @@ def test_generate_continues_from_its_own_past_key_values(llama, calib, decode):
         assert full.tolist() == llama.model.generate(history, max_new_tokens=6, do_sample=False).tolist()
 
 
-def test_generate_reuses_a_history_sent_again(llama, calib):
-    wrapper = LlmNpuForCausalLM(llama, chunk_len=CHUNK, calibration=calib, pruning_rate=0.5, decode="int8",
+def test_generate_reuses_a_history_sent_again(llama, llama_calib):
+    wrapper = LlmNpuForCausalLM(llama, chunk_len=CHUNK, calibration=llama_calib, pruning_rate=0.5, decode="int8",
                                 progress=False)
     turn1 = _prompt(30, seed=10)[None]
     out = wrapper.generate(turn1, max_new_tokens=4, do_sample=False)

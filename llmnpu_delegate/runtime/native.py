@@ -70,15 +70,9 @@ def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int,
                                 env=runner_env(meta))
         proc.stdin.write(" ".join(map(str, ids)))
         proc.stdin.close()
-        tokens, summary = [], None
-        for line in proc.stdout:     # the runtime may log its own lines too: take ours only
-            line = line.strip()
-            if line.isdigit():
-                tokens.append(int(line))
-                if on_token:
-                    on_token(int(line))
-            elif line.startswith('{"'):
-                summary = json.loads(line)
+        tokens, summary = _read_answer(proc.stdout, on_token)
+        for _ in proc.stdout:        # nothing of ours follows the summary; drain what the runtime logs
+            pass
         proc.wait()
         log.seek(0)
         err = log.read()
@@ -87,6 +81,22 @@ def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int,
     if summary is None:
         raise LlmNpuError("native runner printed no summary line")
     return NativeRun(tokens, summary)
+
+
+def _read_answer(lines, on_token: Callable[[int], None] | None) -> tuple[list[int], dict | None]:
+    """One answer of the binary: its token ids, one per line (each handed to ``on_token`` as it comes),
+    up to its JSON line (None if the output ends first). The runtime may log lines of its own: only
+    ours are read."""
+    tokens = []
+    for line in lines:
+        line = line.strip()
+        if line.isdigit():
+            tokens.append(int(line))
+            if on_token:
+                on_token(int(line))
+        elif line.startswith('{"'):
+            return tokens, json.loads(line)
+    return tokens, None
 
 
 def _failure(code: int, err: str) -> LlmNpuError:
@@ -121,19 +131,12 @@ class NativeSession:
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise self._died() from None
-        tokens = []
-        for line in self.proc.stdout:
-            line = line.strip()
-            if line.isdigit():
-                tokens.append(int(line))
-                if on_token:
-                    on_token(int(line))
-            elif line.startswith('{"'):
-                reply = json.loads(line)
-                if "error" in reply:
-                    raise LlmNpuError(f"native runner: {reply['error']}")
-                return NativeRun(tokens, reply)
-        raise self._died()
+        tokens, reply = _read_answer(self.proc.stdout, on_token)
+        if reply is None:
+            raise self._died()
+        if "error" in reply:
+            raise LlmNpuError(f"native runner: {reply['error']}")
+        return NativeRun(tokens, reply)
 
     def _died(self) -> LlmNpuError:
         code = self.proc.wait()
