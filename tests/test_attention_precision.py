@@ -77,6 +77,27 @@ def test_bf16_attention_is_its_contract_and_not_fp32(heads, kv_heads, chunk, pas
     assert sqnr(got, contract) >= effect + 20
 
 
+
+@needs_bf16
+def test_bf16_attention_is_the_same_bits_on_any_number_of_threads():
+    """The kernel's pieces (packing ranges, (KV head, row block) pairs) run on whichever thread takes
+    them (lane help, or torch's threads): each writes only its own outputs, so the bits cannot depend
+    on the split. Long enough for several packing ranges and row blocks per head."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(1, 9, 256, 64, generator=g), torch.randn(1, 3, 900, 64, generator=g), \
+        torch.randn(1, 3, 900, 64, generator=g)
+    mask = causal_mask(256, 900)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_ops.chunk_attention_bf16(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        two = native_ops.chunk_attention_bf16(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two)
+    assert sqnr(one, _attend(q, k, v, mask, 0.125, 0.0)) < 70     # the bf16 kernel ran
+
 def test_bf16_attention_falls_back_to_fp32_where_the_kernel_does_not_apply():
     q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     mask = causal_mask(8, 8)

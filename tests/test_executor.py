@@ -505,3 +505,48 @@ def test_the_idle_cpu_worker_helps_the_npu_kernels_and_changes_no_bit(calibrated
             lent += eng.last_run.pieces_lent
     if policy == "inorder" and eng.executor.workers.cores:
         assert lent > 0
+
+
+
+def _bf16_attention_without_native_int8():
+    """A non-native exact INT8 path for this CPU when bf16 attention runs here (so only the NPU
+    worker has kernels to help with), else None."""
+    from llmnpu_delegate.kernels import int8_path
+    from llmnpu_delegate.kernels.native_ops import bf16_attention_available
+
+    if not bf16_attention_available():
+        return None
+    cpu = int8_path.detect()
+    return next((p for p in ("onednn", "int_mm") if int8_path.exact_on(p, cpu)), None)
+
+
+@pytest.mark.skipif(_bf16_attention_without_native_int8() is None, reason="no bf16 attention kernel here")
+def test_the_idle_npu_worker_helps_the_attention_and_changes_no_bit(calibrated):
+    """Workers.help, the other way: while the NPU worker has nothing ready it runs pieces of the CPU
+    task's bf16 attention. A continuation over a long past (several pieces per call), in order (the
+    NPU worker idles through every CPU task): with INT8 linears that are not native, every lent piece
+    is attention's; logits and K/V equal those of the same engine without help, bit for bit."""
+    import dataclasses
+
+    from llmnpu_delegate.kernels import int8_path
+
+    lm, calib = calibrated
+    with int8_path.forced(_bf16_attention_without_native_int8()):
+        eng = Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib, cache=GraphCache(),
+                        progress=False, attention="bf16")
+        gen = torch.Generator().manual_seed(12)
+        head = eng(torch.randint(0, 1000, (300,), generator=gen), policy="inorder")
+        ids = torch.randint(0, 1000, (20,), generator=gen)
+        past = (head.past_k, head.past_v)
+        eng.executor.workers = dataclasses.replace(eng.executor.workers, help=False)
+        alone = eng(ids, policy="inorder", past=past)
+        assert eng.last_run.pieces_lent == 0
+        eng.executor.workers = dataclasses.replace(eng.executor.workers, help=True)
+        lent = 0
+        for _ in range(3):
+            got = eng(ids, policy="inorder", past=past)
+            assert torch.equal(got.logits, alone.logits)
+            assert all(torch.equal(a, b) for a, b in zip(got.past_k + got.past_v, alone.past_k + alone.past_v))
+            lent += eng.last_run.pieces_lent
+    if eng.executor.workers.cores:
+        assert lent > 0

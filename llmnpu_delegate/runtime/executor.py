@@ -57,7 +57,7 @@ def check_policy(policy: str) -> str:
     return policy
 _RUN_LOCK = threading.Lock()
 SPIN_S = 2e-3      # how long an idle worker spins for the next hand-off before it blocks (see _Wakeup)
-HELP_S = 1.0       # ... and the CPU worker, which helps the NPU's kernels meanwhile (Workers.help)
+HELP_S = 1.0       # ... and a worker that helps the other's kernels meanwhile (Workers.help)
 
 
 def _cannot_finish(policy: str) -> LlmNpuError:
@@ -89,7 +89,7 @@ class RunStats:
     decision_s: float = 0.0     # time spent choosing tasks (under the scheduler lock)
     waits_spun: int = 0         # an idle worker's waits for a hand-off that spinning caught
     waits_blocked: int = 0      # ... and those that slept on the condition
-    pieces_lent: int = 0        # pieces of NPU kernels the waiting CPU worker ran (Workers.help)
+    pieces_lent: int = 0        # pieces of one lane's kernels the other, waiting, ran (Workers.help)
     wall_s: float = 0.0
     policy: str = ""
 
@@ -99,9 +99,10 @@ class Workers:
     """Threads per worker and optional core pinning; the two must not oversubscribe the machine.
 
     ``help``: while the CPU worker has no ready task and an NPU task runs, it runs pieces of that task's
-    native INT8 kernels (``kernels/native/lane_help.h``). The stand-in NPU is a CPU core too; lending it
-    the idle one turns the CPU lane's slack into NPU speed (a phone's NPU is its own hardware, and
-    ``llmnpu simulate`` models that). Off with ``LLMNPU_LANE_HELP=0``."""
+    native INT8 kernels; while the NPU worker has none, it runs pieces of the CPU's bf16 attention
+    (``kernels/native/lane_help.h``). The stand-in NPU is a CPU core too; lending the idle one turns
+    one lane's slack into the other's speed (a phone's NPU is its own hardware, and ``llmnpu
+    simulate`` models that). Off with ``LLMNPU_LANE_HELP=0``."""
     threads: int = 1
     cores: dict | None = None   # processor -> set of CPU ids, or None: no pinning
     help: bool = True
@@ -417,10 +418,13 @@ class _Run:
         self.raw: dict[str, list[tuple]] = {p: [] for p in PROCESSORS}   # per worker: Record fields
         self.wakeup = _Wakeup()
         self.error: list[tuple[Task | None, BaseException]] = []
-        # only the native INT8 kernels split their work into pieces (oneDNN's is one call): with any
-        # other, a helper would spin for nothing where the CPU worker's core can sleep
-        self.shares = (ex.workers.help and native_ops.native_available()
-                       and int8_path.current() in int8_path.NATIVE_PATHS)
+        # Which worker helps the other's kernels while it waits (``Workers.help``): the CPU worker, when
+        # the NPU's INT8 linears are the native kernels (oneDNN's are one call each); the NPU worker,
+        # when attention is the native bf16 kernel. With other kernels there are no pieces to take,
+        # and a helper would spin where its core could sleep.
+        native = ex.workers.help and native_ops.native_available()
+        self.lends = {"cpu": native and int8_path.current() in int8_path.NATIVE_PATHS,
+                      "npu": native and ex.program.attention == "bf16"}
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
         self.profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
@@ -440,7 +444,7 @@ class _Run:
 
     def work(self, processor: str) -> None:
         records, cond = self.raw[processor], self.wakeup.cond
-        lend = processor == "cpu" and self.shares
+        lend = self.lends[processor]
         task = outs = None
         start = end = 0.0
         while True:

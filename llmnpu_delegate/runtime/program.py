@@ -80,8 +80,9 @@ class ChunkProgram:
     ``build`` makes one from a partition and a backend; a ``.pte`` runner makes one from its methods."""
 
     def __init__(self, steps: list[Step], graph_outputs: list[str], chunk_len: int, layers: int,
-                 shadow: dict | None = None):
+                 shadow: dict | None = None, attention: str = "fp32"):
         self.steps, self.chunk_len, self.shadow = steps, chunk_len, shadow or {}
+        self.attention = attention      # the CPU subgraphs' attention precision (kernels/attention.py)
         outs = graph_outputs
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
         self.needed_final = self._needed([self.out_logits, *self.out_k, *self.out_v])
@@ -91,7 +92,7 @@ class ChunkProgram:
     def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False,
               attention: str = "fp32") -> "ChunkProgram":
         steps, shadow = build_steps(partition, backend, progress, attention)
-        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow)
+        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention)
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []

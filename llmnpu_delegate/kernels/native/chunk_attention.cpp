@@ -12,6 +12,11 @@
 // Work per KV head: queries of the g heads sharing it are stacked, position-major, in blocks of
 // ~kRows rows; a block reads only the key tiles its mask can see (the causal diagonal's later tiles
 // and a sliding window's earlier ones are skipped) and keeps its scores in L2.
+//
+// The packing and the (KV head, block) pairs are independent pieces of `llmnpu::parallel_pieces`
+// (lane_help.h): in a prefill the NPU worker, idle while the CPU lane attends (a later turn's chunks
+// attend over a long past), runs some of them. Each piece writes only its own outputs, with its own
+// scratch, so the result is the same whichever thread runs which piece.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
@@ -28,6 +33,8 @@
 
 #include "vec_exp.h"
 #endif
+
+#include "lane_help.h"
 
 namespace {
 
@@ -113,43 +120,60 @@ void pack_q(const at::Tensor& q, float scale, int64_t g, uint16_t* out) {
 }
 
 // k as VNNI pairs of the GEMM's B = k^T: [KV, d/2, Lp] 32-bit words (k[n, 2i], k[n, 2i+1]), keys past L
-// zero. A bf16 row read as 32-bit words is already its pairs: 16 rows at a time are converted, then
-// written transposed.
-void pack_k(const at::Tensor& k, int64_t Lp, uint32_t* out) {
-  const int64_t KV = k.size(1), L = k.size(2), d = k.size(3), pairs = d / 2;
+// zero; here KV head kh's keys [n0, n1) (multiples of 16). A bf16 row read as 32-bit words is already
+// its pairs: 16 rows at a time are converted, then written transposed.
+void pack_k(const at::Tensor& k, int64_t kh, int64_t n0, int64_t n1, int64_t Lp, uint32_t* out) {
+  const int64_t L = k.size(2), d = k.size(3), pairs = d / 2;
   std::vector<uint32_t> block(16 * pairs);
-  for (int64_t kh = 0; kh < KV; ++kh) {
-    uint32_t* dst = out + kh * pairs * Lp;
-    for (int64_t n0 = 0; n0 < Lp; n0 += 16) {
-      for (int64_t r = 0; r < 16; ++r) {
-        uint32_t* b = block.data() + r * pairs;
-        if (n0 + r < L) to_bf16(row(k, kh, n0 + r), 1.0f, d, reinterpret_cast<uint16_t*>(b));
-        else std::fill(b, b + pairs, 0u);
-      }
-      for (int64_t i = 0; i < pairs; ++i)
-        for (int64_t r = 0; r < 16; ++r) dst[i * Lp + n0 + r] = block[r * pairs + i];
+  uint32_t* dst = out + kh * pairs * Lp;
+  for (int64_t b = n0; b < n1; b += 16) {
+    for (int64_t r = 0; r < 16; ++r) {
+      uint32_t* row_out = block.data() + r * pairs;
+      if (b + r < L) to_bf16(row(k, kh, b + r), 1.0f, d, reinterpret_cast<uint16_t*>(row_out));
+      else std::fill(row_out, row_out + pairs, 0u);
     }
+    for (int64_t i = 0; i < pairs; ++i)
+      for (int64_t r = 0; r < 16; ++r) dst[i * Lp + b + r] = block[r * pairs + i];
   }
 }
 
-// v as VNNI pairs of B = v: [KV, Lp/2, d] 32-bit words (v[2p, j], v[2p+1, j]), rows past L zero.
-void pack_v(const at::Tensor& v, int64_t Lp, uint32_t* out) {
-  const int64_t KV = v.size(1), L = v.size(2), d = v.size(3);
-  for (int64_t kh = 0; kh < KV; ++kh)
-    for (int64_t p = 0; p < Lp / 2; ++p) {
-      const float* a = 2 * p < L ? row(v, kh, 2 * p) : nullptr;
-      const float* b = 2 * p + 1 < L ? row(v, kh, 2 * p + 1) : nullptr;
-      uint32_t* dst = out + (kh * (Lp / 2) + p) * d;
-      int64_t j = 0;
-      for (; j + 16 <= d; j += 16) {
-        const __m512i lo = a ? _mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(a + j))) : _mm512_setzero_si512();
-        const __m512i hi = b ? _mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(b + j))) : _mm512_setzero_si512();
-        _mm512_storeu_si512(dst + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-      for (; j < d; ++j)
-        dst[j] = (a ? bf16_bits(a[j]) : 0u) | (b ? uint32_t{bf16_bits(b[j])} << 16 : 0u);
+// v as VNNI pairs of B = v: [KV, Lp/2, d] 32-bit words (v[2p, j], v[2p+1, j]), rows past L zero; here
+// KV head kh's pairs [p0, p1).
+void pack_v(const at::Tensor& v, int64_t kh, int64_t p0, int64_t p1, int64_t Lp, uint32_t* out) {
+  const int64_t L = v.size(2), d = v.size(3);
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* a = 2 * p < L ? row(v, kh, 2 * p) : nullptr;
+    const float* b = 2 * p + 1 < L ? row(v, kh, 2 * p + 1) : nullptr;
+    uint32_t* dst = out + (kh * (Lp / 2) + p) * d;
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+      const __m512i lo = a ? _mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(a + j))) : _mm512_setzero_si512();
+      const __m512i hi = b ? _mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(b + j))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
+    for (; j < d; ++j)
+      dst[j] = (a ? bf16_bits(a[j]) : 0u) | (b ? uint32_t{bf16_bits(b[j])} << 16 : 0u);
+  }
 }
+
+// A piece's working memory, kept per thread: its scores and probabilities [rows, Lp], output [rows, d].
+struct Scratch {
+  std::vector<float> scores, o, sums;
+  std::vector<uint16_t> probs;
+};
+
+Scratch& scratch(int64_t rows, int64_t Lp, int64_t d) {
+  thread_local Scratch s;
+  if (static_cast<int64_t>(s.scores.size()) < rows * Lp) {
+    s.scores.resize(rows * Lp);
+    s.probs.resize(rows * Lp);
+  }
+  if (static_cast<int64_t>(s.o.size()) < rows * d) s.o.resize(rows * d);
+  if (static_cast<int64_t>(s.sums.size()) < rows) s.sums.resize(rows);
+  return s;
+}
+
+constexpr int64_t kPackKeys = 256;   // keys per packing piece (a multiple of 16 and of kTile)
 
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& mask,
                      double scale) {
@@ -168,8 +192,19 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
   at::Tensor kp = at::empty({KV, d / 2, Lp}, q.options().dtype(at::kInt));
   at::Tensor vp = at::empty({KV, Lp / 2, d, 2}, q.options().dtype(at::kBFloat16));
   pack_q(q, static_cast<float>(scale), g, reinterpret_cast<uint16_t*>(qb.data_ptr<at::BFloat16>()));
-  pack_k(k, Lp, reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>()));
-  pack_v(v, Lp, reinterpret_cast<uint32_t*>(vp.data_ptr<at::BFloat16>()));
+  {
+    // K and V of each KV head in ranges of kPackKeys keys: [0, n) packs K, [n, 2n) packs V
+    uint32_t* kw = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+    uint32_t* vw = reinterpret_cast<uint32_t*>(vp.data_ptr<at::BFloat16>());
+    const int64_t ranges = (Lp + kPackKeys - 1) / kPackKeys, n = KV * ranges;
+    llmnpu::parallel_pieces(2 * n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t j = i % n, kh = j / ranges, n0 = j % ranges * kPackKeys, n1 = std::min(Lp, n0 + kPackKeys);
+        if (i < n) pack_k(k, kh, n0, n1, Lp, kw);
+        else pack_v(v, kh, n0 / 2, n1 / 2, Lp, vw);
+      }
+    });
+  }
   // The mask as [C, Lp] rows, padded past L with "hidden".
   at::Tensor m2 = boolean ? at::zeros({C, Lp}, at::kByte)
                           : at::full({C, Lp}, -std::numeric_limits<float>::infinity(), at::kFloat);
@@ -190,53 +225,56 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::T
 
   at::Tensor out = at::empty({1, C, H, d}, q.options());
   const int64_t rows_per_block = std::max<int64_t>(1, kRows / g);
-  const int64_t max_rows = rows_per_block * g;
-  std::vector<float> scores(max_rows * Lp), o(max_rows * d), sums(max_rows);
-  std::vector<uint16_t> probs(max_rows * Lp);
+  const int64_t max_rows = rows_per_block * g, blocks = (C + rows_per_block - 1) / rows_per_block;
   const at::BFloat16* qd = qb.data_ptr<at::BFloat16>();
   const at::BFloat16* kd = reinterpret_cast<const at::BFloat16*>(kp.data_ptr<int32_t>());
   const at::BFloat16* vd = vp.data_ptr<at::BFloat16>();
+  const uint8_t* keep_rows = boolean ? m2.data_ptr<uint8_t>() : nullptr;
+  const float* add_rows = boolean ? nullptr : m2.data_ptr<float>();
   float* od = out.data_ptr<float>();
 
-  for (int64_t kh = 0; kh < KV; ++kh) {
-    for (int64_t r0 = 0; r0 < C; r0 += rows_per_block) {
-      const int64_t r1 = std::min(C, r0 + rows_per_block), M = (r1 - r0) * g;
-      int64_t ks = L, ke = 0;
-      for (int64_t r = r0; r < r1; ++r) {
-        if (lo[r] < hi[r]) {
-          ks = std::min(ks, lo[r]);
-          ke = std::max(ke, hi[r]);
-        }
-      }
-      if (ks >= ke) {   // every key hidden from every row of the block
-        for (int64_t r = r0; r < r1; ++r)
-          std::fill(od + (r * H + kh * g) * d, od + (r * H + kh * g + g) * d, 0.0f);
-        continue;
-      }
-      ks = ks / kTile * kTile;
-      ke = round_up(ke, kTile);
-      const int64_t w = ke - ks;
-      const at::BFloat16* a = qd + (kh * C + r0) * g * d;
-      // scores [M, w] = q_block @ k^T over the visible key tiles, in one call
-      brgemm(M, w, d, d, Lp, Lp, false, a, kd + (kh * (d / 2) * Lp + ks) * 2, scores.data(), true);
-      for (int64_t i = 0; i < M; ++i) {
-        const int64_t r = r0 + i / g;
-        const uint8_t* keep = boolean ? m2.data_ptr<uint8_t>() + r * Lp + ks : nullptr;
-        const float* add = boolean ? nullptr : m2.data_ptr<float>() + r * Lp + ks;
-        sums[i] = softmax_row(scores.data() + i * Lp, keep, add, w, probs.data() + i * Lp);
-      }
-      // o [M, d] = p @ v, reducing over the same keys
-      brgemm(M, d, w, Lp, d, d, false, reinterpret_cast<const at::BFloat16*>(probs.data()),
-             vd + (kh * (Lp / 2) + ks / 2) * d * 2, o.data(), true);
-      for (int64_t i = 0; i < M; ++i) {
-        const int64_t r = r0 + i / g, h = kh * g + i % g;
-        const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
-        float* dst = od + (r * H + h) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = o[i * d + j] * inv;
+  // One piece: KV head kh, query positions [r0, r1).
+  auto block = [&](int64_t kh, int64_t r0) {
+    const int64_t r1 = std::min(C, r0 + rows_per_block), M = (r1 - r0) * g;
+    int64_t ks = L, ke = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (lo[r] < hi[r]) {
+        ks = std::min(ks, lo[r]);
+        ke = std::max(ke, hi[r]);
       }
     }
-  }
-  at::native::cpublas::brgemm_release();
+    if (ks >= ke) {   // every key hidden from every row of the block
+      for (int64_t r = r0; r < r1; ++r)
+        std::fill(od + (r * H + kh * g) * d, od + (r * H + kh * g + g) * d, 0.0f);
+      return;
+    }
+    ks = ks / kTile * kTile;
+    ke = round_up(ke, kTile);
+    const int64_t w = ke - ks;
+    Scratch& sc = scratch(max_rows, Lp, d);
+    const at::BFloat16* a = qd + (kh * C + r0) * g * d;
+    // scores [M, w] = q_block @ k^T over the visible key tiles, in one call
+    brgemm(M, w, d, d, Lp, Lp, false, a, kd + (kh * (d / 2) * Lp + ks) * 2, sc.scores.data(), true);
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t r = r0 + i / g;
+      sc.sums[i] = softmax_row(sc.scores.data() + i * Lp, keep_rows ? keep_rows + r * Lp + ks : nullptr,
+                               add_rows ? add_rows + r * Lp + ks : nullptr, w, sc.probs.data() + i * Lp);
+    }
+    // o [M, d] = p @ v, reducing over the same keys
+    brgemm(M, d, w, Lp, d, d, false, reinterpret_cast<const at::BFloat16*>(sc.probs.data()),
+           vd + (kh * (Lp / 2) + ks / 2) * d * 2, sc.o.data(), true);
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t r = r0 + i / g, h = kh * g + i % g;
+      const float inv = sc.sums[i] > 0.0f ? 1.0f / sc.sums[i] : 0.0f;
+      float* dst = od + (r * H + h) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = sc.o[i * d + j] * inv;
+    }
+    // brgemm's hardware context (AMX tiles) belongs to the thread: leave none behind on a helper
+    at::native::cpublas::brgemm_release();
+  };
+  llmnpu::parallel_pieces(KV * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) block(i / blocks, i % blocks * rows_per_block);
+  });
   return out;
 }
 

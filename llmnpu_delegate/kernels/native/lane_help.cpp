@@ -8,7 +8,8 @@
 // bounded (the caller passes the budget) and only runs inside a prefill, whose two workers own their
 // cores; pthreadpool, which XNNPACK runs on, spins before it sleeps for the same reason.
 //
-// With help=1 the spinning worker also runs pieces of a `shared_for` in flight (see lane_help.h).
+// With help=1 the spinning worker also runs pieces of a `shared_for` in flight (see lane_help.h), and
+// leaves it between two pieces once the word it waits on changes.
 #include "lane_help.h"
 
 #include <atomic>
@@ -42,18 +43,26 @@ struct Slot {
 };
 Slot slot;
 
-int64_t run_pieces() {
+// Claims and runs pieces until none is left, or (a helper) until *word != seen: the helper's own next
+// task is ready, and the owner runs what is left.
+int64_t run_pieces(const int64_t* word = nullptr, int64_t seen = 0) {
   int64_t ran = 0;
-  for (int64_t i; (i = slot.next.fetch_add(1)) < slot.count; ++ran) (*slot.body)(i);
+  while (word == nullptr || __atomic_load_n(word, __ATOMIC_ACQUIRE) == seen) {
+    const int64_t i = slot.next.fetch_add(1);
+    if (i >= slot.count) break;
+    (*slot.body)(i);
+    ++ran;
+  }
   return ran;
 }
 
-// A waiting helper: run what is left of the open job, if any. Returns whether there was one.
-bool help_once() {
+// A waiting helper: run what is left of the open job, if any, while *word == seen. Returns whether
+// there was one.
+bool help_once(const int64_t* word, int64_t seen) {
   if (!slot.open.load()) return false;
   slot.inside.fetch_add(1);
   const bool open = slot.open.load();     // re-read inside: the owner waits for us from here on
-  if (open) slot.helped.fetch_add(run_pieces(), std::memory_order_relaxed);
+  if (open) slot.helped.fetch_add(run_pieces(word, seen), std::memory_order_relaxed);
   slot.inside.fetch_sub(1);
   return open;
 }
@@ -87,7 +96,7 @@ extern "C" int64_t llmnpu_spin_wait(const int64_t* word, int64_t seen, int64_t m
   const auto deadline = clock::now() + std::chrono::nanoseconds(max_ns);
   int64_t value;
   while ((value = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == seen) {
-    if (help && help_once()) continue;
+    if (help && help_once(word, seen)) continue;
     for (int i = 0; i < 32; ++i) cpu_pause();   // a few hundred ns between reads of the clock
     if (clock::now() >= deadline) break;
   }

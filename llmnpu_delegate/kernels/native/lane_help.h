@@ -1,11 +1,13 @@
 // Lane help: the prefill executor's idle CPU worker lends its core to the stand-in NPU's kernels.
 //
-// On a phone the NPU is its own hardware. Here both lanes are CPU cores, and whenever the CPU lane has
-// no ready task (attention waits for the NPU's Q/K/V, the last chunk's tail), its core would sit idle
-// while the NPU lane's INT8 GEMMs are the critical path. So an INT8 kernel splits its work into
-// independent pieces with `shared_for`; the idle CPU worker, which waits for its next task in
-// `llmnpu_spin_wait(..., help=1)`, takes pieces while it waits. Results do not change: every piece
-// computes the same outputs whichever thread runs it.
+// On a phone the NPU is its own hardware. Here both lanes are CPU cores, and whenever one lane has no
+// ready task its core would sit idle while the other lane is the critical path: the CPU lane waits
+// for the NPU's Q/K/V early in a prefill and at the last chunk's tail; the NPU lane waits for
+// attention when a later turn's few chunks attend over a long past. So the native INT8 kernels and the
+// bf16 attention split their work into independent pieces with `shared_for`; the idle worker, which
+// waits for its next task in `llmnpu_spin_wait(..., help=1)`, takes pieces while it waits and leaves
+// between two pieces when its own next task is ready. Results do not change: every piece computes
+// the same outputs whichever thread runs it.
 #pragma once
 
 #include <ATen/Parallel.h>
