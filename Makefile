@@ -80,7 +80,12 @@ FORCE:
 
 install: $(STAMP)
 
+# The native runner's SHA-256 comes from OpenSSL's libcrypto: its headers from apt where missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): pyproject.toml Makefile
+	! command -v dpkg > /dev/null || dpkg -s libssl-dev > /dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libssl-dev; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a dependency asking for "torch" alone must find it already there.

@@ -1,7 +1,10 @@
 """`llmnpu export --backend cpu-int8`: one .pte of NPU (XNNPACK INT8) and CPU (portable) methods plus a
 sidecar, checked against the cpu-int8 engine, and the reference runner that prefills from the .pte alone."""
 import json
+import math
+import random
 import shutil
+import struct
 import subprocess
 
 import pytest
@@ -502,14 +505,98 @@ def _program_copy(out, folder):
     return folder / out.name, sidecar_path(folder / out.name)
 
 
+def _native_check(pte, binary=None) -> tuple[int, list[str], str]:
+    """The native runner reading ``pte``'s sidecar alone (--dry-run): exit code, its error lines, stderr."""
+    from llmnpu_delegate.runtime.native import find_runner
+
+    r = subprocess.run([str(binary or find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
+                       capture_output=True, text=True, timeout=120)
+    return r.returncode, [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")], r.stderr
+
+
+def _asan_runner():
+    from test_native import ASAN_BUILD
+
+    assert ASAN_BUILD.is_file(), "build it with `make runner/build-asan/llmnpu-runner` (make test does)"
+    return ASAN_BUILD
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(how=BYTES)
 def test_damaged_sidecar_is_a_one_line_error(exported, tmp_path, how):
+    """Both runners: any damage to the sidecar's bytes (its checksum catches what still parses) is
+    refused in one line that names the file and the fix; the native one under AddressSanitizer and
+    UndefinedBehaviorSanitizer, so a read past a buffer would show."""
     pte, side = _program_copy(exported[0], tmp_path / "program")
     side.write_bytes(damage_bytes(side.read_bytes(), how))
     with pytest.raises(LlmNpuError) as e:
         PteRunner(pte)
     assert "\n" not in str(e.value) and side.name in str(e.value) and "export" in str(e.value), str(e.value)
+    code, errors, stderr = _native_check(pte, _asan_runner())
+    assert code == 2 and len(errors) == 1 and side.name in errors[0] and "export" in errors[0], stderr[-1500:]
+
+
+def test_the_native_runner_checks_what_the_python_runner_checks(exported, tmp_path):
+    """The sidecar's checksum, its task table against the data flow (a dependency left out would be a
+    race in the C++ schedule), and with --verify the .pte's SHA-256: refused by the native runner with
+    the Python runner's reason."""
+    from llmnpu_delegate.format.sidecar import sidecar_digest
+
+    pte, side = _program_copy(exported[0], tmp_path / "program")
+    meta = json.loads(side.read_text())
+    assert _native_check(pte)[0] == 0
+    # The checksum is over Python's serialisation, which the C++ side must reproduce byte for byte:
+    # floats of every kind (random bit patterns, float32 values, ties in the shortest digits, the
+    # notation's edges) and strings Python escapes, in a key the runners ignore.
+    rng = random.Random(0)
+    floats = [0.0, -0.0, 1e-4, 1e-5, 9.999999999999999e-5, 1e15, 1e16, 9999999999999998.0, 5e-324,
+              1.7976931348623157e308, 0.1, 2.0, 0.074970245361328125]
+    floats += [struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0] for _ in range(3000)]
+    floats += [struct.unpack("f", struct.pack("I", rng.getrandbits(32)))[0] for _ in range(3000)]
+    extra = dict(meta, extra={"floats": [x for x in floats if math.isfinite(x)], "text": "caf\u00e9 \U0001F600 \t\n\x01\x7f\"\\/"})
+    extra["sidecar_sha256"] = sidecar_digest(extra)
+    side.write_text(json.dumps(extra))
+    code, _, stderr = _native_check(pte)
+    assert code == 0, stderr
+
+    def dropped_dependency(m):
+        j = next(j for j, deps in enumerate(m["tasks"]["after"]) if deps)
+        m["tasks"]["after"][j] = m["tasks"]["after"][j][1:]
+
+    def swapped_processor(m):
+        m["tasks"]["processors"][0] = {"npu": "cpu", "cpu": "npu"}[m["tasks"]["processors"][0]]
+
+    def unneeded_step(m):
+        m["tasks"]["needed_final"] = m["tasks"]["needed_final"][1:]
+
+    def rescaled(m):
+        m["linears"][next(iter(m["linears"]))]["act_scale"] *= 1.001
+
+    cases = [(dropped_dependency, True, "tasks are not the data flow"), (swapped_processor, True, "processors"),
+             (unneeded_step, True, "leaves out a step"), (rescaled, False, "checksum fails")]
+    for corrupt, refit, reason in cases:
+        bad = json.loads(json.dumps(meta))
+        corrupt(bad)
+        if refit:       # a buggy exporter: the checksum fits the wrong table
+            bad["sidecar_sha256"] = sidecar_digest(bad)
+        side.write_text(json.dumps(bad))
+        with pytest.raises(LlmNpuError, match=reason):
+            PteRunner(pte)
+        code, errors, stderr = _native_check(pte)
+        assert code == 2 and len(errors) == 1 and reason in errors[0], (corrupt.__name__, stderr)
+    side.write_text(json.dumps(meta))
+    # a .pte of the right size with one byte changed: only its digest tells
+    data = bytearray(pte.read_bytes())
+    data[len(data) // 2] ^= 1
+    pte.write_bytes(bytes(data))
+    with pytest.raises(LlmNpuError, match="another"):
+        PteRunner(pte)
+    assert _native_check(pte)[0] == 0                      # the size alone is checked by default
+    from llmnpu_delegate.runtime.native import find_runner
+
+    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40", "--verify"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "SHA-256 differs" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -517,9 +604,9 @@ def test_damaged_sidecar_is_a_one_line_error(exported, tmp_path, how):
 def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data):
     """A key deleted or a value of another type, with the checksum made to fit (a buggy or foreign
     exporter): the Python runner refuses in one line or gives the same logits; the native runner
-    (--dry-run reads the whole sidecar) exits 0, or 2 with one line, and never crashes."""
+    (--dry-run reads the whole sidecar), under AddressSanitizer and UndefinedBehaviorSanitizer, exits 0,
+    or 2 with one line, and never crashes."""
     from llmnpu_delegate.format.sidecar import sidecar_digest
-    from llmnpu_delegate.runtime.native import find_runner
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -534,10 +621,8 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
         assert "\n" not in str(e) and "export" in str(e), str(e)
     else:
         assert torch.equal(got, PteRunner(exported[0])(ids).logits)
-    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
-                       capture_output=True, text=True, timeout=60)
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
-    assert r.returncode == 0 or (r.returncode == 2 and len(errors) == 1), (path, r.returncode, r.stderr[-1500:])
+    code, errors, stderr = _native_check(pte, _asan_runner())
+    assert code == 0 or (code == 2 and len(errors) == 1), (path, code, stderr[-1500:])
 
 
 def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp_path):

@@ -30,7 +30,7 @@ namespace {
 const char* kUsage =
     "usage: llmnpu-runner --pte MODEL.pte (--prompt-ids FILE | --prompt-ids -) [--max-new-tokens N]\n"
     "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo|cp]\n"
-    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--low-memory]\n"
+    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--low-memory] [--verify]\n"
     "       llmnpu-runner --pte MODEL.pte --serve [--max-new-tokens N] [sampling, --policy, --low-memory]\n"
     "       llmnpu-runner --pte MODEL.pte --dry-run --prompt-len N [--policy P]\n"
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
@@ -42,7 +42,9 @@ const char* kUsage =
     "\"logits_out\": FILE} (the last two optional); each is answered with its token ids, one per line,\n"
     "then a JSON line of timings with \"cached_tokens\" (prompt tokens whose K/V were kept from the\n"
     "previous request), or a JSON line {\"error\": ...}. The K/V kept are the previous prompt's own.\n"
-    "--dry-run: the policy's schedule on simulated time (each task takes its profiled cost), as JSON.\n";
+    "--dry-run: the policy's schedule on simulated time (each task takes its profiled cost), as JSON.\n"
+    "--verify: also check the .pte's SHA-256 against the sidecar's (reads the whole file once; without it,\n"
+    "its size). The sidecar's own checksum is always checked.\n";
 
 struct Args {
   std::string pte, prompt_ids, trace, logits_out, policy = "ooo";
@@ -50,7 +52,7 @@ struct Args {
   std::optional<double> temperature;
   double top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool json = false, dry_run = false, warmup = false, low_memory = false, serve = false;
+  bool json = false, dry_run = false, warmup = false, low_memory = false, serve = false, verify = false;
   std::optional<std::pair<int, int>> fail_at;
 };
 
@@ -83,6 +85,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--warmup") { a.warmup = true; continue; }
     if (flag == "--low-memory") { a.low_memory = true; continue; }
     if (flag == "--serve") { a.serve = true; continue; }
+    if (flag == "--verify") { a.verify = true; continue; }
     if (i + 1 >= argc) throw InputError(flag + " needs a value (see --help)");
     std::string value = argv[++i];
     if (flag == "--pte") a.pte = value;
@@ -264,7 +267,7 @@ int serve(const Args& a, const Sidecar& s, LoadedProgram& program, Sampling& sam
 
 int run(const Args& a) {
   using Clock = std::chrono::steady_clock;
-  const Sidecar s = read_sidecar(a.pte);
+  const Sidecar s = read_sidecar(a.pte, a.verify);
   const Policy policy = parse_policy(a.policy);
   if (a.dry_run) {
     if (a.prompt_len < 1) throw InputError("--dry-run needs --prompt-len N (at least 1)");

@@ -20,8 +20,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Env = std::unordered_map<std::string, ValuePtr>;
 
-std::string past_name(const char* kind, int64_t layer) { return std::string("past_") + kind + "_" + std::to_string(layer); }
-
 // Per chunk: ids (the last chunk padded with 0), positions, the row whose logits are wanted; the
 // first chunk also gets the past K/V, empty or `past`, whose tokens come before the prompt's
 // (runtime/prompt.py chunk_feeds).

@@ -1,6 +1,10 @@
 #include "sidecar.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
 
 #include <fstream>
 #include <sstream>
@@ -8,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "digest.h"
 #include "error.h"
 
 namespace llmnpu {
@@ -86,9 +91,126 @@ void check_tasks(const Sidecar& s) {
       if (!in_range(j)) throw InputError("the sidecar's task table names an unknown step: export the program again");
 }
 
+// The task table must be the data flow of the subgraphs (format/tasks.py data_flow; format/sidecar.py
+// _dependency_problem, whose messages these are): a missing dependency would let a task read a value
+// not yet made (a race), a step left out of the needed sets one that never is (a stall). Empty if so.
+std::string dependency_problem(const Sidecar& s) {
+  const auto& outs = s.graph_outputs;
+  const size_t layers = static_cast<size_t>(s.layers);
+  std::map<std::string, int> producer;
+  TaskTable flow;
+  for (size_t j = 0; j < s.subgraphs.size(); ++j) {
+    std::set<int> deps;
+    for (const auto& name : s.subgraphs[j].inputs)
+      if (auto it = producer.find(name); it != producer.end()) deps.insert(it->second);
+    flow.after.emplace_back(deps.begin(), deps.end());
+    for (const auto& name : s.subgraphs[j].outputs) producer[name] = static_cast<int>(j);
+  }
+  if (outs.size() != 1 + 2 * layers ||
+      std::any_of(outs.begin(), outs.end(), [&](const std::string& x) { return !producer.count(x); }))
+    return "graph.outputs are not the logits, K and V of every layer made by the subgraphs";
+  std::map<std::string, int> past;
+  for (size_t i = 0; i < layers; ++i) {
+    past[past_name("k", static_cast<int64_t>(i))] = producer[outs[1 + i]];
+    past[past_name("v", static_cast<int64_t>(i))] = producer[outs[1 + layers + i]];
+  }
+  for (const auto& sub : s.subgraphs) {
+    std::set<int> deps;
+    for (const auto& name : sub.inputs)
+      if (auto it = past.find(name); it != past.end()) deps.insert(it->second);
+    flow.after_previous.emplace_back(deps.begin(), deps.end());
+  }
+  const auto& t = s.tasks;
+  if (t.after != flow.after || t.after_previous != flow.after_previous) return "tasks are not the data flow of the subgraphs";
+  for (size_t j = 0; j < s.subgraphs.size(); ++j)
+    if (t.processors[j] != s.subgraphs[j].processor) return "tasks.processors are not the subgraphs' processors";
+  const std::set<int> kv(t.needed_kv.begin(), t.needed_kv.end()), final(t.needed_final.begin(), t.needed_final.end());
+  for (const auto& [needed, name] : {std::pair{&kv, "needed_kv"}, std::pair{&final, "needed_final"}})
+    for (int j : *needed) {
+      for (int d : t.after[j])
+        if (!needed->count(d)) return std::string("tasks.") + name + " leaves out a step that a needed step waits for";
+      for (int d : t.after_previous[j])
+        if (!kv.count(d)) return std::string("tasks.") + name + " leaves out a step that a needed step waits for";
+    }
+  for (size_t i = 1; i < outs.size(); ++i)
+    if (!kv.count(producer[outs[i]])) return "the needed steps do not make the K/V and logits";
+  if (!final.count(producer[outs[0]])) return "the needed steps do not make the K/V and logits";
+  return "";
+}
+
+// A float as Python's repr writes it (and so json.dumps): the shortest digits that read back as the
+// same double, ties to even (std::to_chars), in fixed notation for 1e-4 <= |x| < 1e16 ("0.0001",
+// "2.0", "1000000000000000.0"), else as "1e-05" / "1.5e+16".
+void put_float(double x, std::string& out) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific);
+  std::string sci(buf, r.ptr);                      // [-]d[.ddd]e(+|-)XX
+  if (sci[0] == '-') {
+    out += '-';
+    sci.erase(0, 1);
+  }
+  const size_t e = sci.find('e');
+  std::string digits = sci.substr(0, e);
+  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+  const int exp10 = std::stoi(sci.substr(e + 1));
+  const int n = static_cast<int>(digits.size()), point = exp10 + 1;   // digits d1 d2 ... x 10^(point - n)
+  if (point <= -4 || point > 16) {
+    out += digits[0];
+    if (n > 1) out += "." + digits.substr(1);
+    char ex[16];
+    std::snprintf(ex, sizeof ex, "e%c%02d", exp10 < 0 ? '-' : '+', std::abs(exp10));
+    out += ex;
+  } else if (point <= 0) {
+    out += "0." + std::string(-point, '0') + digits;
+  } else if (point < n) {
+    out += digits.substr(0, point) + "." + digits.substr(point);
+  } else {
+    out += digits + std::string(point - n, '0') + ".0";
+  }
+}
+
+// The sidecar as format/sidecar.py sidecar_digest serialises it: json.dumps(sort_keys=True,
+// separators=(",", ":")), non-ASCII escaped. nlohmann's objects keep their keys sorted and its strings,
+// integers and literals print as Python's do; its floats do not always (another shortest-digits
+// algorithm), so they are written here.
+void canonical(const json& v, std::string& out) {
+  if (v.is_object()) {
+    out += '{';
+    bool first = true;
+    for (const auto& [k, x] : v.items()) {
+      if (!first) out += ',';
+      first = false;
+      out += json(k).dump(-1, ' ', true) + ':';
+      canonical(x, out);
+    }
+    out += '}';
+  } else if (v.is_array()) {
+    out += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ',';
+      canonical(v[i], out);
+    }
+    out += ']';
+  } else if (v.is_number_float()) {
+    put_float(v.get<double>(), out);
+  } else {
+    out += v.dump(-1, ' ', true);
+  }
+}
+
+// sidecar_sha256: the SHA-256 of the sidecar's canonical form without it.
+bool checksum_holds(const json& m) {
+  if (!m.contains("sidecar_sha256") || !m["sidecar_sha256"].is_string()) return false;
+  json body = m;
+  body.erase("sidecar_sha256");
+  std::string text;
+  canonical(body, text);
+  return sha256_hex(text) == m["sidecar_sha256"].get<std::string>();
+}
+
 }  // namespace
 
-Sidecar read_sidecar(const std::string& pte) {
+Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
   if (file_size(pte) < 0) throw InputError("no such .pte file: " + pte);
   Sidecar s;
   s.path = sidecar_path(pte);
@@ -98,8 +220,11 @@ Sidecar read_sidecar(const std::string& pte) {
   json m;
   try {
     m = json::parse(in);
-  } catch (const json::exception& e) {
-    throw InputError("sidecar " + s.path + " is not valid JSON (" + e.what() + "): export again");
+  } catch (const json::parse_error& e) {   // where, not what: its text quotes the damaged bytes
+    throw InputError("sidecar " + s.path + " is not valid JSON (at byte " + std::to_string(e.byte) +
+                     "): export the program again");
+  } catch (const json::exception&) {
+    throw InputError("sidecar " + s.path + " is not valid JSON: export the program again");
   }
   if (!m.is_object() || !m.contains("format") || !m["format"].is_string() ||
       m["format"].get<std::string>() != "llmnpu-pte-sidecar")
@@ -167,12 +292,19 @@ Sidecar read_sidecar(const std::string& pte) {
   if (s.chunk_len <= 0 || s.context < s.chunk_len || s.layers <= 0 || static_cast<int64_t>(s.graph_outputs.size()) != 1 + 2 * s.layers)
     throw InputError("sidecar " + s.path + " describes an impossible program: export the program again");
   check_tasks(s);
+  if (const std::string problem = dependency_problem(s); !problem.empty())
+    throw InputError("sidecar " + s.path + " is malformed (" + problem + "): export the program again");
   for (const auto& sub : s.subgraphs)
     for (const auto& b : sub.shadow)
       if (b.hits && !s.cold.count(b.linear))
         throw InputError("sidecar " + s.path + " has no cold rows entry for " + b.linear + ": export again");
+  if (!checksum_holds(m))
+    throw InputError("sidecar " + s.path + " was altered or damaged since export (its checksum fails): export the "
+                     "program again");
   if (s.pte_bytes >= 0 && file_size(pte) != s.pte_bytes)
     throw InputError(s.path + " was written for another " + pte + " (its size differs): the .pte and sidecar do not match");
+  if (verify_pte && m.value("pte_sha256", std::string()) != file_sha256_hex(pte))
+    throw InputError(s.path + " was written for another " + pte + " (its SHA-256 differs): the .pte and sidecar do not match");
   return s;
 }
 

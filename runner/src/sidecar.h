@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 5;  // format/sidecar.py VERSION (its sidecar_sha256 is not checked here: no SHA-256 in C++)
+constexpr int kSidecarVersion = 5;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -64,10 +64,17 @@ struct Sidecar {
   int64_t pte_bytes = -1;   // the .pte's size, when the sidecar records it
 };
 
-// Reads and checks the sidecar of `pte` (model.pte -> model.json); throws InputError.
-Sidecar read_sidecar(const std::string& pte);
+// Input name of one layer's past K (kind "k") or V in the chunk step (format/tasks.py past_name).
+inline std::string past_name(const char* kind, int64_t layer) {
+  return std::string("past_") + kind + "_" + std::to_string(layer);
+}
 
-// Seconds of `step` at chunk `position`, as runtime/profile.py Profile.cost computes them.
+// Reads and checks the sidecar of `pte` (model.pte -> model.json) as format/sidecar.py load_sidecar does:
+// types, cross-references, the task table against the data flow, its checksum, and the .pte's size;
+// with `verify_pte` also the .pte's SHA-256 (a read of the whole file, as the Python runner does on
+// every load). Throws InputError.
+Sidecar read_sidecar(const std::string& pte, bool verify_pte = false);
+
 // Seconds of `step` at chunk `position`; a fractional position (a prompt after a past of part of a
 // chunk) lies between two profiled ones (runtime/profile.py `Profile.cost`).
 double profile_cost(const Sidecar& s, int step, double position);
