@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 KERNELS      := llmnpu_delegate/kernels/native/build/libllmnpu_kernels.so
 KERNELS_AVX2 := llmnpu_delegate/kernels/native/build-avx2/libllmnpu_kernels.so
 
-.PHONY: demo test test-avx2 install data runner kernels clean FORCE
+.PHONY: demo test test-avx2 install data runner runner-arm64 kernels clean FORCE
 
 # The native runner (runner/): C++ against the executorch wheel's SDK, with the virtualenv's CMake
 # (the SDK's config needs >= 3.28) and nlohmann-json headers (both pip packages in pyproject.toml).
@@ -23,7 +23,7 @@ JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join
 demo: install data runner kernels
 	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
-test: install data runner kernels $(RUNNER_ASAN)
+test: install data runner kernels $(RUNNER_ASAN) $(RUNNER_ARM64)
 	$(BIN)/python -m pytest -q -ra
 
 # An AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake), on any x86 machine: our CPU detection told
@@ -49,6 +49,29 @@ $(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
 	$(BIN)/cmake -S runner -B runner/build-asan -DCMAKE_BUILD_TYPE=Debug -DLLMNPU_SANITIZE=ON \
 	  -DEXECUTORCH_CMAKE_DIR="$(SDK_CMAKE)" -DNLOHMANN_JSON_INCLUDE="$(JSON_INCLUDE)" > /dev/null
 	$(BIN)/cmake --build runner/build-asan -j 2
+
+# The same runner for 64-bit Arm Linux, cross-built (Debian's g++-aarch64-linux-gnu and the arm64
+# libraries it links, by apt) against the aarch64 executorch wheel's SDK (pip download of the same
+# version, unpacked; it has no QNN library); tests/test_native.py runs it under qemu-aarch64.
+RUNNER_ARM64 := runner/build-arm64/llmnpu-runner
+ARM64_SDK    := runner/build-arm64/sdk
+ARM64_APT    := g++-aarch64-linux-gnu qemu-user libssl-dev:arm64 libstdc++6:arm64
+ET_VERSION    = $$($(BIN)/python -c "import importlib.metadata as m; print(m.version('executorch'))")
+
+runner-arm64: $(RUNNER_ARM64)
+
+$(RUNNER_ARM64): $(STAMP) $(RUNNER_SRC) runner/cmake/aarch64-linux-gnu.cmake
+	dpkg -s $(ARM64_APT) > /dev/null 2>&1 || { $(SUDO) dpkg --add-architecture arm64 && \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(ARM64_APT); }
+	test -f $(ARM64_SDK)/executorch/share/cmake/executorch-config.cmake || { rm -rf $(ARM64_SDK) && \
+	  $(BIN)/pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_28_aarch64 \
+	    --python-version 3.11 executorch==$(ET_VERSION) -d $(ARM64_SDK).wheel && \
+	  $(BIN)/python -m zipfile -e $(ARM64_SDK).wheel/executorch-*.whl $(ARM64_SDK).tmp && \
+	  mv $(ARM64_SDK).tmp $(ARM64_SDK) && rm -rf $(ARM64_SDK).wheel; }
+	$(BIN)/cmake -S runner -B runner/build-arm64 -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_TOOLCHAIN_FILE=$(CURDIR)/runner/cmake/aarch64-linux-gnu.cmake \
+	  -DEXECUTORCH_CMAKE_DIR=$(CURDIR)/$(ARM64_SDK)/executorch/share/cmake -DNLOHMANN_JSON_INCLUDE="$(JSON_INCLUDE)" > /dev/null
+	$(BIN)/cmake --build runner/build-arm64 -j 2
 
 # The CPU kernels torch ops cannot do at the right cost (llmnpu_delegate/kernels/native/), against
 # the torch wheel's C++ API; Python loads the library from its build folder.
@@ -106,5 +129,5 @@ $(TEXT_STAMP): llmnpu_delegate/text.py | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache runner/build runner/build-asan llmnpu_delegate/kernels/native/build \
+	rm -rf $(VENV) .cache runner/build runner/build-asan runner/build-arm64 llmnpu_delegate/kernels/native/build \
 	  llmnpu_delegate/kernels/native/build-avx2 $(CPU_FLAGS)

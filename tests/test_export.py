@@ -625,6 +625,24 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
     assert code == 0 or (code == 2 and len(errors) == 1), (path, code, stderr[-1500:])
 
 
+def test_the_arm64_runner_gives_the_x86_tokens_on_the_tiny_program(exported, tmp_path):
+    """The aarch64 build under qemu-aarch64 (tests/test_native.py) on the tiny model's program (float
+    decode): the x86 build's greedy tokens and cold-row count, logits within 4 float32 steps."""
+    import numpy as np
+    from test_native import arm64_command
+
+    from llmnpu_delegate.runtime.native import run_native
+
+    pte = exported[0]
+    meta = json.loads(sidecar_path(pte).read_text())
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    x86 = run_native(pte, ids, meta, 8, logits_out=tmp_path / "x86.bin")
+    arm = run_native(pte, ids, meta, 8, logits_out=tmp_path / "arm.bin", binary=arm64_command())
+    got, want = np.fromfile(tmp_path / "arm.bin", "<f4"), np.fromfile(tmp_path / "x86.bin", "<f4")
+    assert arm.tokens == x86.tokens and arm.summary["cold_rows"] == x86.summary["cold_rows"]
+    assert np.abs(got - want).max() <= 4 * np.spacing(np.abs(want).max()), np.abs(got - want).max()
+
+
 def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp_path):
     """A rows file the runners cannot read (its type is not float32 or float16) is refused in one line
     before any prompt, not read as the wrong floats."""

@@ -5,6 +5,7 @@ UndefinedBehaviorSanitizer); a missing binary fails these tests, it does not ski
 """
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,10 @@ from llmnpu_delegate.runtime.profile import Profile
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 
 ASAN_BUILD = _REPO_BUILD.parents[1] / "build-asan" / _REPO_BUILD.name
+ARM64_BUILD = _REPO_BUILD.parents[1] / "build-arm64" / _REPO_BUILD.name
+# The emulated core: a phone's big core of the dotprod generation. qemu's default "max" also turns on
+# SME, under which XNNPACK's INT8 results come out wrong (docs/phone-program.md, "64-bit Arm").
+ARM64_CPU = "cortex-a76"
 PROMPT = ("The committee met on Tuesday to review the budget for the coming year. After a long debate, "
           "the members agreed to fund the new library, repair two bridges and hire more teachers for the "
           "schools in the northern district, while postponing the stadium until the next session. The mayor "
@@ -40,6 +45,14 @@ def program(tmp_path_factory):
     ids = lm.tokenizer(PROMPT, return_tensors="pt").input_ids[0]
     assert 64 < ids.numel() < 192 and ids.numel() % 64, ids.numel()
     return out, ids
+
+
+def arm64_command() -> list[str]:
+    """The aarch64 build of the runner (make runner-arm64) under qemu-aarch64, with Debian's arm64
+    libraries (multiarch, root /) and the aarch64 wheel's ExecuTorch libraries."""
+    assert ARM64_BUILD.is_file(), "build it with `make runner-arm64` (make test does)"
+    lib = ARM64_BUILD.parent / "sdk" / "executorch" / "lib"
+    return ["qemu-aarch64", "-cpu", ARM64_CPU, "-L", "/", "-E", f"LD_LIBRARY_PATH={lib}", str(ARM64_BUILD)]
 
 
 def _logits(tmp_path, name) -> np.ndarray:
@@ -64,6 +77,25 @@ def test_prefill_logits_and_greedy_tokens_match_the_python_runner(program, tmp_p
     # the test could fail: without the cold products the logits move by far more than that
     runner.cold.product = lambda *a: None
     assert np.abs(runner(ids, "ooo").logits.numpy() - ref).max() > 1e-3
+
+
+def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
+    """The same sources cross-built for 64-bit Arm (XNNPACK's Arm kernels, the Arm float kernels), run
+    under qemu-aarch64: the x86 build's greedy tokens and cold-row count, and its logits within a few
+    float32 steps (XNNPACK's INT8 kernels agree; its float methods may sum in another order on Arm)."""
+    pte, ids = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    x86 = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "x86.bin")
+    t0 = time.perf_counter()
+    arm = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "arm.bin", binary=arm64_command())
+    seconds = time.perf_counter() - t0
+    got, want = _logits(tmp_path, "arm.bin"), _logits(tmp_path, "x86.bin")
+    steps = np.abs(got - want).max() / np.spacing(np.abs(want).max())
+    print(f"arm64 under qemu ({ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {steps:.1f} "
+          f"float32 steps from x86's at |logit| {np.abs(want).max():.1f}")
+    assert arm.tokens == x86.tokens
+    assert arm.summary["cold_rows"] == x86.summary["cold_rows"] > 0
+    assert steps <= 4
 
 
 def test_policies_give_bit_identical_outputs(program, tmp_path):

@@ -49,11 +49,13 @@ class NativeRun:
 def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int, policy: str = "ooo",
                temperature: float | None = None, top_p: float = 1.0, seed: int | None = None,
                trace: str | Path | None = None, logits_out: str | Path | None = None,
-               on_token: Callable[[int], None] | None = None, binary: Path | None = None,
+               on_token: Callable[[int], None] | None = None, binary: Path | list[str] | None = None,
                extra: list[str] | None = None) -> NativeRun:
-    """Generate with ``llmnpu-runner``; raises ``LlmNpuError`` with the binary's own one-line message."""
-    cmd = [str(binary or find_runner()), "--pte", str(pte), "--prompt-ids", "-", "--max-new-tokens",
-           str(max_new_tokens), "--policy", policy, "--json"]
+    """Generate with ``llmnpu-runner``; raises ``LlmNpuError`` with the binary's own one-line message.
+    ``binary``: another build, or a command that runs one (another architecture's under an emulator)."""
+    start = binary if isinstance(binary, list) else [str(binary or find_runner())]
+    cmd = [*start, "--pte", str(pte), "--prompt-ids", "-", "--max-new-tokens", str(max_new_tokens), "--policy",
+           policy, "--json"]
     if temperature is not None:
         cmd += ["--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
     if seed is not None:
