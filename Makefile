@@ -16,6 +16,9 @@ KERNELS_AVX2 := llmnpu_delegate/kernels/native/build-avx2/libllmnpu_kernels.so
 # (the SDK's config needs >= 3.28) and nlohmann-json headers (both pip packages in pyproject.toml).
 RUNNER      := runner/build/llmnpu-runner
 RUNNER_ASAN := runner/build-asan/llmnpu-runner
+RUNNER_ARM64 := runner/build-arm64/llmnpu-runner
+ARM64_SDK    := runner/build-arm64/sdk
+ARM64_APT    := g++-aarch64-linux-gnu qemu-user libssl-dev:arm64 libstdc++6:arm64
 RUNNER_SRC  := runner/CMakeLists.txt $(wildcard runner/src/*.cpp runner/src/*.h)
 SDK_CMAKE    = $$($(BIN)/python -c "import executorch, os; print(os.path.join(executorch.__path__[0], 'share', 'cmake'))")
 JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join(nlohmann_json.__path__[0], 'include'))")
@@ -53,9 +56,6 @@ $(RUNNER_ASAN): $(STAMP) $(RUNNER_SRC)
 # The same runner for 64-bit Arm Linux, cross-built (Debian's g++-aarch64-linux-gnu and the arm64
 # libraries it links, by apt) against the aarch64 executorch wheel's SDK (pip download of the same
 # version, unpacked; it has no QNN library); tests/test_native.py runs it under qemu-aarch64.
-RUNNER_ARM64 := runner/build-arm64/llmnpu-runner
-ARM64_SDK    := runner/build-arm64/sdk
-ARM64_APT    := g++-aarch64-linux-gnu qemu-user libssl-dev:arm64 libstdc++6:arm64
 ET_VERSION    = $$($(BIN)/python -c "import importlib.metadata as m; print(m.version('executorch'))")
 
 runner-arm64: $(RUNNER_ARM64)
