@@ -5,7 +5,6 @@ import math
 import random
 import shutil
 import struct
-import subprocess
 
 import pytest
 import torch
@@ -505,13 +504,12 @@ def _program_copy(out, folder):
     return folder / out.name, sidecar_path(folder / out.name)
 
 
-def _native_check(pte, binary=None) -> tuple[int, list[str], str]:
+def _native_check(pte, *extra, binary=None) -> tuple[int, list[str], str]:
     """The native runner reading ``pte``'s sidecar alone (--dry-run): exit code, its error lines, stderr."""
-    from llmnpu_delegate.runtime.native import find_runner
+    from test_native import _error_lines, _runner
 
-    r = subprocess.run([str(binary or find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
-                       capture_output=True, text=True, timeout=120)
-    return r.returncode, [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")], r.stderr
+    r = _runner("--pte", pte, "--dry-run", "--prompt-len", 40, *extra, binary=binary, timeout=120)
+    return r.returncode, _error_lines(r.stderr), r.stderr
 
 
 def _asan_runner():
@@ -532,7 +530,7 @@ def test_damaged_sidecar_is_a_one_line_error(exported, tmp_path, how):
     with pytest.raises(LlmNpuError) as e:
         PteRunner(pte)
     assert "\n" not in str(e.value) and side.name in str(e.value) and "export" in str(e.value), str(e.value)
-    code, errors, stderr = _native_check(pte, _asan_runner())
+    code, errors, stderr = _native_check(pte, binary=_asan_runner())
     assert code == 2 and len(errors) == 1 and side.name in errors[0] and "export" in errors[0], stderr[-1500:]
 
 
@@ -592,11 +590,8 @@ def test_the_native_runner_checks_what_the_python_runner_checks(exported, tmp_pa
     with pytest.raises(LlmNpuError, match="another"):
         PteRunner(pte)
     assert _native_check(pte)[0] == 0                      # the size alone is checked by default
-    from llmnpu_delegate.runtime.native import find_runner
-
-    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40", "--verify"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "SHA-256 differs" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    code, _, stderr = _native_check(pte, "--verify")
+    assert code == 2 and "SHA-256 differs" in stderr and stderr.count("\n") == 1, stderr
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -621,7 +616,7 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
         assert "\n" not in str(e) and "export" in str(e), str(e)
     else:
         assert torch.equal(got, PteRunner(exported[0])(ids).logits)
-    code, errors, stderr = _native_check(pte, _asan_runner())
+    code, errors, stderr = _native_check(pte, binary=_asan_runner())
     assert code == 0 or (code == 2 and len(errors) == 1), (path, code, stderr[-1500:])
 
 
@@ -647,7 +642,6 @@ def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp
     """A rows file the runners cannot read (its type is not float32 or float16) is refused in one line
     before any prompt, not read as the wrong floats."""
     from llmnpu_delegate.format.sidecar import sidecar_digest
-    from llmnpu_delegate.runtime.native import find_runner
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -657,10 +651,8 @@ def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp
     side.write_text(json.dumps(meta))
     with pytest.raises(LlmNpuError, match="rows_dtype is 'bfloat16'"):
         PteRunner(pte)
-    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
-                       capture_output=True, text=True, timeout=60)
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
-    assert r.returncode == 2 and len(errors) == 1 and "bfloat16" in errors[0], r.stderr
+    code, errors, stderr = _native_check(pte)
+    assert code == 2 and len(errors) == 1 and "bfloat16" in errors[0], stderr
 
 
 @pytest.mark.parametrize("static", [-1, {"x": 0.1}, {"-3": 0.1}, [0.1]])
@@ -668,7 +660,6 @@ def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path,
     """Found by the property test above: a profile whose step table is not a table of step numbers
     once escaped as a bare `stoi` from the native runner (exit 1)."""
     from llmnpu_delegate.format.sidecar import sidecar_digest
-    from llmnpu_delegate.runtime.native import find_runner
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -676,7 +667,5 @@ def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path,
     meta["profile"]["static"] = static
     meta["sidecar_sha256"] = sidecar_digest(meta)
     side.write_text(json.dumps(meta))
-    r = subprocess.run([str(find_runner()), "--pte", str(pte), "--dry-run", "--prompt-len", "40"],
-                       capture_output=True, text=True, timeout=60)
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("llmnpu-runner: error: ")]
-    assert r.returncode == 2 and len(errors) == 1 and "profile" in errors[0], r.stderr
+    code, errors, stderr = _native_check(pte)
+    assert code == 2 and len(errors) == 1 and "profile" in errors[0], stderr
