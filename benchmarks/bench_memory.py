@@ -10,8 +10,6 @@ it and decodes ``--new-tokens`` in its own process; the figure is that process's
 first, as after a fresh start. The reference is llama.cpp (cyllama) on the same GGUF requantized to
 Q8_0 with llama.cpp's own ``model_quantize``, with the program's context length and the same prompt,
 in a process that imports cyllama only. For the embedded model only (its GGUF ships in the package).
-The native runner runs twice: as is, and with ``--low-memory`` (NPU methods and decode step never
-loaded at once).
 
 The table beside the figures splits what the program asks for: its planned arenas (all methods, and
 the largest per lane: what one arena per lane holds), its weights (the program's constants and its
@@ -155,7 +153,6 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         peaks = {"llama.cpp (Q8_0)": llamacpp_peak(ids, args.new_tokens, meta["context"], Path(tmp)),
                  "native runner": native_peak(args.pte, ids, args.new_tokens),
-                 "native --low-memory": native_peak(args.pte, ids, args.new_tokens, "--low-memory"),
                  "Python runner": python_peak(args.pte, ids, args.new_tokens)}
     ref = peaks["llama.cpp (Q8_0)"]
     result["peak_rss_mib"] = {k: round(v, 1) for k, v in peaks.items()}

@@ -36,6 +36,7 @@ class Stub:
     summary = "a test's stub"
     runs_engine = True
     encodings = "xnnpack"
+    output_bits = (32, 8)
     uses_soc = False
     lowered_methods: list[str] = []
 

@@ -108,20 +108,6 @@ def test_policies_give_bit_identical_outputs(program, tmp_path):
         assert runs[p].summary["policy"] == p
 
 
-def test_low_memory_mode_switches_phases_and_computes_the_same(program, tmp_path):
-    """--low-memory never holds the NPU methods and decode at once: with --warmup the timed prompt
-    reloads the NPU methods (dropping decode), then decode again (dropping them); the same logits,
-    bit for bit, and the same tokens."""
-    pte, ids = program
-    meta = json.loads(sidecar_path(pte).read_text())
-    plain = run_native(pte, ids.tolist(), meta, 8, logits_out=tmp_path / "plain.bin", extra=["--warmup"])
-    low = run_native(pte, ids.tolist(), meta, 8, logits_out=tmp_path / "low.bin", extra=["--warmup", "--low-memory"])
-    assert low.tokens == plain.tokens
-    assert _logits(tmp_path, "low.bin").tobytes() == _logits(tmp_path, "plain.bin").tobytes()
-    assert low.summary["low_memory"] and low.summary["switch_s"] > 0
-    assert not plain.summary["low_memory"] and plain.summary["switch_s"] == 0
-
-
 def test_the_native_policies_decide_exactly_like_the_python_ones(program):
     """On simulated time (each task takes its profiled cost) the C++ scheduler and runtime/executor.py's
     pick the same task at the same moment, for every policy; the sidecar's task table expands alike."""
@@ -205,19 +191,19 @@ def test_the_sanitized_build_runs_prefill_decode_and_the_failure_path_clean(prog
     prompt = " ".join(map(str, ids.tolist()))
     ok = _runner("--pte", pte, "--prompt-ids", "-", "--max-new-tokens", 4, "--json", binary=ASAN_BUILD, stdin=prompt)
     assert ok.returncode == 0, ok.stderr[-3000:]
-    low = _runner("--pte", pte, "--prompt-ids", "-", "--max-new-tokens", 4, "--warmup", "--low-memory",
-                  binary=ASAN_BUILD, stdin=prompt)   # methods unloaded and loaded again
-    assert low.returncode == 0, low.stderr[-3000:]
+    warm = _runner("--pte", pte, "--prompt-ids", "-", "--max-new-tokens", 4, "--warmup",
+                   binary=ASAN_BUILD, stdin=prompt)
+    assert warm.returncode == 0, warm.stderr[-3000:]
     bad = _runner("--pte", pte, "--prompt-ids", "-", "--fail-at", "1:1", binary=ASAN_BUILD, stdin=prompt)
     assert bad.returncode == 1 and len(_error_lines(bad.stderr)) == 1, bad.stderr[-3000:]
     turns = [{"ids": ids[:70].tolist(), "max_new_tokens": 2}, {"ids": [-1]}, "not json",
              {"ids": ids.tolist(), "max_new_tokens": 2}]      # a continuation mid-chunk, after two refusals
-    served = _runner("--pte", pte, "--serve", "--low-memory", binary=ASAN_BUILD,
+    served = _runner("--pte", pte, "--serve", binary=ASAN_BUILD,
                      stdin="\n".join(t if isinstance(t, str) else json.dumps(t) for t in turns))
     assert served.returncode == 0, served.stderr[-3000:]
     replies = [json.loads(ln) for ln in served.stdout.splitlines() if ln.startswith("{")]
     assert ["error" in r for r in replies] == [False, True, True, False] and replies[3]["cached_tokens"] == 70
-    for run in (ok, low, bad, served):
+    for run in (ok, warm, bad, served):
         assert "Sanitizer" not in run.stderr and "runtime error:" not in run.stderr, run.stderr[-3000:]
 
 

@@ -180,6 +180,7 @@ class CpuInt8:
     runs_engine = True
     encodings = "xnnpack"
     uses_soc = False
+    output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
                norms: str = "cpu") -> CpuInt8Engine:

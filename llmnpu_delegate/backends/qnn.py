@@ -63,6 +63,7 @@ class Qnn:
     runs_engine = False
     encodings = "qnn"
     uses_soc = True
+    output_bits = (8,)       # HTP's FullyConnected gives 8-bit inputs 8-bit outputs only (tried: 16 refused)
 
     def engine(self, *args, **kwargs):
         raise LlmNpuError("backend 'qnn' has no engine on this host: prefill with cpu-int8")

@@ -8,7 +8,8 @@ A backend is one class, registered under one name, that answers for every stage 
   backend without a host engine (``runs_engine = False``: a real NPU's, such as QNN) refuses it;
 - export: ``check_target(soc)`` before anything slow, ``quantizer(ours)`` wraps our encodings in
   the quantizer its delegate needs, ``lower(method, graph, example, soc)`` lowers one quantized
-  NPU subgraph to one delegate call named ``method``;
+  NPU subgraph to one delegate call named ``method``, whose outputs are requantized to 8 bits or
+  left float (``output_bits``: ``lower/npu_subgraphs.py``);
 - the runners: ``prepare_runtime()`` before a program of this backend is loaded in Python,
   ``native_env()`` the environment the C++ runner needs.
 
@@ -29,6 +30,7 @@ class NpuBackend(Protocol):
     runs_engine: bool                 # whether the engine runs its NPU regions on this host
     encodings: str                    # our encodings' flavour for its delegate: "qnn" | "xnnpack"
     uses_soc: bool                    # whether export targets a SoC (--soc)
+    output_bits: tuple                # the NPU methods' output widths it can give, its default first
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
                norms: str = "cpu"): ...

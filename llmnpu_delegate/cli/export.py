@@ -5,6 +5,7 @@ import dataclasses
 
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
+from ..lower.npu_subgraphs import check_output_bits
 from ..lower.pte import DEFAULT_CONTEXT, export_pte
 from ..prefill import DEFAULT_CHUNK, QUANT_MODES, export_engine, quant_config
 from ..quantize import auto
@@ -40,6 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", choices=["int8", "fp32"], default="int8",
                    help="decode method on XNNPACK: int8 (default: INT8 weights, per-token dynamic activations) "
                         "or fp32 (the float reference)")
+    p.add_argument("--output-bits", choices=["auto", "8", "32"], default="auto",
+                   help="the NPU methods' outputs: 8 (requantized, as an integer NPU graph), 32 (float, the "
+                        "engine's own numbers: cpu-int8 only) or auto (default: the backend's best, 32 for "
+                        "cpu-int8, 8 for qnn)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes lowering methods side by side (default: one per core); the program is the "
                         "same for any number")
@@ -53,6 +58,8 @@ def cmd_export(args) -> dict:
     quant = quant_config(args.quant, args.pruning_rate)
     backend = backends.get(args.backend)
     backend.check_target(args.soc)       # before the model is loaded and planned
+    if args.output_bits != "auto":
+        check_output_bits(int(args.output_bits), args.backend)
     if backend.uses_soc and auto.is_auto(quant):    # pruned for the phone's schedule, not this machine's
         quant = dataclasses.replace(quant, pruning_target=args.soc)
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress,
@@ -61,14 +68,15 @@ def cmd_export(args) -> dict:
     summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
                          shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer,
-                         workers=args.workers, release_engine=True)
+                         workers=args.workers, release_engine=True,
+                         output_bits=None if args.output_bits == "auto" else int(args.output_bits))
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
                  f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
-                 f"decode {summary['decode']} on XNNPACK) and "
+                 f"{summary['output_bits']}-bit outputs, decode {summary['decode']} on XNNPACK) and "
                  f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
                  f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
                  f"worker(s) (their seconds: {stages})\n"

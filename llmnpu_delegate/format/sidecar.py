@@ -22,7 +22,9 @@ FORMAT = "llmnpu-pte-sidecar"
 # 4: ``sidecar_sha256``, a checksum of the sidecar's own content (an altered scale is caught)
 # 5: the decode's INT8 linears take calibrated input channels through float rows (``decode.hot_inputs``)
 #    instead of keeping whole linears float; the embedding table in float16, one INT8 LM head
-VERSION = 5
+# 6: an NPU linear's output has ``bits``: 8 (requantized, with its encoding) or 32 (float; the
+#    decode's INT8 linears then carry the same zero columns)
+VERSION = 6
 
 NUM = "number"
 ANY = "any"
@@ -37,7 +39,7 @@ SCHEMA = {
                    "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS],
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
-    "linears": {str: {"act_scale": NUM, "output": {"scale": NUM, "range": NUMS}, "split_channels": [INTS],
+    "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
                       "split_outputs": [ANY], "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
     "pruned_layers": STRS,
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
@@ -117,6 +119,10 @@ def check_sidecar(meta: dict) -> str | None:
             return f"subgraphs[{i}] names unknown linears {unknown[:2]}"
         if e["kind"] == "npu" and sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
             return f"subgraphs[{i}].input_groups do not cover its linears"
+    for name, lin in meta["linears"].items():
+        out = lin["output"]
+        if out["bits"] not in (8, 32) or (out["bits"] == 8) != ("scale" in out and "range" in out):
+            return f"linears.{name}.output is neither an 8-bit encoding nor a float output"
     shadow = meta["shadow"]
     if shadow["form"] not in ("sparse", "dense"):
         return f"shadow.form is {shadow['form']!r}"

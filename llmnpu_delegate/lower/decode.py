@@ -115,13 +115,15 @@ def example_inputs(kv, context: int, position: int = 3) -> tuple:
 
 @torch.no_grad()
 def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None,
-                  hot_inputs: dict[str, list[int]] | None = None):
+                  hot_inputs: dict[str, list[int]] | None = None, padded: list[str] = ()):
     """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
     ``hot_inputs``: per linear (model names), input channels that go through float rows in ``int8``
     mode (``quantize/decode_outliers.hot_inputs``: the program's outlier policy; ``split_hot_inputs``).
-    In ``int8`` mode the embedding lookup reads a float16 table and the head is INT8 (``table.py``)."""
+    In ``int8`` mode the embedding lookup reads a float16 table and the head is INT8 (``table.py``).
+    ``padded``: linears (model names) whose INT8 weights get the zero columns of float-output NPU
+    methods (``pad_linears``), so that both methods' weights are the same bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
         XnnpackDynamicallyQuantizedPartitioner,
         XnnpackPartitioner,
@@ -139,6 +141,7 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
             gm = ep.module()
             half_table_lookups(gm)          # the table's only float copy is float16 (``table.py``)
             float_rows = split_hot_inputs(gm, hot_inputs or {})
+            pad_linears(gm, list(padded))
             ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)
             feeds = [(torch.tensor([[t]]), torch.tensor([i]), *example[2:]) for i, t in enumerate(ids.tolist())]
             ep = quantize_dynamic(gm, [example, *feeds], float_weights=float_rows)
@@ -152,6 +155,43 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
 
 
 HOT_PREFIX = "llmnpu_hot_"
+PAD_PREFIX = "llmnpu_padded_"
+
+
+def pad_linears(gm: fx.GraphModule, names: list[str], prefix: str = "model.") -> int:
+    """Rewrite each linear named in ``names`` as ``linear(cat(x, 0, 0), [W 0 0])``: the float-output NPU
+    methods' form of its weight (``npu_subgraphs.FloatOutputRegion``). Zero columns change neither
+    the product nor a token's dynamic scale (its range always holds 0). Returns how many changed."""
+    from .npu_subgraphs import SENTINELS, pad_columns
+
+    found = linear_names(gm, names, prefix)
+    if missing := sorted(set(names) - set(found.values())):
+        raise LlmNpuError(f"decode: linears {missing[:3]} to pad are not in the step")
+    graph, widened = gm.graph, {}
+    for node, name in found.items():
+        x, weight = node.args[0], node.args[1]
+        w = functools.reduce(getattr, weight.target.split("."), gm)
+        attr = PAD_PREFIX + name.replace(".", "_")
+        gm.register_buffer(f"{attr}_weight", pad_columns(w).contiguous())
+        if x not in widened:           # one concat per input (q, k and v share theirs)
+            shape = tuple(x.meta["val"].shape[:-1]) + (SENTINELS,) if "val" in x.meta else (1, 1, SENTINELS)
+            gm.register_buffer(f"{attr}_zeros", torch.zeros(shape))
+            with graph.inserting_after(x):
+                zeros = graph.get_attr(f"{attr}_zeros")
+            with graph.inserting_after(zeros):
+                widened[x] = graph.call_function(torch.ops.aten.cat.default, ([x, zeros], -1))
+        wide = widened[x]
+        with graph.inserting_before(node):
+            padded_weight = graph.get_attr(f"{attr}_weight")
+        node.replace_input_with(x, wide)
+        node.replace_input_with(weight, padded_weight)
+        if not weight.users:           # an attribute nothing reads would stay in the program as a constant
+            owner, _, leaf = weight.target.rpartition(".")
+            delattr(gm.get_submodule(owner), leaf)
+            graph.erase_node(weight)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return len(found)
 
 
 def split_hot_inputs(gm: fx.GraphModule, hot: dict[str, list[int]], prefix: str = "model.") -> set[str]:

@@ -7,6 +7,10 @@ per tensor: max |w| / 127, exactly ``quantize_weight``). Nothing is left to an o
 linear's output encoding, which an integer NPU graph needs and our INT8 engine does not have (it
 dequantizes the int32 accumulator): that one is observed (min/max) on calibration input.
 
+With float outputs (``output_bits=32``, ``npu_subgraphs.FloatOutputRegion``) the input is annotated
+as XNNPACK's dynamic INT8 and the output not at all: the region's sentinel columns make the dynamic
+scale the plan's, so the GEMM is the same integer product with a float result.
+
 Two flavours of the same numbers: ``"qnn"`` writes activations as uint8 with zero point 128 (what
 HTP prefers), ``"xnnpack"`` as int8 with zero point 0: both are round(x / s) with the same scale.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver
+from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 from torchao.quantization.pt2e.quantizer import (
     DerivedQuantizationSpec,
     FixedQParamsQuantizationSpec,
@@ -39,6 +43,12 @@ def activation_spec(scale: float, flavour: str) -> FixedQParamsQuantizationSpec:
     if flavour == "qnn":
         return FixedQParamsQuantizationSpec(torch.uint8, scale, 128, 0, 255, torch.per_tensor_affine)
     return FixedQParamsQuantizationSpec(torch.int8, scale, 0, -128, 127, torch.per_tensor_affine)
+
+
+def dynamic_spec() -> QuantizationSpec:
+    """XNNPACK's dynamic INT8 activation: scale and zero point from each row's range at run time."""
+    return QuantizationSpec(torch.int8, PlaceholderObserver, quant_min=-128, quant_max=127,
+                            qscheme=torch.per_tensor_affine, is_dynamic=True)
 
 
 def weight_spec(granularity: str) -> QuantizationSpec:
@@ -75,11 +85,14 @@ class LlmNpuQuantizer(Quantizer):
     """Annotates the decoder linears named in ``plans`` with our fixed encodings (see module doc)."""
 
     def __init__(self, plans: dict[str, LinearPlan], granularity: str = "channel", flavour: str = "qnn",
-                 prefix: str = ""):
+                 prefix: str = "", output_bits: int = 8):
         super().__init__()
         if flavour not in FLAVOURS:
             raise LlmNpuError(f"unknown encoding flavour '{flavour}': use one of {FLAVOURS}")
+        if output_bits == 32 and flavour != "xnnpack":
+            raise LlmNpuError("float NPU outputs are XNNPACK's dynamic INT8 form: the cpu-int8 backend's only")
         self.plans, self.granularity, self.flavour, self.prefix = plans, granularity, flavour, prefix
+        self.output_bits = output_bits
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         found = linear_names(model, self.plans, self.prefix)
@@ -89,14 +102,15 @@ class LlmNpuQuantizer(Quantizer):
             if node.meta.get(SKIP):
                 continue
             act, weight = node.args[0], node.args[1]
-            qspecs = {act: activation_spec(self.plans[name].act_scale, self.flavour),
+            floats = self.output_bits == 32
+            qspecs = {act: dynamic_spec() if floats else activation_spec(self.plans[name].act_scale, self.flavour),
                       weight: weight_spec(self.granularity)}
             bias = node.args[2] if len(node.args) > 2 else None
             # QNN takes an int32 bias on the accumulator's scale; XNNPACK takes it float and does that itself
             if isinstance(bias, fx.Node) and self.flavour == "qnn":
                 qspecs[bias] = _bias_spec(act, weight, node, self.granularity)
-            node.meta[ANNOTATION] = QuantizationAnnotation(input_qspec_map=qspecs,
-                                                           output_qspec=output_spec(self.flavour), _annotated=True)
+            node.meta[ANNOTATION] = QuantizationAnnotation(
+                input_qspec_map=qspecs, output_qspec=None if floats else output_spec(self.flavour), _annotated=True)
         return model
 
     def validate(self, model: fx.GraphModule) -> None:

@@ -8,6 +8,9 @@ shadowed one) get one method input each: QNN keeps one encoding per tensor. Only
 encodings are observed, on calibration rows. Output channels of outsized range come out on their
 own, in groups with their own encodings (``output_groups``); ``RegionSpec.merge`` puts them back.
 
+Or the outputs stay float (``output_bits=32``, ``FloatOutputRegion``): the same integer product,
+dequantized as our engine does, with no output encoding to observe or to saturate.
+
 The target is an NPU backend (``backends/``): its quantizer takes our encodings, and it lowers the
 converted graph to one delegate call (``qnn``: an HTP context binary per method; ``cpu-int8``:
 XNNPACK's INT8 kernels, the same artefact without Qualcomm libraries).
@@ -35,6 +38,10 @@ from .encodings import LlmNpuQuantizer
 BULK = 8.0
 WIDTH = 4.0
 MAX_GROUPS = 8
+
+OUTPUT_BITS = (8, 32)
+# Columns a float-output region appends to its input rows: -128 s and 127 s (see FloatOutputRegion).
+SENTINELS = 2
 
 
 def output_groups(linear: nn.Linear, rows: Tensor) -> list[list[int]]:
@@ -82,6 +89,48 @@ class RegionModule(nn.Module):
                 + tuple(out(source[i]) for out, i in zip(self.outs, self.part_of)))
 
 
+class FloatOutputRegion(nn.Module):
+    """One NPU subgraph with float outputs, as XNNPACK's dynamic INT8 linears compute them.
+
+    Those quantize each input row with a scale and zero point of its own range, (max - min) / 255,
+    and dequantize the int32 accumulator to float. Each group's rows are clamped to its INT8 grid
+    (what the static quantization does; the runners hand over rows already on it) and get two
+    sentinel columns, -128 s and 127 s, whose weights are zero: every row's range is then exactly
+    255 s, so the dynamic scale is the plan's ``s``, the zero point 0, and the GEMM takes the codes
+    of our static quantization. The product is our engine's, to float rounding (tested). The
+    decode step pads the same linears with two zero columns (``decode.pad_linears``), so the two
+    methods' INT8 weights are the same bytes, stored and packed once."""
+
+    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], scales: list[float], rows: int):
+        super().__init__()
+        self.lins = nn.ModuleList(_padded(lin) for lin in linears)
+        self.groups, self.scales = groups, scales
+        for g, s in enumerate(scales):
+            self.register_buffer(f"sentinel{g}", torch.tensor([[-128.0 * s, 127.0 * s]]).expand(rows, SENTINELS).contiguous())
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        source = {}
+        for g, (x, idx, s) in enumerate(zip(inputs, self.groups, self.scales)):
+            rows = torch.cat([x.clamp(-127.0 * s, 127.0 * s), getattr(self, f"sentinel{g}")], -1)
+            for i in idx:
+                source[i] = rows
+        return tuple(lin(source[i]) for i, lin in enumerate(self.lins))
+
+
+def _padded(lin: nn.Linear) -> nn.Linear:
+    """``lin`` with SENTINELS zero input columns appended (per-row weight scales unchanged)."""
+    out = nn.Linear(lin.in_features + SENTINELS, lin.out_features, bias=lin.bias is not None)
+    with torch.no_grad():
+        out.weight.copy_(pad_columns(lin.weight))
+        if lin.bias is not None:
+            out.bias.copy_(lin.bias)
+    return out
+
+
+def pad_columns(weight: Tensor) -> Tensor:
+    return F.pad(weight.detach(), (0, SENTINELS))
+
+
 def _rows(lin: nn.Linear, channels: list[int]) -> nn.Linear:
     """A linear computing only ``channels`` of ``lin``'s outputs (same per-row weights, so the same
     per-channel INT8 weights and scales)."""
@@ -111,27 +160,40 @@ def plan_names(spec: RegionSpec, plans: dict[str, LinearPlan]) -> dict[str, Line
 
 
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
-                     calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None):
+                     calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None, output_bits: int = 8):
     """The region exported for ``rows_per_call`` rows (default: all of ``calib_rows``), annotated with
-    our encodings, its output encodings observed on every block of ``calib_rows``, converted (pt2e).
-    Returns (graph, example inputs)."""
+    our encodings, its output encodings (``output_bits=8``) observed on every block of ``calib_rows``,
+    converted (pt2e). Returns (graph, example inputs)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+    backend = backends.get(target)
+    check_output_bits(output_bits, target)
     n = rows_per_call or calib_rows.shape[0]
     if calib_rows.shape[0] % n:
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {n}-row calls")
-    module = RegionModule(linears, spec.groups, spec.splits).eval()
+    if output_bits == 32:
+        if spec.splits:
+            raise LlmNpuError(f"{spec.method}: float outputs need no split channels")
+        module = FloatOutputRegion(linears, spec.groups, spec.scales, n).eval()
+    else:
+        module = RegionModule(linears, spec.groups, spec.splits).eval()
     example = spec.inputs(calib_rows[:n])
     # non-strict: the region is plain tensor code, so Dynamo's bytecode tracing adds nothing but time
     # (the emitted methods are the same bytes; 14 % of an NPU method's lowering)
     graph = torch.export.export(module, example, strict=False).module()
-    backend = backends.get(target)
-    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour=backend.encodings)
+    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour=backend.encodings, output_bits=output_bits)
     prepared = prepare_pt2e(graph, backend.quantizer(ours))
     with torch.no_grad():
         for block in calib_rows.split(n):
             prepared(*spec.inputs(block))
     return convert_pt2e(prepared), example
+
+
+def check_output_bits(output_bits: int, target: str) -> None:
+    offered = backends.get(target).output_bits
+    if output_bits not in offered:
+        raise LlmNpuError(f"backend {target} gives its NPU methods {' or '.join(map(str, offered))}-bit outputs, "
+                          f"not {output_bits}: use --output-bits {offered[0]}")
 
 
 @dataclass(frozen=True)
@@ -141,11 +203,15 @@ class OutputEncoding:
     high: float
 
 
-def output_encodings(graph) -> list[OutputEncoding]:
-    """Per output of a converted region (RegionModule's order): the encoding of its quantize node."""
+def output_encodings(graph) -> list[OutputEncoding | None]:
+    """Per output of a converted region (RegionModule's order): the encoding of its quantize node
+    (None for a float output)."""
     out = next(n for n in graph.graph.nodes if n.op == "output")
     encodings = []
     for node in out.args[0]:
+        if node.op == "call_function" and node.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default):
+            encodings.append(None)
+            continue
         q = node.args[0] if node.op == "call_function" else None    # dequantize(quantize(linear))
         if q is None or "quantize_per_tensor" not in str(q.target):
             raise LlmNpuError(f"region output {node.name} is not quantized")
@@ -155,11 +221,12 @@ def output_encodings(graph) -> list[OutputEncoding]:
 
 
 def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
-                 calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None):
+                 calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None, output_bits: int = 8):
     """One NPU subgraph lowered for ``target`` (``rows_per_call`` rows a call; output encodings from
-    ``calib_rows``); returns (edge program manager, its output encodings)."""
+    ``calib_rows``); returns (edge program manager, its output encodings: None for float ones)."""
     backend = backends.get(target)
-    graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call)
+    graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call,
+                                      output_bits)
     encodings = output_encodings(graph)
     edge = backend.lower(spec.method, graph, example, soc)
     _check_delegated(edge, spec, target)

@@ -49,7 +49,7 @@ from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
-from .npu_subgraphs import lower_region, output_groups, region_spec
+from .npu_subgraphs import check_output_bits, lower_region, output_groups, region_spec
 from .op_tables import cached_cia_ops
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
@@ -122,9 +122,10 @@ def _made(args: list) -> tuple:
 
 
 def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
-    """Per linear: its output encoding (scale, representable range), and each split channel group's own."""
+    """Per linear: its output encoding (bits; scale and representable range of an 8-bit one), and each
+    split channel group's own."""
     def fields(e):
-        return {"scale": e.scale, "range": [e.low, e.high]}
+        return {"bits": 32} if e is None else {"bits": 8, "scale": e.scale, "range": [e.low, e.high]}
 
     out = {name: {"output": fields(encodings[i]), "split_channels": [], "split_outputs": []}
            for i, name in enumerate(spec.names)}
@@ -139,7 +140,7 @@ def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
                context: int | None = None, model: dict | None = None, progress: bool = True,
                shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None,
-               release_engine: bool = False) -> dict:
+               release_engine: bool = False, output_bits: int | None = None) -> dict:
     """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
     returns a summary.
 
@@ -151,11 +152,15 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     ``stage_seconds`` in the summary add up the workers' time, ``seconds`` is the wall time.
     ``release_engine``: the caller runs no prompt on ``engine`` afterwards, so its runtime is let go
     once the examples are taken (``Prefiller.release_runtime``): the workers share less memory.
+    ``output_bits``: the NPU methods' outputs, 8-bit (requantized) or 32 (float; ``npu_subgraphs.py``);
+    default the target's first (``output_bits`` of its backend).
     """
     from tqdm.auto import tqdm
 
     context = context or min(DEFAULT_CONTEXT, engine.max_context)
     _check_export_args(engine, target, soc, context, shadow, decode, calib_ids)
+    output_bits = backends.get(target).output_bits[0] if output_bits is None else output_bits
+    check_output_bits(output_bits, target)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
@@ -173,7 +178,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     out.parent.mkdir(parents=True, exist_ok=True)
     claims, spool = Claims(), Spool(out.parent)
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
-                    context, calib_ids, hot, claims, spool)
+                    context, calib_ids, hot, claims, spool, output_bits)
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
@@ -227,6 +232,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
+            "output_bits": output_bits,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
             "seconds": round(time.perf_counter() - t0, 1),
@@ -252,6 +258,7 @@ class _Export:
     hot: dict
     claims: Claims          # program keys already being lowered (shared by the workers)
     spool: Spool            # where each emitted method waits for the program to be written
+    output_bits: int        # the NPU methods' outputs (``npu_subgraphs.OUTPUT_BITS``)
 
 
 def _lower_job(x: _Export, job: int) -> dict:
@@ -268,8 +275,11 @@ def _lower_one(x: _Export, job: int) -> dict:
         from executorch.exir.passes import MemoryPlanningPass
         out["name"] = kv_format.METHOD
         with _timed(stages, "decode"):
+            # float-output NPU methods pad their linears; the decode's INT8 linears match them byte for byte
+            pad = ([n for step in x.engine.program.steps if step.sub.kind == "npu" for n in step.sub.linears]
+                   if x.output_bits == 32 else [])
             lowered = decode_step.export_decode(x.engine.model, x.engine.kv, x.context, x.decode, x.calib_ids,
-                                                x.hot).exported_program("forward")
+                                                x.hot, pad).exported_program("forward")
         with _timed(stages, "to_executorch"):
             # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
             out["method"] = x.spool.put(emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False)),
@@ -279,7 +289,8 @@ def _lower_one(x: _Export, job: int) -> dict:
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
         if sub.kind == "npu":
-            lowered = _lower_npu(x.engine, sub, name, x.rows[job], x.target, x.soc, out["entry"], out["npu_outputs"])
+            lowered = _lower_npu(x.engine, sub, name, x.rows[job], x.target, x.soc, out["entry"], out["npu_outputs"],
+                                 x.output_bits)
         else:
             example = _made(x.examples[job])
             ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.", example,
@@ -313,16 +324,18 @@ def _check_export_args(engine, target: str, soc: str, context: int, shadow: str,
         raise LlmNpuError(f"export needs at least {need} calibration tokens (three chunks), got {calib_ids.numel()}")
 
 
-def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict):
+def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict,
+               output_bits: int):
     """An NPU region as the target's method; records its input groups in ``entry`` and its outputs'
     encodings in ``npu_outputs``."""
     linears = [engine.backend.linear(n) for n in sub.linears]
-    # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones
+    # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones;
+    # float outputs have no encoding to split
     splits = ({j: output_groups(lin, rows) for j, lin in enumerate(linears)}
-              if engine.backend.weights == "channel" else {})
+              if engine.backend.weights == "channel" and output_bits == 8 else {})
     spec = region_spec(name, sub.linears, engine.plans, splits)
     edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows, engine.chunk_len,
-                                   target, soc)
+                                   target, soc, output_bits)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
     entry["input_groups"] = spec.groups
     return edge.exported_program(name)

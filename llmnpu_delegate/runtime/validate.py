@@ -7,7 +7,8 @@ Two checks, both against an engine prepared like the one that was exported:
   simulator for ``qnn``), and each output is compared with the engine's in units of the method's
   output quantization step, plus its SQNR. Engine values beyond the range the output encoding
   represents (larger than anything in the calibration text) saturate: they are counted apart and
-  left out of the largest difference;
+  left out of the largest difference. A float output's step is one unit of the int32 accumulator
+  (activation scale x the channel's weight scale): both compute the same integer product;
 - **whole prefill**: a short prompt runs from the ``.pte`` alone (``PteRunner``, out-of-order
   executor) and from the engine: same next token, logits and K/V SQNR; and both logits against
   the float model's, which tells whether the .pte strays further from it than the engine does.
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from ..kernels import QMAX
 from .pte_runner import PteRunner
 
 
@@ -58,9 +60,18 @@ def sqnr_db(x: Tensor, ref: Tensor) -> float:
     return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
 
 
-def output_encoding(linear: dict, width: int) -> tuple[Tensor, Tensor, Tensor]:
+def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
+                    granularity: str = "channel") -> tuple[Tensor, Tensor, Tensor]:
     """Per output channel of a linear (split channels have their own): the encoding's step and the
-    lowest and highest value it can represent."""
+    lowest and highest value it can represent. A float output (``bits`` 32) represents everything;
+    its step is the accumulator's (``weight``: the linear's float weight, whose INT8 scale is
+    max |w| / 127 per channel or per tensor, ``granularity``)."""
+    if linear["output"]["bits"] == 32:
+        if weight is None:
+            raise LlmNpuError("a float output's step needs the linear's weight")
+        w = weight.detach().abs().float()
+        step = linear["act_scale"] * (w.amax(1) if granularity == "channel" else w.amax().expand(width)) / QMAX
+        return step, torch.full((width,), -float("inf")), torch.full((width,), float("inf"))
     step, low, high = (torch.full((width,), float(v)) for v in (linear["output"]["scale"], *linear["output"]["range"]))
     for chans, enc in zip(linear["split_channels"], linear["split_outputs"]):
         step[chans], low[chans], high[chans] = enc["scale"], enc["range"][0], enc["range"][1]
@@ -91,7 +102,8 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
     for io in capture_npu_io(engine, eval_ids):
         got = steps[io.step].fn(io.rows)
         for name, out, want in zip(io.names, got, io.outputs):
-            step, low, high = output_encoding(meta["linears"][name], want.shape[-1])
+            step, low, high = output_encoding(meta["linears"][name], want.shape[-1],
+                                              engine.backend.linear(name).weight, engine.backend.weights)
             steps_off = (out - want).abs() / step
             # an engine value beyond what the output encoding can represent saturates: counted apart
             inside = (want >= low) & (want <= high)

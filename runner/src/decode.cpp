@@ -15,7 +15,7 @@ using executorch::extension::TensorPtr;
 using executorch::runtime::EValue;
 
 Decoder::Decoder(const Sidecar& s, LoadedProgram& program, const PrefillResult& prefill)
-    : s_(s), module_((program.for_decode(), *program.modules[LoadedProgram::kDecodeModule])) {
+    : s_(s), module_(*program.modules[LoadedProgram::kDecodeModule]) {
   const int64_t h = s.kv_heads, d = s.head_dim, ctx = s.context;
   const int64_t t = prefill.k.at(0)->shape[2];
   for (int64_t l = 0; l < s.layers; ++l) {

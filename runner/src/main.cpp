@@ -30,14 +30,12 @@ namespace {
 const char* kUsage =
     "usage: llmnpu-runner --pte MODEL.pte (--prompt-ids FILE | --prompt-ids -) [--max-new-tokens N]\n"
     "                     [--temperature T] [--top-p P] [--seed S] [--policy inorder|overlap|ooo|cp]\n"
-    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--low-memory] [--verify]\n"
-    "       llmnpu-runner --pte MODEL.pte --serve [--max-new-tokens N] [sampling, --policy, --low-memory]\n"
+    "                     [--trace FILE] [--json] [--logits-out FILE] [--warmup] [--verify]\n"
+    "       llmnpu-runner --pte MODEL.pte --serve [--max-new-tokens N] [sampling, --policy]\n"
     "       llmnpu-runner --pte MODEL.pte --dry-run --prompt-len N [--policy P]\n"
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
     "--warmup: one chunk of prefill and one decode step before the timed run (first-call set-up of\n"
     "every method, as a long-lived app has done before its first prompt).\n"
-    "--low-memory: never hold the NPU methods and the decode step at once (one packing of each weight\n"
-    "instead of two); decode then loads between the first token and the second.\n"
     "--serve: one request per line on standard input, {\"ids\": [...], \"max_new_tokens\": N,\n"
     "\"logits_out\": FILE} (the last two optional); each is answered with its token ids, one per line,\n"
     "then a JSON line of timings with \"cached_tokens\" (prompt tokens whose K/V were kept from the\n"
@@ -52,7 +50,7 @@ struct Args {
   std::optional<double> temperature;
   double top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool json = false, dry_run = false, warmup = false, low_memory = false, serve = false, verify = false;
+  bool json = false, dry_run = false, warmup = false, serve = false, verify = false;
   std::optional<std::pair<int, int>> fail_at;
 };
 
@@ -83,7 +81,6 @@ Args parse(int argc, char** argv) {
     if (flag == "--json") { a.json = true; continue; }
     if (flag == "--dry-run") { a.dry_run = true; continue; }
     if (flag == "--warmup") { a.warmup = true; continue; }
-    if (flag == "--low-memory") { a.low_memory = true; continue; }
     if (flag == "--serve") { a.serve = true; continue; }
     if (flag == "--verify") { a.verify = true; continue; }
     if (i + 1 >= argc) throw InputError(flag + " needs a value (see --help)");
@@ -283,7 +280,7 @@ int run(const Args& a) {
   if (!a.serve) check_prompt(s, ids, a.max_new_tokens);
 
   const auto l0 = Clock::now();
-  LoadedProgram program(a.pte, s, a.low_memory);
+  LoadedProgram program(a.pte, s);
   const double load_s = std::chrono::duration<double>(Clock::now() - l0).count();
 
   double warmup_s = 0;
@@ -294,7 +291,6 @@ int run(const Args& a) {
     PrefillResult w = prefill(s, program, first_chunk, policy);
     if (static_cast<int64_t>(first_chunk.size()) < s.context) Decoder(s, program, w).step(first_chunk.back());
     program.cold->fetched = 0;
-    program.switch_s = 0;
     warmup_s = std::chrono::duration<double>(Clock::now() - w0).count();
   }
 
@@ -307,7 +303,7 @@ int run(const Args& a) {
   Answer ans = answer(s, program, ids, nullptr, a.max_new_tokens, sampling, policy, a.fail_at, a.logits_out, a.trace);
   if (a.json) {
     nlohmann::json j = ans.summary;
-    j.update({{"load_s", load_s}, {"warmup_s", warmup_s}, {"low_memory", a.low_memory}, {"switch_s", program.switch_s},
+    j.update({{"load_s", load_s}, {"warmup_s", warmup_s},
               {"peak_rss_mib", peak_rss_mib()}});
     std::cout << j.dump() << std::endl;
   }

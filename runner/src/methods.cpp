@@ -1,15 +1,11 @@
 #include "methods.h"
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
@@ -251,17 +247,22 @@ std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs
 
 // ---------------------------------------------------------------- loading
 
-// XNNPACK's weights cache packs a weight once for every Module that runs it with the same kernel:
-// the INT8 LM head is the prefill's last CPU method and the decode step's (one named-data key), so
-// the CPU worker's methods and decode load with it on. The NPU worker's load with it off: XNNPACK's
-// backend holds the cache's mutex through every execute, so two lanes on one cache take turns (the
-// prefill ran 16 % slower); decode never runs beside the CPU worker.
-// Freed packed weights go back to the system, not only to the heap's free lists (glibc keeps freed
-// memory below its adaptive mmap threshold in the heap).
-static void give_back() {
-#if defined(__GLIBC__)
-  malloc_trim(0);
-#endif
+// XNNPACK's weights cache packs a weight once for every Module that runs it with the same kernel.
+// Its backend holds one process-wide mutex through every execute of a method loaded with the cache,
+// so the two prefill lanes must not both run such methods all the time (they would take turns: the
+// prefill ran 16 % slower); decode never runs beside either. So:
+// - decode always loads with the cache;
+// - float NPU outputs (the program's NPU linears are XNNPACK's dynamic INT8 ones, decode's kind, on
+//   the same bytes: lower/npu_subgraphs.py FloatOutputRegion): the NPU lane's methods too, so every
+//   decoder linear is packed once; of the CPU lane's, only the method that holds the INT8 LM head
+//   (decode's too), which runs once per prompt, at its end;
+// - 8-bit NPU outputs (static INT8 kernels, packed another way than decode's): the CPU lane's
+//   methods, for the LM head, the one weight they share with decode.
+static bool cached_weights(const Sidecar& s, const Subgraph& sub) {
+  if (!s.float_outputs()) return sub.processor == "cpu";
+  if (sub.processor == "npu") return true;
+  const auto& outs = sub.outputs;   // the LM head's method gives the graph's first output, the logits
+  return !s.graph_outputs.empty() && std::find(outs.begin(), outs.end(), s.graph_outputs.front()) != outs.end();
 }
 
 static void weights_cache(bool on) {
@@ -270,8 +271,7 @@ static void weights_cache(bool on) {
   (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
 }
 
-LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s, bool low_memory)
-    : pte_(pte), s_(s), low_memory_(low_memory) {
+LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pte), s_(s) {
   // One XNNPACK workspace per program, i.e. per worker's Module: one workspace for all (the wheel's
   // default) would make the two workers take turns; one per delegate call re-grows (and page-faults)
   // every attention method's scratch memory at each longer past: 2.5x slower attention, measured.
@@ -291,60 +291,32 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s, bool low_
     modules[i] = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
                                           /*share_memory_arenas=*/true);
   modules[kDecodeModule] = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
-  load_lane("npu");
-  load_lane("cpu");
-  npu_loaded_ = true;
-  if (!low_memory_) load_decode();
+  load_prefill();
+  load_decode();
   for (const auto& sub : s.subgraphs)
     calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
 }
 
-void LoadedProgram::load_lane(const char* lane) {
+void LoadedProgram::load_prefill() {
   // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
   // pool when a method loads, so they load with the pool disabled.
   executorch::extension::threadpool::NoThreadPoolGuard single;
-  weights_cache(lane == std::string("cpu"));
   for (const auto& sub : s_.subgraphs) {
-    if (sub.processor != lane) continue;
     auto& module = *modules[sub.processor == "npu" ? kNpuModule : kCpuModule];
     if (module.is_method_loaded(sub.method)) continue;   // identical subgraphs share one method
+    weights_cache(cached_weights(s_, sub));
     auto err = module.load_method(sub.method);
     if (err != executorch::runtime::Error::Ok)
       throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
                        "): is it a program from llmnpu export, with its backend libraries present?");
   }
-  weights_cache(true);
 }
 
 void LoadedProgram::load_decode() {
-  auto err = modules[kDecodeModule]->load_method(s_.decode_method);   // decode: both cores, cache on
+  weights_cache(true);                                                  // decode: both cores, cache on
+  auto err = modules[kDecodeModule]->load_method(s_.decode_method);
   if (err != executorch::runtime::Error::Ok)
     throw InputError("cannot load method " + s_.decode_method + " of " + pte_ + " (" + error_text(err) + ")");
-  decode_loaded_ = true;
-}
-
-void LoadedProgram::for_prefill() {
-  if (npu_loaded_) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (decode_loaded_) modules[kDecodeModule]->unload_method(s_.decode_method);
-  decode_loaded_ = false;
-  give_back();
-  load_lane("npu");
-  npu_loaded_ = true;
-  switch_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-void LoadedProgram::for_decode() {
-  if (decode_loaded_) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (low_memory_ && npu_loaded_) {
-    for (const auto& sub : s_.subgraphs)
-      if (sub.processor == "npu") modules[kNpuModule]->unload_method(sub.method);
-    npu_loaded_ = false;
-    give_back();
-  }
-  load_decode();
-  switch_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace llmnpu

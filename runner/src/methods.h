@@ -54,30 +54,20 @@ class MethodCall {
 
 // The program loaded for the runner: one Module per prefill worker (a Module's temporary allocator
 // is not safe across threads), each with one activation arena for its methods, and one for decode.
-//
-// `low_memory`: the NPU worker's methods and the decode step are never loaded at once. Each packs its
-// own copy of the decoder linears (XNNPACK lays out static and dynamic INT8 kernels differently), so
-// holding both costs one packing of every weight; the price is a switch between phases (decode loads
-// after the prefill, before the second token; the NPU methods load again before the next prompt).
+// XNNPACK's weights cache packs a weight the prefill and decode share once (methods.cpp).
 class LoadedProgram {
  public:
-  LoadedProgram(const std::string& pte, const Sidecar& s, bool low_memory = false);
+  LoadedProgram(const std::string& pte, const Sidecar& s);
   static constexpr int kNpuModule = 0, kCpuModule = 1, kDecodeModule = 2;
   std::unique_ptr<executorch::extension::Module> modules[3];
   std::unique_ptr<ColdRows> cold;
   std::vector<MethodCall> calls;   // by subgraph index
-  // Make the prefill's (decode's) methods loaded, letting go of the other phase's in low-memory mode.
-  void for_prefill();
-  void for_decode();
-  double switch_s = 0;             // seconds spent loading and unloading between phases
 
  private:
-  void load_lane(const char* lane);
+  void load_prefill();
   void load_decode();
   const std::string pte_;
   const Sidecar& s_;
-  const bool low_memory_;
-  bool npu_loaded_ = false, decode_loaded_ = false;
 };
 
 // "error 0x.. (Name)" for an ExecuTorch error code.

@@ -69,7 +69,6 @@ Past first_tokens(const std::vector<ValuePtr>& k, const std::vector<ValuePtr>& v
 
 PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, Policy policy,
                       std::optional<std::pair<int, int>> fail_at, const Past* past) {
-  program.for_prefill();
   std::vector<Env> envs = chunk_feeds(s, ids, past);
   const int chunks = static_cast<int>(envs.size());
   const int64_t reused = past ? past->length() : 0;

@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 5;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 6;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -30,6 +30,7 @@ struct Subgraph {
 
 struct NpuLinear {
   double act_scale = 0;
+  int output_bits = 8;                            // 8: requantized by the method; 32: float
   std::vector<std::vector<int>> split_channels;   // output channels the method returns on their own
 };
 
@@ -52,6 +53,13 @@ struct Sidecar {
   std::vector<Subgraph> subgraphs;
   TaskTable tasks;
   std::map<std::string, NpuLinear> linears;
+  // Every NPU output float: the NPU methods' INT8 linears are XNNPACK's dynamic ones, the decode's
+  // kind, on the same weight bytes (lower/npu_subgraphs.py FloatOutputRegion).
+  bool float_outputs() const {
+    for (const auto& [name, l] : linears)
+      if (l.output_bits != 32) return false;
+    return !linears.empty();
+  }
   std::string shadow_form, rows_file;
   int64_t rows_bytes = 0;
   int rows_itemsize = 4;   // the rows file's floats: 4 (float32) or 2 (float16)
