@@ -93,6 +93,7 @@ def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
     steps = np.abs(got - want).max() / np.spacing(np.abs(want).max())
     print(f"arm64 under qemu ({ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {steps:.1f} "
           f"float32 steps from x86's at |logit| {np.abs(want).max():.1f}")
+    assert (arm.summary["platform"], x86.summary["platform"]) == ("linux-aarch64", "linux-x86_64")
     assert arm.tokens == x86.tokens
     assert arm.summary["cold_rows"] == x86.summary["cold_rows"] > 0
     assert steps <= 4

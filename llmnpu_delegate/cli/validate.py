@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pte", required=True, help="the .pte written by llmnpu export (its .json beside it)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="tokens of the whole-prefill prompt (default 1.5 chunks)")
+    p.add_argument("--per-layer", action="store_true",
+                   help=f"list every NPU linear, worst SQNR first (default: the {WORST} worst)")
     add_output_args(p)
     p.set_defaults(func=cmd_validate)
 
@@ -36,23 +38,31 @@ def cmd_validate(args) -> dict:
     ids = tokenize(lm, read_text(None, "eval"))
     prompt = ids[: args.prompt_tokens] if args.prompt_tokens else None
     result = validate_pte(args.pte, engine, ids, prompt, runner=runner)
-    args.text = _format_validate(result)
+    args.text = _format_validate(result, None if args.per_layer else WORST)
     args.failed = not result["prefill"]["same_next_token"]
     return result
 
 
-def _format_validate(r: dict) -> str:
+WORST = 10
+
+
+def _format_validate(r: dict, rows: int | None = None) -> str:
+    """The report as text: the NPU linears worst SQNR first (``rows`` of them, or all), then the totals."""
     where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['soc'] else ''}"
-    lines = [f"NPU subgraphs of the .pte ({where}) against the cpu-int8 engine, one chunk of evaluation text:",
-             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'max steps':>9} {'<= 2 steps':>10} {'saturated':>9} "
-             f"{'SQNR dB':>8}"]
-    for x in r["linears"]:
+    ranked = sorted(r["linears"], key=lambda x: x["sqnr_db"])
+    shown = ranked if rows is None else ranked[:rows]
+    which = "every NPU linear" if len(shown) == len(ranked) else f"the {len(shown)} worst of {len(ranked)} NPU linears"
+    lines = [f"{which} of the .pte ({where}) against the cpu-int8 engine, worst first, one chunk of evaluation "
+             f"text (steps: of the 8-bit output encoding, or of the int32 accumulator for a float output):",
+             f"{'subgraph':>8} {'layer':>5}  {'linear':<28} {'bits':>4} {'max steps':>9} {'<= 2 steps':>10} "
+             f"{'saturated':>9} {'SQNR dB':>8}"]
+    for x in shown:
         steps = f"{x['max_steps']:.2f}" if x["max_steps"] is not None else "-"
         lines.append(f"{x['subgraph']:>8} {x['layer'] if x['layer'] is not None else '-':>5}  "
-                     f"{x['linear'].split('.', 3)[-1]:<28} {steps:>9} {100 * x['within_2_steps']:>9.2f}% "
-                     f"{100 * x['saturated']:>8.3f}% {x['sqnr_db']:>8.1f}")
+                     f"{x['linear'].split('.', 3)[-1]:<28} {x['output_bits']:>4} {steps:>9} "
+                     f"{100 * x['within_2_steps']:>9.2f}% {100 * x['saturated']:>8.3f}% {x['sqnr_db']:>8.1f}")
     inside = [x["max_steps"] for x in r["linears"] if x["max_steps"] is not None]
-    lines.append(f"{len(r['linears'])} linears: elements within 2 output steps >= "
+    lines.append(f"{len(r['linears'])} linears: elements within 2 steps >= "
                  f"{100 * min(x['within_2_steps'] for x in r['linears']):.2f} % in every linear; largest difference "
                  f"{max(inside):.2f} steps where the engine's value is inside the output range; "
                  f"{100 * max(x['saturated'] for x in r['linears']):.3f} % saturated at most")

@@ -108,6 +108,7 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
             # an engine value beyond what the output encoding can represent saturates: counted apart
             inside = (want >= low) & (want <= high)
             report.append({"subgraph": io.step, "layer": io.layer, "linear": name,
+                           "output_bits": meta["linears"][name]["output"]["bits"],
                            "max_steps": round(float(steps_off[inside].max()), 2) if inside.any() else None,
                            "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
                            "saturated": round(float((~inside).float().mean()), 5),

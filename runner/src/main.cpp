@@ -12,12 +12,12 @@
 #include <sstream>
 #include <string>
 
-#include <sys/resource.h>
 
 #include <nlohmann/json.hpp>
 
 #include "decode.h"
 #include "error.h"
+#include "platform.h"
 #include "prefill.h"
 #include "schedule.h"
 #include "sidecar.h"
@@ -145,13 +145,6 @@ void check_prompt(const Sidecar& s, const std::vector<int64_t>& ids, long new_to
                      std::to_string(s.context) + ": generate fewer tokens or export with a larger --context");
 }
 
-// The process's peak resident memory so far (getrusage reports KiB on Linux).
-double peak_rss_mib() {
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;
-}
-
 nlohmann::json records_json(const std::vector<Record>& records) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : records)
@@ -253,7 +246,7 @@ int serve(const Args& a, const Sidecar& s, LoadedProgram& program, Sampling& sam
       held = ids;
       held_k = ans.pre.k;
       held_v = ans.pre.v;
-      ans.summary["peak_rss_mib"] = peak_rss_mib();
+      ans.summary["peak_rss_mib"] = platform::peak_rss_mib();
       std::cout << ans.summary.dump() << std::endl;
     } catch (const InputError& e) {
       std::cout << nlohmann::json{{"error", e.what()}}.dump() << std::endl;
@@ -303,8 +296,8 @@ int run(const Args& a) {
   Answer ans = answer(s, program, ids, nullptr, a.max_new_tokens, sampling, policy, a.fail_at, a.logits_out, a.trace);
   if (a.json) {
     nlohmann::json j = ans.summary;
-    j.update({{"load_s", load_s}, {"warmup_s", warmup_s},
-              {"peak_rss_mib", peak_rss_mib()}});
+    j.update({{"load_s", load_s}, {"warmup_s", warmup_s}, {"platform", platform::kName},
+              {"peak_rss_mib", platform::peak_rss_mib()}});
     std::cout << j.dump() << std::endl;
   }
   return 0;

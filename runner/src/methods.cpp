@@ -13,6 +13,7 @@
 #include <executorch/runtime/backend/options.h>
 
 #include "error.h"
+#include "platform.h"
 
 namespace llmnpu {
 
@@ -308,7 +309,8 @@ void LoadedProgram::load_prefill() {
     auto err = module.load_method(sub.method);
     if (err != executorch::runtime::Error::Ok)
       throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
-                       "): is it a program from llmnpu export, with its backend libraries present?");
+                       "): is it a program from llmnpu export? A QNN program needs " +
+                       platform::backend_library_hint());
   }
 }
 
