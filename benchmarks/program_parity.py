@@ -23,6 +23,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+    from llmnpu_delegate.runtime.decode import DecodeCache
     from llmnpu_delegate.prefill import export_engine, quant_config
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import sqnr_db
@@ -66,6 +67,12 @@ def main() -> None:
     with torch.no_grad():
         rest = model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
     result["wrapper_teacher_forced"] = round(float((torch.cat([pre.logits.argmax().reshape(1), rest]) == ref).float().mean()), 3)
+    if wrapper.decoder is not None:          # the wrapper's own INT8 decode, the INT8 program's peer
+        static = DecodeCache(model.config, pre.tokens + len(ref))
+        fill_cache(static, pre)
+        steps = [int(wrapper.decoder.step(t.reshape(1, 1), static)[0].argmax()) for t in ref[:-1]]
+        pred = torch.tensor([int(pre.logits.argmax()), *steps])
+        result["wrapper_int8_decode_teacher_forced"] = round(float((pred == ref).float().mean()), 3)
     for path, r in runners.items():
         p = r(demo)
         cache = DynamicCache(config=model.config)

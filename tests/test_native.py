@@ -268,6 +268,28 @@ def test_the_program_stores_the_table_in_float16_and_the_int8_head_once(program)
     assert len(heads) == 1, heads
 
 
+def test_decode_reads_the_npu_methods_weights(program):
+    """With float NPU outputs (the default) the decode's INT8 linears are the NPU methods' bytes, padded
+    alike: every named-data entry an NPU method's delegate reads (its weights and their scales), the
+    decode's delegate reads too, so the file stores it once and the runner packs it once."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte, _ = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    assert {lin["output"]["bits"] for lin in meta["linears"].values()} == {32}
+    pte_file = deserialize_pte_binary(Path(pte).read_bytes())
+    keys, program_ = set(pte_file.named_data.pte_data), pte_file.program
+
+    def read_by(plan) -> set:
+        blobs = [bytes(program_.backend_delegate_data[d.processed.index].data) for d in plan.delegates]
+        return {k for k in keys if any(k.encode() in b for b in blobs)}
+
+    plans = {p.name: p for p in program_.execution_plan}
+    npu = set().union(*(read_by(plans[e["method"]]) for e in meta["subgraphs"] if e["kind"] == "npu"))
+    assert len(npu) >= 2 * len(meta["linears"])        # a weight and its scales per linear, at least
+    assert npu <= read_by(plans[meta["decode"]["method"]])
+
+
 def test_serve_keeps_the_last_prompt_and_answers_as_the_python_runner(program, tmp_path):
     """``--serve``, three prompts: the second starts with the first (mid-chunk: 70 of 64-token
     chunks), the third shares part of the second; each against the Python runner with its prefix
