@@ -39,7 +39,6 @@ BULK = 8.0
 WIDTH = 4.0
 MAX_GROUPS = 8
 
-OUTPUT_BITS = (8, 32)
 # Columns a float-output region appends to its input rows: -128 s and 127 s (see FloatOutputRegion).
 SENTINELS = 2
 

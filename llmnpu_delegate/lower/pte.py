@@ -258,7 +258,7 @@ class _Export:
     hot: dict
     claims: Claims          # program keys already being lowered (shared by the workers)
     spool: Spool            # where each emitted method waits for the program to be written
-    output_bits: int        # the NPU methods' outputs (``npu_subgraphs.OUTPUT_BITS``)
+    output_bits: int        # the NPU methods' outputs: 8 or 32 (float), ``npu_subgraphs.py``
 
 
 def _lower_job(x: _Export, job: int) -> dict:
