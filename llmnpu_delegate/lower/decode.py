@@ -159,7 +159,7 @@ PAD_PREFIX = "llmnpu_padded_"
 
 
 def pad_linears(gm: fx.GraphModule, names: list[str], prefix: str = "model.") -> int:
-    """Rewrite each linear named in ``names`` as ``linear(cat(x, 0, 0), [W 0 0])``: the float-output NPU
+    """Rewrite each linear named in ``names`` as ``linear(pad(x, 0, 0), [W 0 0])``: the float-output NPU
     methods' form of its weight (``npu_subgraphs.FloatOutputRegion``). Zero columns change neither
     the product nor a token's dynamic scale (its range always holds 0). Returns how many changed."""
     from .npu_subgraphs import SENTINELS, pad_columns
@@ -173,13 +173,9 @@ def pad_linears(gm: fx.GraphModule, names: list[str], prefix: str = "model.") ->
         w = functools.reduce(getattr, weight.target.split("."), gm)
         attr = PAD_PREFIX + name.replace(".", "_")
         gm.register_buffer(f"{attr}_weight", pad_columns(w).contiguous())
-        if x not in widened:           # one concat per input (q, k and v share theirs)
-            shape = tuple(x.meta["val"].shape[:-1]) + (SENTINELS,) if "val" in x.meta else (1, 1, SENTINELS)
-            gm.register_buffer(f"{attr}_zeros", torch.zeros(shape))
+        if x not in widened:           # one pad per input (q, k and v share theirs)
             with graph.inserting_after(x):
-                zeros = graph.get_attr(f"{attr}_zeros")
-            with graph.inserting_after(zeros):
-                widened[x] = graph.call_function(torch.ops.aten.cat.default, ([x, zeros], -1))
+                widened[x] = graph.call_function(torch.ops.aten.constant_pad_nd.default, (x, [0, SENTINELS], 0.0))
         wide = widened[x]
         with graph.inserting_before(node):
             padded_weight = graph.get_attr(f"{attr}_weight")

@@ -89,8 +89,6 @@ class LlmNpuQuantizer(Quantizer):
         super().__init__()
         if flavour not in FLAVOURS:
             raise LlmNpuError(f"unknown encoding flavour '{flavour}': use one of {FLAVOURS}")
-        if output_bits == 32 and flavour != "xnnpack":
-            raise LlmNpuError("float NPU outputs are XNNPACK's dynamic INT8 form: the cpu-int8 backend's only")
         self.plans, self.granularity, self.flavour, self.prefix = plans, granularity, flavour, prefix
         self.output_bits = output_bits
 
