@@ -9,7 +9,8 @@ calibration text. For each coverage this prints, over the linears the default se
 (automatic pruning): the hot rows' bytes (float32, as the program's methods hold them), the share
 of input channels they are, and the share of outliers on the evaluation text (never the
 calibration text) that they serve, with the cold rows a runner reads per chunk of that text (one
-read per chunk and cold channel hit).
+read per chunk and cold channel hit). The last row is a program's own set (``dense_channels``:
+channels with outliers in at least 1/20 of the calibration tokens, chosen by cost, not coverage).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import choose_pruning, default_calibration, quant_config
 from llmnpu_delegate.quantize.apply import plan_linears
 from llmnpu_delegate.quantize.calibrate import quantizable_linears
-from llmnpu_delegate.quantize.shadow import hot_channels
+from llmnpu_delegate.quantize.shadow import dense_channels, hot_channels
 from llmnpu_delegate.text import read_text, tokenize
 
 COVERAGES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -75,15 +76,17 @@ def main() -> None:
     print(f"{len(shadowed)} shadowed linears, {channels} input channels; {windows.numel()} evaluation tokens, "
           f"{total} outliers beyond the clip (p{p})")
     print(f"{'coverage':>8} {'hot rows MiB':>12} {'channels':>9} {'served (eval)':>14} {'cold rows / chunk':>18}")
-    for c in COVERAGES:
+    choices = {f"{c:.2f}": (lambda s, c=c: hot_channels(s.channel_outliers[p], c)) for c in COVERAGES}
+    choices["program"] = lambda s: dense_channels(s.channel_outliers[p], s.elements)
+    for label, choose in choices.items():
         hot_bytes, hot_channels_n, served, reads = 0, 0, 0, 0
         for n in shadowed:
-            hot = hot_channels(calib.layers[n].channel_outliers[p], c)
+            hot = choose(calib.layers[n])
             hot_bytes += 4 * linears[n].out_features * hot.numel()
             hot_channels_n += hot.numel()
             served += int(counts[n][hot].sum())
             reads += int(chunk_hits[n].sum() - chunk_hits[n][hot].sum())
-        print(f"{c:>8.2f} {hot_bytes / 2**20:>12.1f} {hot_channels_n / channels:>9.3f} {served / max(total, 1):>14.3f} "
+        print(f"{label:>8} {hot_bytes / 2**20:>12.1f} {hot_channels_n / channels:>9.3f} {served / max(total, 1):>14.3f} "
               f"{reads / n_chunks:>18.0f}")
 
 

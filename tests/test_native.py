@@ -109,6 +109,20 @@ def test_policies_give_bit_identical_outputs(program, tmp_path):
         assert runs[p].summary["policy"] == p
 
 
+def test_the_cold_rows_portable_loops_give_the_same_bits(program, tmp_path, monkeypatch):
+    """The cold products' CPU paths (F16C/Arm conversion of the float16 rows, the AVX2 product loop)
+    against the portable loops forced on this CPU: the same bits (exact conversion, no FMA)."""
+    pte, ids = program
+    meta = json.loads(sidecar_path(pte).read_text())
+    fast = run_native(pte, ids.tolist(), meta, 4, logits_out=tmp_path / "fast.bin")
+    monkeypatch.setenv("LLMNPU_RUNNER_BASELINE", "1")
+    portable = run_native(pte, ids.tolist(), meta, 4, logits_out=tmp_path / "portable.bin")
+    assert portable.summary["cold_kernels"] == "baseline+baseline" != fast.summary["cold_kernels"]
+    assert portable.summary["cold_rows"] == fast.summary["cold_rows"] > 0
+    assert _logits(tmp_path, "portable.bin").tobytes() == _logits(tmp_path, "fast.bin").tobytes()
+    assert portable.tokens == fast.tokens
+
+
 def test_the_native_policies_decide_exactly_like_the_python_ones(program):
     """On simulated time (each task takes its profiled cost) the C++ scheduler and runtime/executor.py's
     pick the same task at the same moment, for every policy; the sidecar's task table expands alike."""

@@ -15,7 +15,7 @@ from llmnpu_delegate.lower import decode as program_decode
 from llmnpu_delegate.lower.cpu_subgraphs import cold_channels, shadow_branches
 from llmnpu_delegate.partitioner.regions import shadow_delta
 from llmnpu_delegate.quantize.apply import LinearPlan
-from llmnpu_delegate.quantize.shadow import shadow_rows
+from llmnpu_delegate.quantize.shadow import dense_channels, shadow_rows
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.validate import sqnr_db
 
@@ -55,7 +55,7 @@ def _inputs():
 
 def test_sparse_shadow_branch_equals_the_engine_product_with_hot_and_cold_outliers(tmp_path):
     lin, x = _inputs()
-    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9]))
+    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9]), dense=torch.tensor([3, 9]))
     (delta, hits), branches = _shadow_program(lin, plan, x, "sparse")
     assert branches == [{"linear": "lin", "input": 0, "output": 0, "hits": 1}]
     assert sorted(torch.nonzero(hits).flatten().tolist()) == [3, 17, 20]      # channels that crossed the clip
@@ -77,7 +77,7 @@ def test_float16_cold_rows_give_the_product_of_the_rounded_weights(tmp_path):
     """A program's rows file holds float16 rows: its product is the float32 product of W rounded to
     float16 (to float32 rounding of the sum), and off the float32 rows' product by ~2^-11 of it."""
     lin, x = _inputs()
-    cold = cold_channels(LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9])), 32)
+    cold = cold_channels(LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 9]), dense=torch.tensor([3, 9])), 32)
     hits = torch.zeros(32)
     hits[[17, 20]] = 1.0
     products = {}
@@ -96,7 +96,7 @@ def test_float16_cold_rows_give_the_product_of_the_rounded_weights(tmp_path):
 
 def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_hot(tmp_path):
     lin, x = _inputs()
-    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]))
+    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]), dense=torch.tensor([3, 17, 20]))
     (delta, hits), _ = _shadow_program(lin, plan, x, "sparse")
     rows = ColdRows(tmp_path / "r.bin", write_cold_rows({"lin": (lin.weight, cold_channels(plan, 32), CLIP)}, tmp_path / "r.bin"))
     assert rows.product("lin", x, hits) is None and rows.fetched == 0
@@ -106,6 +106,36 @@ def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_ho
     (dense_branch,), branches = _shadow_program(lin, plan, x, "dense")
     assert branches[0]["hits"] is None
     torch.testing.assert_close(dense_branch, dense, rtol=1e-5, atol=1e-4)
+
+
+def test_branches_reading_one_input_share_its_residue_and_hits(tmp_path):
+    """q/k/v (and gate/up) read one input at one clip: the program computes its residue and hits once,
+    and each linear's dense and cold parts still add up to the engine's product."""
+    lin, x = _inputs()
+    other = nn.Linear(32, 8).eval()
+    root = nn.Module()
+    root.a, root.b = lin, other
+    graph = fx.Graph()
+    ph = graph.placeholder("x")
+    ph.meta["val"] = x
+    graph.output((graph.call_function(shadow_delta, (ph, "a")), graph.call_function(shadow_delta, (ph, "b"))))
+    plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3]), dense=torch.tensor([3]))
+    gm, branches = shadow_branches(fx.GraphModule(root, graph), root, {"a": plan, "b": plan}, "", "sparse")
+    assert [b["hits"] for b in branches] == [2, 2]
+    assert sum(n.target is torch.ops.aten.amax.default for n in gm.graph.nodes) == 1
+    delta_a, delta_b, hits = _load(to_edge_transform_and_lower(torch.export.export(gm, (x,), strict=False))).forward((x,))
+    blocks = {name: (m.weight, cold_channels(plan, 32), CLIP) for name, m in (("a", lin), ("b", other))}
+    rows = ColdRows(tmp_path / "r.bin", write_cold_rows(blocks, tmp_path / "r.bin"))
+    for name, m, delta in (("a", lin, delta_a), ("b", other, delta_b)):
+        engine = ShadowDelta(name, CLIP, shadow_rows(tmp_path.name, name, m.weight, plan.hot))
+        with torch.no_grad():
+            torch.testing.assert_close(delta + rows.product(name, x, hits), engine(x), rtol=1e-5, atol=1e-4)
+
+
+def test_dense_channels_are_those_with_outliers_in_a_twentieth_of_the_tokens():
+    counts = torch.tensor([0, 4, 5, 60, 100])         # outliers per channel over 100 tokens
+    assert dense_channels(counts, elements=100 * 5).tolist() == [2, 3, 4]
+    assert dense_channels(torch.zeros(5, dtype=torch.int64), elements=500).numel() == 0
 
 
 def _hf_decode_step(model, prefill, token: int) -> torch.Tensor:

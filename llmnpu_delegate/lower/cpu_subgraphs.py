@@ -21,7 +21,7 @@ from ..format.rows import other_channels
 from ..kernels.attention import decompositions
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
-from .shadow import shadow_product, sparse_shadow_product
+from .shadow import dense_product, residue_hits, shadow_product
 from .table import half_table_lookups
 
 SHADOW_FORMS = ("sparse", "dense")
@@ -32,8 +32,8 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
     """Replace each ``shadow_delta(x, name)`` marker of a shadow subgraph by a float branch
     (``lower/shadow.py``); weights come from ``root``.
 
-    ``sparse``: the hot channels' static product, and the branch's ``hits`` [K] appended to the
-    outputs. Returns the module and, per shadowed linear, where its input, delta and hits are:
+    ``sparse``: the dense channels' static product, and the branch's ``hits`` [K] appended to the
+    outputs (one per input and clip: branches reading the same input share it). Returns the module and, per shadowed linear, where its input, delta and hits are:
     ``{"linear", "input": input index, "output": output index, "hits": output index or None}``.
     """
     if form not in SHADOW_FORMS:
@@ -42,7 +42,7 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    branches, extra = [], []
+    branches, extra, shared = [], [], {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not shadow_delta:
             continue
@@ -53,21 +53,23 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
             if form == "dense":
                 delta, hits = shadow_product(graph, x, graph.get_attr(f"{prefix}{name}.weight"), plan.clip)[-1], None
             else:
+                rank = x.meta["val"].dim()
+                if (x, plan.clip) not in shared:
+                    residue, hits = residue_hits(graph, x, plan.clip, rank)
+                    shared[x, plan.clip] = residue, len(output.args[0]) + len(extra)
+                    extra.append(hits)
+                residue, hits = shared[x, plan.clip]
                 hot = program_hot_channels(plan)
                 attr = "shadow_" + name.replace(".", "_")
                 weight = root.get_submodule(f"{prefix}{name}").weight.detach().float()
                 gm.register_buffer(f"{attr}_w", weight[:, hot].contiguous())
                 gm.register_buffer(f"{attr}_hot", hot)
-                delta, hits = sparse_shadow_product(graph, x, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"),
-                                                    plan.clip, x.meta["val"].dim())
+                delta = dense_product(graph, residue, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"), rank)
         node.replace_all_uses_with(delta)
         graph.erase_node(node)
         entry = {"linear": name, "input": inputs.index(x), "output": outs.index(node) if node in outs else None,
-                 "hits": None}
+                 "hits": hits}
         outs = [delta if o is node else o for o in outs]
-        if hits is not None:
-            entry["hits"] = len(output.args[0]) + len(extra)
-            extra.append(hits)
         branches.append(entry)
     output.args = (tuple(outs) + tuple(extra),)
     out = fx.GraphModule(root if form == "dense" else gm, graph)   # copies the weights the graph reads
@@ -76,9 +78,9 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
 
 
 def program_hot_channels(plan: LinearPlan) -> Tensor:
-    """The plan's hot channels; a static product needs at least one column, so channel 0 stands in for
-    none (its residue is exact like any other's, and its hits flag still reports it)."""
-    hot = plan.hot if plan.hot is not None and plan.hot.numel() else torch.zeros(1, dtype=torch.int64)
+    """The channels the program multiplies densely (the plan's ``dense``); a static product needs at
+    least one column, so channel 0 stands in for none (its residue is exact like any other's)."""
+    hot = plan.dense if plan.dense is not None and plan.dense.numel() else torch.zeros(1, dtype=torch.int64)
     return hot.to(torch.int64).clone()
 
 

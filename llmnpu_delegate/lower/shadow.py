@@ -6,10 +6,11 @@ static scale removed: ``x - clamp(x, -clip, clip)`` (the residue) times ``W``. T
 - dense, ``linear(residue, W)``: a float GEMM as large as the linear itself. ``add_shadow_paths``
   puts it into a whole exported model (``examples/export_pte.py``), and ``llmnpu export
   --shadow-branch dense`` keeps it as the reference form;
-- sparse (the paper's, and the ``.pte`` default), ``linear(residue[..., hot], W[:, hot])``: only
-  the calibrated hot channels, a small GEMM with static shapes, plus a per-channel flag of which
-  channels crossed the threshold at all (``hits``), so that the runner adds the rare outliers of
-  cold channels from rows it reads off disk, as our engine does.
+- sparse (the paper's, and the ``.pte`` default), ``linear(residue[..., dense], W[:, dense])``:
+  only the channels with outliers in a large share of tokens (``quantize/shadow.dense_channels``), a
+  small GEMM with static shapes, plus a per-channel flag of which channels crossed the threshold at
+  all (``hits``), so that the runner adds the scattered outliers of the other ("cold") channels one
+  row per hit, rows it reads off disk, as our engine does.
 
 The branch is marked so the quantizer and the partitioner leave it float.
 """
@@ -31,21 +32,21 @@ def shadow_product(graph: fx.Graph, x: fx.Node, w: fx.Node, clip: float) -> list
     return [clipped, residue, graph.call_function(_aten.linear.default, (residue, w))]
 
 
-def sparse_shadow_product(graph: fx.Graph, x: fx.Node, w_hot: fx.Node, hot: fx.Node, clip: float,
-                          rank: int) -> tuple[fx.Node, fx.Node]:
-    """Insert the static sparse branch at the graph's insertion point; returns ``(delta, hits)``.
-
-    ``x`` [.., K] has ``rank`` dims, ``w_hot`` = W[:, hot] [N, h], ``hot`` [h] int64. ``delta`` [.., N]
-    is the hot channels' product; ``hits`` [K] is max |residue| per input channel (> 0 exactly where
-    some element of that channel crossed ``clip``).
-    """
+def residue_hits(graph: fx.Graph, x: fx.Node, clip: float, rank: int) -> tuple[fx.Node, fx.Node]:
+    """Insert ``x - clamp(x, -clip, clip)`` and its ``hits`` [K], max |residue| per input channel (> 0
+    exactly where some element of that channel crossed ``clip``), for an ``x`` of ``rank`` dims.
+    Linears that read one input at one clip (q/k/v, gate/up) share them."""
     clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
     residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
-    gathered = graph.call_function(_aten.index_select.default, (residue, rank - 1, hot))
-    delta = graph.call_function(_aten.linear.default, (gathered, w_hot))
     magnitude = graph.call_function(_aten.abs.default, (residue,))
-    hits = graph.call_function(_aten.amax.default, (magnitude, list(range(rank - 1))))
-    return delta, hits
+    return residue, graph.call_function(_aten.amax.default, (magnitude, list(range(rank - 1))))
+
+
+def dense_product(graph: fx.Graph, residue: fx.Node, w_hot: fx.Node, hot: fx.Node, rank: int) -> fx.Node:
+    """Insert the static product of the dense channels: ``residue[..., hot] @ w_hot^T``, with
+    ``w_hot`` = W[:, hot] [N, h] and ``hot`` [h] int64; returns ``delta`` [.., N]."""
+    gathered = graph.call_function(_aten.index_select.default, (residue, rank - 1, hot))
+    return graph.call_function(_aten.linear.default, (gathered, w_hot))
 
 
 def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str = "") -> list[str]:

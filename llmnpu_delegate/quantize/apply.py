@@ -19,7 +19,7 @@ from .importance import (
     ratio_importance,
 )
 from .linear import QuantLinear, quantize_weight
-from .shadow import hot_channels, shadow_rows
+from .shadow import dense_channels, hot_channels, shadow_rows
 
 
 @dataclass
@@ -59,10 +59,12 @@ def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, f
 @dataclass(frozen=True)
 class LinearPlan:
     """What an NPU backend needs to run one linear: its static per-tensor activation scale and, when
-    it keeps a shadow path, the clipping threshold and the hot channels whose float rows stay in RAM."""
+    it keeps a shadow path, the clipping threshold, the hot channels whose float rows stay in RAM
+    (the engine's) and the dense ones a static program multiplies as a whole (``dense_channels``)."""
     act_scale: float
     clip: float | None = None
     hot: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
 
     @property
     def shadow(self) -> bool:
@@ -100,8 +102,9 @@ def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fing
         full = max(stats.absmax / QMAX, 1e-12)
         if config.outliers == "shadow" and name not in pruned:
             clip = calib.threshold(name, config.clip_percentile)
-            hot = hot_channels(stats.channel_outliers[config.clip_percentile], config.hot_coverage)
-            plans[name] = LinearPlan(clip / QMAX, clip, hot)
+            counts = stats.channel_outliers[config.clip_percentile]
+            plans[name] = LinearPlan(clip / QMAX, clip, hot_channels(counts, config.hot_coverage),
+                                     dense_channels(counts, stats.elements))
         else:
             plans[name] = LinearPlan(full)
     return plans

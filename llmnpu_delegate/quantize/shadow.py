@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..format.rows import RowStore, map_rows, other_channels, row_stores, write_cold_rows
+from ..kernels.ops import SPARSE_BELOW
 from ..paths import atomic_path, cache_dir
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,16 @@ def hot_channels(counts: Tensor, coverage: float) -> Tensor:
     covered = counts[order].cumsum(0)
     n = int(torch.searchsorted(covered, torch.tensor(coverage * total), right=False)) + 1
     return order[: min(n, counts.numel())].sort().values
+
+
+def dense_channels(counts: Tensor, elements: int) -> Tensor:
+    """Channels that crossed the threshold in at least ``SPARSE_BELOW`` of the calibration tokens
+    (``counts`` [K] outliers per channel over ``elements`` values): where a dense product over the
+    whole chunk costs less than one per outlier. A static program multiplies only these densely;
+    the scattered rest (most channels of most linears, each hit a few times a chunk) goes one row
+    per hit, read from its rows file."""
+    tokens = max(elements // max(counts.numel(), 1), 1)
+    return torch.nonzero(counts >= SPARSE_BELOW * tokens).flatten()
 
 
 def rows_files(fingerprint: str, name: str, hot: Tensor) -> tuple[Path, Path]:

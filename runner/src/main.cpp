@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cold_rows.h"
 #include "decode.h"
 #include "error.h"
 #include "platform.h"
@@ -297,6 +298,7 @@ int run(const Args& a) {
   if (a.json) {
     nlohmann::json j = ans.summary;
     j.update({{"load_s", load_s}, {"warmup_s", warmup_s}, {"platform", platform::kName},
+              {"cold_kernels", cold_kernels()},
               {"peak_rss_mib", platform::peak_rss_mib()}});
     std::cout << j.dump() << std::endl;
   }

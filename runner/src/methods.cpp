@@ -3,9 +3,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
@@ -25,93 +22,6 @@ std::string error_text(executorch::runtime::Error e) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "ExecuTorch error 0x%x", static_cast<unsigned>(e));
   return buf;
-}
-
-// ---------------------------------------------------------------- cold rows
-
-namespace {
-
-// IEEE half to float, exactly (every half is a float): numpy's conversion, which the Python runner uses
-float half_to_float(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);                  // inf, nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);          // normal: rebias 15 -> 127
-  } else if (mant == 0) {
-    bits = sign;                                                // zero
-  } else {                                                      // subnormal: normalize
-    int e = 113;
-    while (!(mant & 0x400u)) {
-      mant <<= 1;
-      --e;
-    }
-    bits = sign | (static_cast<uint32_t>(e) << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-}  // namespace
-
-ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
-  if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
-  std::string path = dir + "/" + s.rows_file;
-  int fd = open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw InputError("the program's cold rows file " + s.rows_file + " is missing: copy it with the .pte");
-  struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size != s.rows_bytes) {
-    close(fd);
-    throw InputError(path + " does not belong to this program (its size differs): export again");
-  }
-  fd_ = fd;
-  for (const auto& [name, c] : s.cold) {
-    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * s.rows_itemsize;
-    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes) {
-      close(fd_);
-      throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
-    }
-  }
-}
-
-ColdRows::~ColdRows() {
-  if (fd_ >= 0) close(fd_);
-}
-
-void ColdRows::add_product(const std::string& linear, const Value& x, const Value& hits, Value& out) {
-  const ColdLinear& c = s_.cold.at(linear);
-  const int64_t k = c.in_features, n = c.out_features, m = x.numel() / k;
-  if (x.shape.empty() || x.shape.back() != k || hits.numel() != k || out.numel() != m * n)
-    throw RunError("shadow branch of " + linear + ": unexpected shapes");
-  const float clip = static_cast<float>(c.clip);
-  const float* xs = x.f32();
-  const float* h = hits.f32();
-  std::vector<float> extra;   // summed apart, then added: the order the Python runner uses
-  std::vector<float> row(static_cast<size_t>(n));
-  std::vector<uint16_t> half(s_.rows_itemsize == 2 ? static_cast<size_t>(n) : 0);
-  const int64_t row_bytes = n * s_.rows_itemsize;
-  for (size_t slot = 0; slot < c.cold_channels.size(); ++slot) {
-    const int64_t ch = c.cold_channels[slot];
-    if (!(h[ch] > 0)) continue;
-    if (extra.empty()) extra.assign(static_cast<size_t>(m * n), 0.0f);
-    const off_t at = static_cast<off_t>(c.rows_offset + static_cast<int64_t>(slot) * row_bytes);
-    void* dst_bytes = half.empty() ? static_cast<void*>(row.data()) : static_cast<void*>(half.data());
-    if (pread(fd_, dst_bytes, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
-      throw RunError("cannot read the cold rows of " + linear + " from " + s_.rows_file);
-    for (size_t j = 0; j < half.size(); ++j) row[j] = half_to_float(half[j]);
-    for (int64_t r = 0; r < m; ++r) {
-      const float v = xs[r * k + ch];
-      const float residue = v - std::min(std::max(v, -clip), clip);
-      if (residue == 0.0f) continue;
-      float* dst = extra.data() + r * n;
-      for (int64_t j = 0; j < n; ++j) dst[j] += residue * row[j];
-    }
-    fetched.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (extra.empty()) return;
-  float* y = out.f32();
-  for (int64_t i = 0; i < m * n; ++i) y[i] += extra[i];
 }
 
 // ---------------------------------------------------------------- method calls

@@ -3,35 +3,17 @@
 // place); a CPU method's shadow branches get their cold channels' products added from the rows file.
 // Mirrors runtime/pte_runner.py (_npu_call, _cpu_call) and format/rows.py (ColdRows).
 #pragma once
-#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <executorch/extension/module/module.h>
 
+#include "cold_rows.h"
 #include "sidecar.h"
 #include "value.h"
 
 namespace llmnpu {
-
-// The cold channels' rows of W^T, in the rows file beside the program: a row is read when an outlier
-// hits its channel and dropped after the product, so the file never becomes resident (a mapping would
-// keep every row ever hit in the process's memory: most of the file after one long prompt).
-class ColdRows {
- public:
-  ColdRows(const Sidecar& s, const std::string& dir);
-  ~ColdRows();
-  ColdRows(const ColdRows&) = delete;
-  ColdRows& operator=(const ColdRows&) = delete;
-  // Adds (x - clip(x))[:, hit] @ W^T[hit] to `out` for the cold channels that `hits` flags.
-  void add_product(const std::string& linear, const Value& x, const Value& hits, Value& out);
-  std::atomic<int64_t> fetched{0};   // rows read
-
- private:
-  const Sidecar& s_;
-  int fd_ = -1;
-};
 
 // Calls one subgraph's method on one of the runner's Modules.
 class MethodCall {

@@ -1,0 +1,190 @@
+#include "cold_rows.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "error.h"
+
+namespace llmnpu {
+
+namespace {
+
+// Bit by bit, as numpy converts (the Python runner's rows)
+float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);                  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);          // normal: rebias 15 -> 127
+  } else if (mant == 0) {
+    bits = sign;                                                // zero
+  } else {                                                      // subnormal: normalize
+    int e = 113;
+    while (!(mant & 0x400u)) {
+      mant <<= 1;
+      --e;
+    }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void halves_f16c(const uint16_t* h, float* f, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(f + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+  for (; j < n; ++j) f[j] = half_to_float(h[j]);
+}
+
+// dst += a * row over n floats, without FMA (the same roundings as a multiply then an add, as on
+// every other path); the AVX2 clone when the CPU has it (the runner is built for baseline x86-64)
+__attribute__((target("avx2"))) void axpy_avx2(float* __restrict dst, float a, const float* __restrict row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] += a * row[j];
+}
+#endif
+
+void axpy_baseline(float* __restrict dst, float a, const float* __restrict row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] += a * row[j];
+}
+
+void add(float* __restrict dst, const float* __restrict src, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+}
+
+// LLMNPU_RUNNER_BASELINE=1 takes the portable loops on any CPU (the tests compare the two)
+bool baseline_only() {
+  static const bool on = [] {
+    const char* v = std::getenv("LLMNPU_RUNNER_BASELINE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+#if defined(__x86_64__)
+bool has_f16c() {
+  static const bool yes = !baseline_only() && __builtin_cpu_supports("f16c");
+  return yes;
+}
+
+bool has_avx2() {
+  static const bool yes = !baseline_only() && __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+void axpy(float* dst, float a, const float* row, int64_t n) {
+#if defined(__x86_64__)
+  if (has_avx2()) return axpy_avx2(dst, a, row, n);
+#endif
+  axpy_baseline(dst, a, row, n);
+}
+
+}  // namespace
+
+std::string cold_kernels() {
+#if defined(__x86_64__)
+  return std::string(has_f16c() ? "f16c" : "baseline") + "+" + (has_avx2() ? "avx2" : "baseline");
+#elif defined(__aarch64__)
+  return baseline_only() ? "baseline" : "fcvt+baseline";
+#else
+  return "baseline";
+#endif
+}
+
+void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
+#if defined(__x86_64__)
+  if (has_f16c()) return halves_f16c(h, f, n);
+#elif defined(__aarch64__)
+  if (!baseline_only()) {
+    for (int64_t j = 0; j < n; ++j) {   // Armv8's own conversion (FCVT)
+      __fp16 v;
+      std::memcpy(&v, h + j, sizeof v);
+      f[j] = static_cast<float>(v);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) f[j] = half_to_float(h[j]);
+}
+
+ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
+  if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
+  std::string path = dir + "/" + s.rows_file;
+  int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw InputError("the program's cold rows file " + s.rows_file + " is missing: copy it with the .pte");
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size != s.rows_bytes) {
+    close(fd);
+    throw InputError(path + " does not belong to this program (its size differs): export again");
+  }
+  fd_ = fd;
+  for (const auto& [name, c] : s.cold) {
+    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * s.rows_itemsize;
+    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes) {
+      close(fd_);
+      throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
+    }
+  }
+}
+
+ColdRows::~ColdRows() {
+  if (fd_ >= 0) close(fd_);
+}
+
+void ColdRows::add_product(const std::string& linear, const Value& x, const Value& hits, Value& out) {
+  const ColdLinear& c = s_.cold.at(linear);
+  const int64_t k = c.in_features, n = c.out_features, m = x.numel() / k;
+  if (x.shape.empty() || x.shape.back() != k || hits.numel() != k || out.numel() != m * n)
+    throw RunError("shadow branch of " + linear + ": unexpected shapes");
+  const float* h = hits.f32();
+  std::vector<int64_t> channels;   // the cold channels hit, ascending
+  std::vector<float> rows;         // their rows of W^T, [channels, n]
+  std::vector<uint16_t> half(s_.rows_itemsize == 2 ? static_cast<size_t>(n) : 0);
+  const int64_t row_bytes = n * s_.rows_itemsize;
+  for (size_t slot = 0; slot < c.cold_channels.size(); ++slot) {
+    const int64_t ch = c.cold_channels[slot];
+    if (!(h[ch] > 0)) continue;
+    channels.push_back(ch);
+    rows.resize(channels.size() * static_cast<size_t>(n));
+    float* row = rows.data() + (channels.size() - 1) * n;
+    const off_t at = static_cast<off_t>(c.rows_offset + static_cast<int64_t>(slot) * row_bytes);
+    void* dst = half.empty() ? static_cast<void*>(row) : static_cast<void*>(half.data());
+    if (pread(fd_, dst, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
+      throw RunError("cannot read the cold rows of " + linear + " from " + s_.rows_file);
+    if (!half.empty()) halves_to_floats(half.data(), row, n);
+  }
+  if (channels.empty()) return;
+  fetched.fetch_add(static_cast<int64_t>(channels.size()), std::memory_order_relaxed);
+  // Row by row: the channels' products summed apart in one row of scratch, then added (the Python
+  // runner's order: delta + cold product)
+  const float clip = static_cast<float>(c.clip);
+  const float* xs = x.f32();
+  float* y = out.f32();
+  std::vector<float> sum(static_cast<size_t>(n));
+  for (int64_t r = 0; r < m; ++r) {
+    bool any = false;
+    for (size_t i = 0; i < channels.size(); ++i) {
+      const float v = xs[r * k + channels[i]];
+      const float residue = v - std::min(std::max(v, -clip), clip);
+      if (residue == 0.0f) continue;
+      if (!any) std::fill(sum.begin(), sum.end(), 0.0f);
+      any = true;
+      axpy(sum.data(), residue, rows.data() + i * n, n);
+    }
+    if (any) add(y + r * n, sum.data(), n);
+  }
+}
+
+}  // namespace llmnpu
