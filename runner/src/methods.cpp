@@ -204,6 +204,7 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
   modules[kDecodeModule] = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
   load_prefill();
   load_decode();
+  platform::advise_random_reads(pte);   // the table's rows are read a few at a time (platform.h)
   for (const auto& sub : s.subgraphs)
     calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
 }

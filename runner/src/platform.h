@@ -4,6 +4,7 @@
 // ExecuTorch, the same on all three. Paths are the caller's: the runner opens only what it is given
 // and the files the sidecar names beside the .pte.
 #pragma once
+#include <string>
 
 namespace llmnpu::platform {
 
@@ -19,6 +20,13 @@ constexpr const char* kName = "other";
 
 // The process's peak resident memory so far, in MiB.
 double peak_rss_mib();
+
+// Tells the kernel that the process's mappings of `path` (the program's constants, which ExecuTorch
+// maps) are read at random: no read-ahead around a fault. The embedding table is one of them, and a
+// prompt's lookups touch a few hundred of its rows; with read-ahead (and the page cache's large
+// folios) they brought most of it into the process's memory. Linux and Android read /proc/self/maps.
+// Returns the bytes advised.
+long advise_random_reads(const std::string& path);
 
 // How the backend libraries a program's delegates open at load time are found here (QNN's are
 // dlopen'ed by ExecuTorch's Qualcomm backend: libQnnHtp.so and, on a phone, the DSP's skeleton
