@@ -11,7 +11,8 @@ agrees, the logits' SQNR against the reference, and the median step time (interl
 loop): the outliers through the INT8 weight's own codes, whole linears kept float where calibration saw large
 outliers (``quantize/decode_outliers.outlier_linears``: the program's decode method before), and a fixed set of
 calibrated channels through float rows in those linears or in every one (the program's decode method now,
-``quantize/decode_outliers.hot_inputs``); with the extra bytes each holds.
+``quantize/decode_outliers.hot_inputs``), and the input clamped at the prefill's clip with its residue
+through a second dynamic INT8 GEMM or float rows (per token, without a topk); with the extra bytes each holds.
 """
 import argparse
 import json
@@ -108,6 +109,38 @@ def static_hot(dec, model, count: int, only_kept: bool):
     return dec
 
 
+class _ClampResidue(_Linear):
+    """Per token without a topk: the input clamped at the linear's calibrated clip through the dynamic
+    INT8 GEMM, and the residue (zero but where the token crossed the clip) through a second dynamic INT8
+    GEMM on the same INT8 weights (``residue="int8"``) or through float W^T (``"fp32"``, the ceiling)."""
+
+    def __init__(self, w, b, clip, residue):
+        super().__init__(w, b, "int8", outliers=0)
+        self.clip, self.residue = clip, residue
+        w_q, w_scale = quantize_weight(w, "channel")
+        self.bare = K.prepack_dynamic(w_q, w_scale, None)
+        self.rows = w.t().float().contiguous() if residue == "fp32" else None
+
+    def __call__(self, x):
+        clipped = x.clamp(-self.clip, self.clip)
+        y = K.dynamic_linear(clipped, self.packed)
+        r = x - clipped
+        if not bool(r.any()):
+            return y
+        return y.addmm_(r, self.rows) if self.residue == "fp32" else y.add_(K.dynamic_linear(r, self.bare))
+
+
+def clamp_residue(dec, model, residue: str):
+    calib = default_calibration(lm, False)
+    p = QuantConfig().clip_percentile
+    for i, (lin, attr, owner, mods, names) in enumerate(per_linear(dec, model)):
+        if attr in ("lm_head", "o"):
+            continue
+        clip = calib.threshold(f"model.layers.{i // 4}.{names[0]}", p)
+        setattr(owner, attr, _ClampResidue(*_stack(mods), clip, residue))
+    return dec
+
+
 lm = load_model(args.model)
 model = lm.model
 text = tokenize(lm, read_text(None, "calib"))
@@ -121,6 +154,10 @@ if args.policies:
             Int8Decoder(model, "int8", outliers=0, native=False), model, count, True)
         decoders[f"{count} calibrated channels, float rows, every linear"] = static_hot(
             Int8Decoder(model, "int8", outliers=0, native=False), model, count, False)
+if args.policies:
+    for residue in ("int8", "fp32"):
+        decoders[f"clamped at the clip, residue through {residue}"] = clamp_residue(
+            Int8Decoder(model, "int8", outliers=0, native=False), model, residue)
 stats = {k: {"same": 0, "steps": 0, "err": 0.0, "ref": 0.0, "times": []} for k in decoders}
 with torch.inference_mode():
     for w in range(args.windows):

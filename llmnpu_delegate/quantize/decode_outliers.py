@@ -34,6 +34,13 @@ rows and the rest through the dynamic INT8 GEMM (``hot_inputs``). Measured as ab
     16 calibrated channels through float rows      25.9 dB  0.940       0.7 MiB
     the same 17 linears kept whole in float         25.5 dB  0.943      57 MiB (the form before)
     4 calibrated channels                          25.5 dB  0.930       0.2 MiB
+    16 calibrated channels in every linear         27.2 dB  0.943       8.4 MiB
+    clamped at the prefill's clip, the residue
+      through a second dynamic INT8 GEMM           27.9 dB  0.940       0   (2x the step's GEMM work)
+    the same, the residue through float W^T        28.4 dB  0.937     367 MiB
+
+So no per-linear form found yet reaches the per-token topk (32.8 dB, 0.967 on that run): a clip set
+for the prefill's static scale leaves the token's own scale coarser than taking its 16 largest out.
 """
 from __future__ import annotations
 
