@@ -14,7 +14,7 @@ using executorch::extension::from_blob;
 using executorch::extension::TensorPtr;
 using executorch::runtime::EValue;
 
-Decoder::Decoder(const Sidecar& s, LoadedProgram& program, const PrefillResult& prefill)
+Decoder::Decoder(const Sidecar& s, LoadedProgram& program, PrefillResult& prefill, bool release)
     : s_(s), module_(*program.modules[LoadedProgram::kDecodeModule]) {
   const int64_t h = s.kv_heads, d = s.head_dim, ctx = s.context;
   const int64_t t = prefill.k.at(0)->shape[2];
@@ -30,6 +30,10 @@ Decoder::Decoder(const Sidecar& s, LoadedProgram& program, const PrefillResult& 
         }
     k_.push_back(std::move(k));
     v_.push_back(std::move(v));
+    if (release) {
+      prefill.k[l].reset();
+      prefill.v[l].reset();
+    }
   }
   length_ = t;
 }

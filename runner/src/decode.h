@@ -14,7 +14,9 @@ namespace llmnpu {
 
 class Decoder {
  public:
-  Decoder(const Sidecar& s, LoadedProgram& program, const PrefillResult& prefill);
+  // `release`: drop each layer's prefill K/V once copied (the caller keeps none: the decode cache and
+  // the prompt's K/V are never both held whole)
+  Decoder(const Sidecar& s, LoadedProgram& program, PrefillResult& prefill, bool release = false);
   // Logits [vocab] of the token after `token`, which goes into slot `length()`.
   std::vector<float> step(int64_t token);
   int64_t length() const { return length_; }

@@ -161,10 +161,11 @@ struct Answer {
 };
 
 // Prefill `ids` after `past`, then decode up to `max_new` tokens, each printed on its own line as it
-// comes; the summary holds the timings of this prompt.
+// comes; the summary holds the timings of this prompt. `keep_kv`: the prompt's K/V stay in the
+// answer (--serve reuses them); else they are dropped as the decode cache takes them.
 Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, const Past* past,
               long max_new, Sampling& sampling, Policy policy, std::optional<std::pair<int, int>> fail_at,
-              const std::string& logits_out, const std::string& trace) {
+              const std::string& logits_out, const std::string& trace, bool keep_kv) {
   using Clock = std::chrono::steady_clock;
   const long fetched = program.cold->fetched.load();
   const auto start = Clock::now();
@@ -185,7 +186,7 @@ Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_
   auto last = first;
   out.tokens = {token};
   std::cout << token << std::endl;
-  Decoder decoder(s, program, pre);
+  Decoder decoder(s, program, out.pre, /*release=*/!keep_kv);
   while (static_cast<long>(out.tokens.size()) < max_new && !is_eos(token)) {
     token = next_token(decoder.step(token), sampling);
     out.tokens.push_back(token);
@@ -243,7 +244,7 @@ int serve(const Args& a, const Sidecar& s, LoadedProgram& program, Sampling& sam
       if (shared > 0) past = first_tokens(held_k, held_v, static_cast<int64_t>(shared));
       const std::vector<int64_t> rest(ids.begin() + static_cast<std::ptrdiff_t>(shared), ids.end());
       Answer ans = answer(s, program, rest, shared ? &past : nullptr, max_new, sampling, policy, std::nullopt,
-                          logits_out, "");
+                          logits_out, "", /*keep_kv=*/true);
       held = ids;
       held_k = ans.pre.k;
       held_v = ans.pre.v;
@@ -294,7 +295,8 @@ int run(const Args& a) {
   sampling.rng.seed(a.seed ? *a.seed : std::random_device{}());
   if (a.serve) return serve(a, s, program, sampling, policy);
 
-  Answer ans = answer(s, program, ids, nullptr, a.max_new_tokens, sampling, policy, a.fail_at, a.logits_out, a.trace);
+  Answer ans = answer(s, program, ids, nullptr, a.max_new_tokens, sampling, policy, a.fail_at, a.logits_out, a.trace,
+                      /*keep_kv=*/false);
   if (a.json) {
     nlohmann::json j = ans.summary;
     j.update({{"load_s", load_s}, {"warmup_s", warmup_s}, {"platform", platform::kName},

@@ -193,15 +193,14 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
   auto slash = pte.find_last_of('/');
   cold = std::make_unique<ColdRows>(s, slash == std::string::npos ? "." : pte.substr(0, slash));
   // One planned arena per prefill worker: the methods of its Module share one activation buffer,
-  // sized to the largest of them, instead of one buffer per method. Safe because under every policy
-  // the schedule gives each processor one worker that runs one task at a time (the out-of-order
-  // policies reorder a lane's tasks, never overlap them), and every output is copied out of the arena
-  // (MethodCall::execute) before its Module runs again. Decode has a Module of its own, so its step
-  // keeps an arena of its own beside the CPU worker's (sharing that one slowed the step).
-  for (int i : {kNpuModule, kCpuModule})
-    modules[i] = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
-                                          /*share_memory_arenas=*/true);
-  modules[kDecodeModule] = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
+  // sized to the largest of *its* methods (ExecuTorch's own sharing sizes it to the largest method of
+  // the whole program: the attention's 22 MiB for the NPU lane's linears too), instead of one buffer
+  // per method. Safe because under every policy the schedule gives each processor one worker that
+  // runs one task at a time (the out-of-order policies reorder a lane's tasks, never overlap them),
+  // and every output is copied out of the arena (MethodCall::execute) before its Module runs again.
+  // Decode has a Module of its own, so its step keeps an arena of its own beside the CPU worker's
+  // (sharing that one slowed the step).
+  for (auto& m : modules) m = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
   load_prefill();
   load_decode();
   platform::advise_random_reads(pte);   // the table's rows are read a few at a time (platform.h)
@@ -209,15 +208,40 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
     calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
 }
 
+void LoadedProgram::Arena::fit(const executorch::runtime::MethodMeta& meta) {
+  if (buffers.size() < meta.num_memory_planned_buffers()) buffers.resize(meta.num_memory_planned_buffers());
+  for (size_t i = 0; i < meta.num_memory_planned_buffers(); ++i) {
+    auto size = meta.memory_planned_buffer_size(i);
+    if (size.ok() && static_cast<size_t>(*size) > buffers[i].size()) buffers[i].resize(static_cast<size_t>(*size));
+  }
+}
+
+executorch::runtime::HierarchicalAllocator* LoadedProgram::Arena::allocator() {
+  if (!planned) {
+    for (auto& b : buffers) spans.emplace_back(b.data(), b.size());
+    planned = std::make_unique<executorch::runtime::HierarchicalAllocator>(
+        executorch::runtime::Span<executorch::runtime::Span<uint8_t>>(spans.data(), spans.size()));
+  }
+  return planned.get();
+}
+
 void LoadedProgram::load_prefill() {
+  for (const auto& sub : s_.subgraphs) {
+    const int lane = sub.processor == "npu" ? kNpuModule : kCpuModule;
+    auto meta = modules[lane]->method_meta(sub.method);
+    if (!meta.ok())
+      throw InputError("the program " + pte_ + " has no method " + sub.method + ": is it a program from llmnpu export?");
+    arenas_[lane].fit(*meta);
+  }
   // The prefill methods run one per worker thread, single-threaded each: XNNPACK takes its thread
   // pool when a method loads, so they load with the pool disabled.
   executorch::extension::threadpool::NoThreadPoolGuard single;
   for (const auto& sub : s_.subgraphs) {
-    auto& module = *modules[sub.processor == "npu" ? kNpuModule : kCpuModule];
+    const int lane = sub.processor == "npu" ? kNpuModule : kCpuModule;
+    auto& module = *modules[lane];
     if (module.is_method_loaded(sub.method)) continue;   // identical subgraphs share one method
     weights_cache(cached_weights(s_, sub));
-    auto err = module.load_method(sub.method);
+    auto err = module.load_method(sub.method, arenas_[lane].allocator());
     if (err != executorch::runtime::Error::Ok)
       throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
                        "): is it a program from llmnpu export? A QNN program needs " +

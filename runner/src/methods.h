@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <executorch/extension/module/module.h>
+#include <executorch/runtime/core/hierarchical_allocator.h>
 
 #include "cold_rows.h"
 #include "sidecar.h"
@@ -46,8 +47,17 @@ class LoadedProgram {
   std::vector<MethodCall> calls;   // by subgraph index
 
  private:
+  // A lane's planned activation memory: each buffer as large as the largest its methods plan
+  struct Arena {
+    std::vector<std::vector<uint8_t>> buffers;
+    std::vector<executorch::runtime::Span<uint8_t>> spans;
+    std::unique_ptr<executorch::runtime::HierarchicalAllocator> planned;
+    void fit(const executorch::runtime::MethodMeta& meta);
+    executorch::runtime::HierarchicalAllocator* allocator();   // after every fit
+  };
   void load_prefill();
   void load_decode();
+  Arena arenas_[2];   // by prefill Module
   const std::string pte_;
   const Sidecar& s_;
 };
