@@ -33,7 +33,8 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
     (``lower/shadow.py``); weights come from ``root``.
 
     ``sparse``: the dense channels' static product, and the branch's ``hits`` [K] appended to the
-    outputs (one per input and clip: branches reading the same input share it). Returns the module and, per shadowed linear, where its input, delta and hits are:
+    outputs (one per input and clip: branches reading the same input share it). Returns the module
+    and, per shadowed linear, where its input, delta and hits are:
     ``{"linear", "input": input index, "output": output index, "hits": output index or None}``.
     """
     if form not in SHADOW_FORMS:
