@@ -205,7 +205,11 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
   load_decode();
   platform::advise_random_reads(pte);   // the table's rows are read a few at a time (platform.h)
   for (const auto& sub : s.subgraphs)
-    calls.emplace_back(s, sub, *modules[sub.processor == "npu" ? kNpuModule : kCpuModule], *cold);
+    calls.emplace_back(s, sub, *modules[module_of(sub)], *cold);
+}
+
+int LoadedProgram::module_of(const Subgraph& sub) {
+  return sub.processor == "npu" ? kNpuModule : kCpuModule;
 }
 
 void LoadedProgram::Arena::fit(const executorch::runtime::MethodMeta& meta) {
@@ -227,7 +231,7 @@ executorch::runtime::HierarchicalAllocator* LoadedProgram::Arena::allocator() {
 
 void LoadedProgram::load_prefill() {
   for (const auto& sub : s_.subgraphs) {
-    const int lane = sub.processor == "npu" ? kNpuModule : kCpuModule;
+    const int lane = module_of(sub);
     auto meta = modules[lane]->method_meta(sub.method);
     if (!meta.ok())
       throw InputError("the program " + pte_ + " has no method " + sub.method + ": is it a program from llmnpu export?");
@@ -237,7 +241,7 @@ void LoadedProgram::load_prefill() {
   // pool when a method loads, so they load with the pool disabled.
   executorch::extension::threadpool::NoThreadPoolGuard single;
   for (const auto& sub : s_.subgraphs) {
-    const int lane = sub.processor == "npu" ? kNpuModule : kCpuModule;
+    const int lane = module_of(sub);
     auto& module = *modules[lane];
     if (module.is_method_loaded(sub.method)) continue;   // identical subgraphs share one method
     weights_cache(cached_weights(s_, sub));

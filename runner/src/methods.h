@@ -42,6 +42,7 @@ class LoadedProgram {
  public:
   LoadedProgram(const std::string& pte, const Sidecar& s);
   static constexpr int kNpuModule = 0, kCpuModule = 1, kDecodeModule = 2;
+  static int module_of(const Subgraph& sub);   // the prefill worker's Module that runs `sub`
   std::unique_ptr<executorch::extension::Module> modules[3];
   std::unique_ptr<ColdRows> cold;
   std::vector<MethodCall> calls;   // by subgraph index

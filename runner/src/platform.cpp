@@ -17,11 +17,10 @@ double peak_rss_mib() {
   return usage.ru_maxrss / 1024.0;   // KiB on Linux and Android
 }
 
-long advise_random_reads(const std::string& path) {
+void advise_random_reads(const std::string& path) {
   char resolved[PATH_MAX];
-  if (realpath(path.c_str(), resolved) == nullptr) return 0;
+  if (realpath(path.c_str(), resolved) == nullptr) return;
   std::ifstream maps("/proc/self/maps");
-  long advised = 0;
   for (std::string line; std::getline(maps, line);) {
     // start-end perms offset dev inode path
     std::istringstream fields(line);
@@ -32,9 +31,8 @@ long advise_random_reads(const std::string& path) {
     const auto dash = range.find('-');
     const uintptr_t start = std::strtoull(range.substr(0, dash).c_str(), nullptr, 16);
     const uintptr_t end = std::strtoull(range.substr(dash + 1).c_str(), nullptr, 16);
-    if (madvise(reinterpret_cast<void*>(start), end - start, MADV_RANDOM) == 0) advised += static_cast<long>(end - start);
+    madvise(reinterpret_cast<void*>(start), end - start, MADV_RANDOM);   // a hint: failure changes nothing
   }
-  return advised;
 }
 
 const char* backend_library_hint() {

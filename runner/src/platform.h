@@ -25,8 +25,7 @@ double peak_rss_mib();
 // maps) are read at random: no read-ahead around a fault. The embedding table is one of them, and a
 // prompt's lookups touch a few hundred of its rows; with read-ahead (and the page cache's large
 // folios) they brought most of it into the process's memory. Linux and Android read /proc/self/maps.
-// Returns the bytes advised.
-long advise_random_reads(const std::string& path);
+void advise_random_reads(const std::string& path);
 
 // How the backend libraries a program's delegates open at load time are found here (QNN's are
 // dlopen'ed by ExecuTorch's Qualcomm backend: libQnnHtp.so and, on a phone, the DSP's skeleton
