@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include <executorch/extension/tensor/tensor.h>
@@ -22,12 +23,11 @@ Decoder::Decoder(const Sidecar& s, LoadedProgram& program, PrefillResult& prefil
     std::vector<float> k(static_cast<size_t>(h * d * ctx), 0.0f), v(static_cast<size_t>(h * ctx * d), 0.0f);
     const float* pk = prefill.k[l]->f32();
     const float* pv = prefill.v[l]->f32();
+    // K transposed: written along the context (a write along d strides a page each)
     for (int64_t i = 0; i < h; ++i)
-      for (int64_t p = 0; p < t; ++p)
-        for (int64_t j = 0; j < d; ++j) {
-          k[(i * d + j) * ctx + p] = pk[(i * t + p) * d + j];
-          v[(i * ctx + p) * d + j] = pv[(i * t + p) * d + j];
-        }
+      for (int64_t j = 0; j < d; ++j)
+        for (int64_t p = 0; p < t; ++p) k[(i * d + j) * ctx + p] = pk[(i * t + p) * d + j];
+    for (int64_t i = 0; i < h; ++i) std::memcpy(&v[i * ctx * d], pv + i * t * d, static_cast<size_t>(t * d) * sizeof(float));
     k_.push_back(std::move(k));
     v_.push_back(std::move(v));
     if (release) {

@@ -162,7 +162,8 @@ struct Answer {
 
 // Prefill `ids` after `past`, then decode up to `max_new` tokens, each printed on its own line as it
 // comes; the summary holds the timings of this prompt. `keep_kv`: the prompt's K/V stay in the
-// answer (--serve reuses them); else they are dropped as the decode cache takes them.
+// answer (--serve reuses them); else the prefill's methods are released before decode and the K/V
+// dropped as the decode cache takes them.
 Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, const Past* past,
               long max_new, Sampling& sampling, Policy policy, std::optional<std::pair<int, int>> fail_at,
               const std::string& logits_out, const std::string& trace, bool keep_kv) {
@@ -186,6 +187,7 @@ Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_
   auto last = first;
   out.tokens = {token};
   std::cout << token << std::endl;
+  if (!keep_kv) program.release_prefill();   // this process prefills no other prompt
   Decoder decoder(s, program, out.pre, /*release=*/!keep_kv);
   while (static_cast<long>(out.tokens.size()) < max_new && !is_eos(token)) {
     token = next_token(decoder.step(token), sampling);

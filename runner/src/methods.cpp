@@ -253,6 +253,13 @@ void LoadedProgram::load_prefill() {
   }
 }
 
+void LoadedProgram::release_prefill() {
+  calls.clear();   // they refer to the Modules
+  modules[kNpuModule].reset();
+  modules[kCpuModule].reset();
+  for (auto& arena : arenas_) arena = Arena{};
+}
+
 void LoadedProgram::load_decode() {
   weights_cache(true);                                                  // decode: both cores, cache on
   auto err = modules[kDecodeModule]->load_method(s_.decode_method);

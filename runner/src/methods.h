@@ -46,6 +46,10 @@ class LoadedProgram {
   std::unique_ptr<executorch::extension::Module> modules[3];
   std::unique_ptr<ColdRows> cold;
   std::vector<MethodCall> calls;   // by subgraph index
+  // Unloads the prefill's methods and frees their arenas and workspaces, for a process that prefills
+  // once (decode needs none of them; the weights decode shares stay packed in XNNPACK's cache).
+  void release_prefill();
+  bool prefill_released() const { return !modules[kNpuModule]; }
 
  private:
   // A lane's planned activation memory: each buffer as large as the largest its methods plan

@@ -56,6 +56,18 @@ ValuePtr cut(const Value& kv, int64_t t) {
   return out;
 }
 
+// `kv` cut to its first `t` positions, in place when nothing else holds it
+ValuePtr shrink(ValuePtr kv, int64_t t) {
+  if (kv.use_count() != 1) return cut(*kv, t);
+  auto& v = const_cast<Value&>(*kv);   // sole owner: no reader can see the change
+  const int64_t h = v.shape[1], total = v.shape[2], d = v.shape[3];
+  for (int64_t i = 1; i < h; ++i)        // head i moves down to i * t * d <= i * total * d
+    std::memmove(v.f32() + i * t * d, v.f32() + i * total * d, static_cast<size_t>(t * d) * 4);
+  v.shape[2] = t;
+  v.bytes.resize(static_cast<size_t>(h * t * d) * 4 + 1);   // the spare byte of Value::make
+  return kv;
+}
+
 }  // namespace
 
 Past first_tokens(const std::vector<ValuePtr>& k, const std::vector<ValuePtr>& v, int64_t t) {
@@ -69,6 +81,7 @@ Past first_tokens(const std::vector<ValuePtr>& k, const std::vector<ValuePtr>& v
 
 PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vector<int64_t>& ids, Policy policy,
                       std::optional<std::pair<int, int>> fail_at, const Past* past) {
+  if (program.prefill_released()) throw RunError("the prefill's methods were released: load the program again");
   std::vector<Env> envs = chunk_feeds(s, ids, past);
   const int chunks = static_cast<int>(envs.size());
   const int64_t reused = past ? past->length() : 0;
@@ -168,14 +181,22 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
   result.wall_s = seconds(Clock::now());
   if (!error.empty()) throw RunError(error);
 
-  const Env& last = envs.back();
+  // The last chunk's K/V (padded to whole chunks) are cut to the prompt's tokens in place: a copy held
+  // them twice at the prefill's end (memory the workers' threads freed is not the next allocation's).
+  Env last = std::move(envs.back());
+  envs.clear();
+  auto take = [&last](const std::string& name) {
+    auto it = last.find(name);
+    if (it == last.end()) throw RunError("the prefill never produced its output " + name);
+    ValuePtr v = std::move(it->second);
+    last.erase(it);
+    return v;
+  };
   const int64_t total = reused + static_cast<int64_t>(ids.size());
-  const Value& logits = *last.at(s.graph_outputs[0]);
-  result.logits.assign(logits.f32(), logits.f32() + logits.numel());
-  for (int64_t l = 0; l < s.layers; ++l) {
-    result.k.push_back(cut(*last.at(s.graph_outputs[1 + l]), total));
-    result.v.push_back(cut(*last.at(s.graph_outputs[1 + s.layers + l]), total));
-  }
+  const ValuePtr logits = take(s.graph_outputs[0]);
+  result.logits.assign(logits->f32(), logits->f32() + logits->numel());
+  for (int64_t l = 0; l < s.layers; ++l) result.k.push_back(shrink(take(s.graph_outputs[1 + l]), total));
+  for (int64_t l = 0; l < s.layers; ++l) result.v.push_back(shrink(take(s.graph_outputs[1 + s.layers + l]), total));
   return result;
 }
 
