@@ -12,9 +12,8 @@ import json
 from llmnpu_delegate import load_model
 from llmnpu_delegate.cli.common import pruning_rate
 from llmnpu_delegate.hf import LlmNpuForCausalLM, greedy_agreement
+from llmnpu_delegate.text import CHAT_QUESTIONS
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
-             "Explain photosynthesis in one sentence.", "What is 12 times 7?", "Give me a tip for learning Python."]
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")
@@ -25,7 +24,7 @@ args = ap.parse_args()
 
 lm = load_model(args.model)
 prompts = [lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"] for q in QUESTIONS]
+                                            return_tensors="pt", return_dict=True)["input_ids"] for q in CHAT_QUESTIONS]
 settings = [("w8a8-shadow", rate) for rate in args.pruning_rates] + [("w8a8", None)]
 for quant, rate in settings:
     wrapper = LlmNpuForCausalLM(lm, quant=quant, pruning_rate=rate, prefix_cache=False, progress=False)

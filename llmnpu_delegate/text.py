@@ -34,6 +34,12 @@ WIKI = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p00003
 LEE = "gensim/test/test_data/lee_background.cor"
 MIN_WORDS = 20  # shorter lines are list items, captions and headings, not prose
 
+# Short chat questions for the accuracy checks of whole answers (greedy and teacher-forced agreement
+# with the float model): the test gate, benchmarks/greedy_agreement.py and program_parity.py
+CHAT_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
+                  "Explain photosynthesis in one sentence.", "What is 12 times 7?",
+                  "Give me a tip for learning Python.")
+
 
 def _strip_nested(text: str, pattern: str) -> str:
     rx = re.compile(pattern, re.S)

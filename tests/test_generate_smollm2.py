@@ -2,15 +2,12 @@
 import pytest
 
 from llmnpu_delegate.hf import LlmNpuForCausalLM, greedy_agreement
+from llmnpu_delegate.text import CHAT_QUESTIONS
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain photosynthesis in one sentence.", "Give me a tip for learning Python."]
-
-
-GATE_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
-                  "Explain photosynthesis in one sentence.", "What is 12 times 7?", "Give me a tip for learning Python."]
 
 
 def _chat(tok, question):
@@ -29,9 +26,9 @@ def test_float_generate_equals_hf_on_the_embedded_model(smollm2):
 
 def test_shadow_generate_agrees_with_float(smollm2):
     """Default W8A8 + shadow (automatic pruning rate, calibration on the shipped news text with chat
-    samples) and INT8 decode, on benchmarks/greedy_agreement.py's six prompts."""
+    samples) and INT8 decode, on the six CHAT_QUESTIONS (benchmarks/greedy_agreement.py's)."""
     wrapper = LlmNpuForCausalLM(smollm2, progress=False)
-    prompts = [_chat(smollm2.tokenizer, q) for q in GATE_QUESTIONS]
+    prompts = [_chat(smollm2.tokenizer, q) for q in CHAT_QUESTIONS]
     agreement = greedy_agreement(wrapper, prompts, max_new_tokens=64)
     print("greedy agreement with float:", agreement)
     # measured 0.904 here with bf16 attention in the prefill, 0.936 with fp32 (0.915 at 24 tokens;
