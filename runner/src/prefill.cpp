@@ -181,8 +181,8 @@ PrefillResult prefill(const Sidecar& s, LoadedProgram& program, const std::vecto
   result.wall_s = seconds(Clock::now());
   if (!error.empty()) throw RunError(error);
 
-  // The last chunk's K/V (padded to whole chunks) are cut to the prompt's tokens in place: a copy held
-  // them twice at the prefill's end (memory the workers' threads freed is not the next allocation's).
+  // The last chunk's K/V (padded to whole chunks) are cut to the prompt's tokens in place: copies of
+  // all of them beside the originals were the run's peak.
   Env last = std::move(envs.back());
   envs.clear();
   auto take = [&last](const std::string& name) {
