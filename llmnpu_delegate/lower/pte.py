@@ -190,6 +190,10 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     # fill around it; alone, last, so that the progress bar moves from the start
     jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
     with claims, spool:
+        # each NPU subgraph's calibration rows wait on disk for its job: held here, they would sit in
+        # the parent beside every worker (0.8 GiB for Qwen1.5-1.8B); run_jobs trims the freed heap
+        state.rows = {i: spool.put(r, f"rows-{i}") for i, r in state.rows.items()}
+        rows = None
         for r in run_jobs(_lower_job, state, jobs, workers, spool=out.parent):
             results[r["job"]] = r
             for k, v in r["stages"].items():
@@ -246,7 +250,7 @@ DECODE_JOB = -1
 class _Export:
     """What every lowering job reads (in forked workers: the parent's copy, never written)."""
     engine: object
-    rows: dict
+    rows: dict              # NPU subgraph -> its calibration rows' file in the spool
     examples: dict
     max_past: int
     target: str
@@ -289,7 +293,8 @@ def _lower_one(x: _Export, job: int) -> dict:
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
         if sub.kind == "npu":
-            lowered = _lower_npu(x.engine, sub, name, x.rows[job], x.target, x.soc, out["entry"], out["npu_outputs"],
+            rows = Spool.take(x.rows[job])
+            lowered = _lower_npu(x.engine, sub, name, rows, x.target, x.soc, out["entry"], out["npu_outputs"],
                                  x.output_bits)
         else:
             example = _made(x.examples[job])
