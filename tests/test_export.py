@@ -2,6 +2,7 @@
 sidecar, checked against the cpu-int8 engine, and the reference runner that prefills from the .pte alone."""
 import json
 import math
+import os
 import random
 import shutil
 import struct
@@ -178,6 +179,30 @@ def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
     export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,)), target="cpu-int8",
                context=4 * CHUNK, progress=False, decode="int8", workers=1)
     assert holding() - before == set()
+
+
+def test_calibration_rows_wait_on_disk_for_their_job(engine, exported, tmp_path, monkeypatch):
+    """The NPU subgraphs' calibration rows are files while the workers lower, not tensors the parent
+    holds beside them (0.8 GiB of a 1.8B model's export), each read and removed by its own job; the
+    program is the fixture's, byte for byte."""
+    from llmnpu_delegate.lower import pte
+
+    handed = {}
+    run_jobs = pte.run_jobs
+
+    def spy(fn, state, jobs, workers, spool=None):
+        handed.update(state.rows)
+        yield from run_jobs(fn, state, jobs, workers, spool=spool)
+
+    monkeypatch.setattr(pte, "run_jobs", spy)
+    out = tmp_path / "tiny.pte"
+    export_pte(engine, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
+               target="cpu-int8", context=4 * CHUNK, model={"spec": "random:tiny-llama"}, progress=False,
+               decode="fp32", workers=1)
+    npu = [i for i, step in enumerate(engine.program.steps) if step.sub.kind == "npu"]
+    assert sorted(handed) == npu and all(isinstance(f, str) for f in handed.values())
+    assert not any(os.path.exists(f) for f in handed.values())
+    assert out.read_bytes() == exported[0].read_bytes()
 
 
 def test_a_released_engine_exports_the_same_program_and_runs_no_prompt(exported, tmp_path):
