@@ -193,7 +193,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         # each NPU subgraph's calibration rows wait on disk for its job: held here, they would sit in
         # the parent beside every worker (0.8 GiB for Qwen1.5-1.8B); run_jobs trims the freed heap
         state.rows = {i: spool.put(r, f"rows-{i}") for i, r in state.rows.items()}
-        rows = None
+        del rows
         for r in run_jobs(_lower_job, state, jobs, workers, spool=out.parent):
             results[r["job"]] = r
             for k, v in r["stages"].items():

@@ -4,7 +4,6 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
-#include <string>
 
 #include "sidecar.h"
 #include "value.h"
