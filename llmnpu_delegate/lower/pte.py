@@ -50,7 +50,7 @@ from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import check_output_bits, lower_region, output_groups, region_spec
-from .op_tables import cached_cia_ops
+from .torch_shortcuts import lowering_shortcuts
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic
@@ -189,7 +189,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     # side by side, the decode step first: the longest job, so that the other workers' many short ones
     # fill around it; alone, last, so that the progress bar moves from the start
     jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
-    with claims, spool:
+    with claims, spool, lowering_shortcuts():
         # each NPU subgraph's calibration rows wait on disk for its job: held here, they would sit in
         # the parent beside every worker (0.8 GiB for Qwen1.5-1.8B); run_jobs trims the freed heap
         state.rows = {i: spool.put(r, f"rows-{i}") for i, r in state.rows.items()}
@@ -268,11 +268,6 @@ class _Export:
 def _lower_job(x: _Export, job: int) -> dict:
     """Lower and emit one method: the subgraph ``job`` of the program, or the decode step. A CPU
     subgraph whose program another job has claimed is not lowered again (``same_program.py``)."""
-    with cached_cia_ops():
-        return _lower_one(x, job)
-
-
-def _lower_one(x: _Export, job: int) -> dict:
     stages: dict[str, float] = {}
     out = {"job": job, "stages": stages, "entry": {}, "npu_outputs": {}, "key": None, "method": None}
     if job == DECODE_JOB:
