@@ -50,7 +50,7 @@ from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
 from .npu_subgraphs import check_output_bits, lower_region, output_groups, region_spec
-from .torch_shortcuts import lowering_shortcuts
+from .export_shortcuts import lowering_shortcuts
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
 from .table import quantize_dynamic

@@ -1,4 +1,4 @@
-"""lower/torch_shortcuts.py: torch.export's composite-operator table cached per set of registrations;
+"""lower/export_shortcuts.py: torch.export's composite-operator table cached per set of registrations;
 provenance records shared, not copied, while lowering."""
 import copy
 
@@ -9,9 +9,9 @@ import torch.export.exported_program as exported_program
 from torch._export import utils as export_utils
 from torch.fx.traceback import NodeSource
 
-from llmnpu_delegate.lower import torch_shortcuts
-from llmnpu_delegate.lower.torch_shortcuts import (cached_cia_ops, direct_kernel_registration, lowering_shortcuts,
-                                                   shared_provenance)
+from llmnpu_delegate.lower import export_shortcuts
+from llmnpu_delegate.lower.export_shortcuts import (cached_cia_ops, direct_kernel_registration,
+                                                    frames_without_sources, lowering_shortcuts, shared_provenance)
 
 
 def test_cached_table_is_torchs_and_sees_a_new_registration(monkeypatch):
@@ -24,7 +24,7 @@ def test_cached_table_is_torchs_and_sees_a_new_registration(monkeypatch):
 
     for module in (exported_program, torch.export.decomp_utils):
         monkeypatch.setattr(module, "_collect_all_valid_cia_ops", counted)
-    monkeypatch.setattr(torch_shortcuts, "_CIA_ANSWERS", {})
+    monkeypatch.setattr(export_shortcuts, "_CIA_ANSWERS", {})
     with cached_cia_ops():
         first = exported_program._collect_all_valid_cia_ops()
         again = torch.export.decomp_utils._collect_all_valid_cia_ops()
@@ -95,6 +95,45 @@ def test_kernels_registered_directly_as_torch_registers_them():
         op.py_kernels.clear()
         op.py_kernels.update(saved)
         op._dispatch_cache.clear()
+
+
+def test_partitioner_finds_its_caller_as_xnnpack_does():
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    part = XnnpackPartitioner()
+    original = XnnpackPartitioner._check_if_called_from_to_backend
+
+    def to_edge_transform_and_lower():
+        return part._check_if_called_from_to_backend()
+
+    def to_backend():       # not in exir's program/_program.py: not the deprecated flow
+        return part._check_if_called_from_to_backend()
+
+    plain = (part._check_if_called_from_to_backend(), to_edge_transform_and_lower(), to_backend())
+    with frames_without_sources():
+        assert XnnpackPartitioner._check_if_called_from_to_backend is not original
+        fast = (part._check_if_called_from_to_backend(), to_edge_transform_and_lower(), to_backend())
+    assert fast == plain == (False, False, False)
+    assert XnnpackPartitioner._check_if_called_from_to_backend is original
+    # the deprecated flow itself: ExecuTorch's to_backend calling the partitioner is seen as such
+    from executorch.exir import to_edge
+
+    class Small(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    seen = []
+
+    class Probe(XnnpackPartitioner):
+        def partition(self, ep):
+            seen.append(self._check_if_called_from_to_backend())
+            return super().partition(ep)
+
+    edge = to_edge(torch.export.export(Small(), (torch.ones(2),)))
+    edge.to_backend(Probe())
+    with frames_without_sources():
+        edge.to_backend(Probe())
+    assert seen == [True, True]
 
 
 def test_lowering_under_the_shortcuts_gives_the_same_program():

@@ -1,6 +1,7 @@
-"""Three of torch.export's costs that lowering many small methods pays again and again, made once.
+"""Four costs of torch.export and ExecuTorch that lowering many small methods pays again and again,
+paid once.
 
-Both are patches of torch internals held only while ``llmnpu export`` lowers (``lowering_shortcuts``),
+All are patches of their internals held only while ``llmnpu export`` lowers (``lowering_shortcuts``),
 each exact by construction: the program is the same bytes with and without them (``cmp``). If a torch
 release renames what they patch, lowering runs as before, only slower.
 
@@ -25,11 +26,16 @@ release renames what they patch, lowering runs as before, only slower.
   every call). For a dispatch key the registration is three lines (torch's own ``py_impl`` branch for
   it: refuse a second kernel for the key, store it, clear the operator's dispatch cache), done here
   without the closure; every other kind of key goes to torch's ``py_impl``.
+- **XNNPACK's partitioner looking for its caller.** ``XnnpackPartitioner.partition`` warns when it is
+  called from the deprecated ``to_backend`` flow, and finds out with ``inspect.stack()``, which reads
+  the source line of every frame on the stack (about 0.1 s per call). The same test on the frames'
+  code objects (function name, file name) reads no file.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -123,11 +129,41 @@ def direct_kernel_registration():
         del OpOverload.py_impl
 
 
+def _called_from_to_backend(self) -> bool:
+    """``XnnpackPartitioner._check_if_called_from_to_backend``'s test on the same frames."""
+    codes, frame = [], sys._getframe(1)
+    while frame is not None:
+        codes.append(frame.f_code)
+        frame = frame.f_back
+    if any(c.co_name == "to_edge_transform_and_lower" for c in codes):
+        return False
+    return any(c.co_name == "to_backend" and "program/_program.py" in c.co_filename for c in codes)
+
+
+@contextmanager
+def frames_without_sources():
+    try:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    except ImportError:
+        yield
+        return
+    original = XnnpackPartitioner.__dict__.get("_check_if_called_from_to_backend")
+    if original is None:
+        yield
+        return
+    XnnpackPartitioner._check_if_called_from_to_backend = _called_from_to_backend
+    try:
+        yield
+    finally:
+        XnnpackPartitioner._check_if_called_from_to_backend = original
+
+
 @contextmanager
 def lowering_shortcuts():
-    """All three shortcuts, for as long as the export lowers (in this process and the workers it forks)."""
+    """All four shortcuts, for as long as the export lowers (in this process and the workers it forks)."""
     with ExitStack() as stack:
         stack.enter_context(cached_cia_ops())
         stack.enter_context(shared_provenance())
         stack.enter_context(direct_kernel_registration())
+        stack.enter_context(frames_without_sources())
         yield
