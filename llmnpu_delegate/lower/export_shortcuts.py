@@ -87,16 +87,15 @@ def shared_provenance():
     except ImportError:
         yield
         return
-    had = "__deepcopy__" in NodeSource.__dict__
     before = NodeSource.__dict__.get("__deepcopy__")
     NodeSource.__deepcopy__ = _shared
     try:
         yield
     finally:
-        if had:
-            NodeSource.__deepcopy__ = before
-        else:
+        if before is None:
             del NodeSource.__deepcopy__
+        else:
+            NodeSource.__deepcopy__ = before
 
 
 def _register_kernel(op, key, fn):
