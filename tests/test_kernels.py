@@ -106,6 +106,48 @@ def test_outlier_compensate_sparse_and_dense_agree():
     torch.testing.assert_close(K.outlier_compensate(y, residue, w_rows), y + residue @ w_rows)
 
 
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 30), n=st.integers(1, 70), rate=st.sampled_from([0.05, 0.3, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_outlier_product_in_order_is_the_row_by_row_sum(m, k, n, rate, seed):
+    """Against one running float32 sum per row, channel by channel, each product rounded before its add
+    (numpy: no FMA), as the native runner's cold rows sum: the same bits. And it is the product:
+    close to the float64 one. Rows with many outliers and rows with none are both drawn."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    residue = torch.randn(m, k, generator=g) * 100
+    residue[torch.rand(m, k, generator=g) > rate] = 0.0
+    w_rows = torch.randn(k, n, generator=g)
+    got = K.outlier_product_in_order(residue, w_rows)
+    r, w = residue.numpy(), w_rows.numpy()
+    want = np.zeros((m, n), dtype=np.float32)
+    for i in range(m):
+        for c in range(k):
+            if r[i, c] != 0:
+                want[i] = want[i] + np.float32(r[i, c]) * w[c]
+    assert got.numpy().tobytes() == want.tobytes()
+    assert _within_sum_bound(got, residue, w_rows)
+
+
+def test_outlier_product_in_order_differs_from_a_gemm_in_the_last_bits():
+    """Why it exists: a GEMM sums in another order, and some outputs differ by a float32 step (the
+    test above would pass a plain ``residue @ w_rows`` only if this one failed)."""
+    g = torch.Generator().manual_seed(0)
+    residue, w_rows = torch.randn(64, 48, generator=g) * 100, torch.randn(48, 256, generator=g)
+    got = K.outlier_product_in_order(residue, w_rows)
+    assert not torch.equal(got, residue @ w_rows)
+    assert _within_sum_bound(got, residue, w_rows) and _within_sum_bound(residue @ w_rows, residue, w_rows)
+
+
+def _within_sum_bound(got, residue, w_rows) -> bool:
+    """Within float32 summation's error bound of the exact product: k steps of rounding on the sum of
+    the terms' magnitudes."""
+    exact = residue.double() @ w_rows.double()
+    bound = residue.shape[1] * 2.0**-23 * (residue.double().abs() @ w_rows.double().abs())
+    return bool(((got.double() - exact).abs() <= bound).all())
+
+
 def test_outlier_extract_none():
     channels, residue = K.outlier_extract(torch.ones(3, 4), 2.0)
     assert channels.numel() == 0 and residue.shape == (3, 0)

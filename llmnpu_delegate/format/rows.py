@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from ..kernels import outlier_product
+from ..kernels import outlier_product_in_order
 from ..kernels.ops import gather_rows, shadow_product
 from ..paths import atomic_path, file_sha256
 
@@ -139,7 +139,7 @@ class RowStore:
             return None
         x2 = x.reshape(-1, x.shape[-1])
         cols = x2.index_select(1, hit)
-        return outlier_product(cols - cols.clamp(-clip, clip), self.rows(hit)).view(*x.shape[:-1], self.out_features)
+        return outlier_product_in_order(cols - cols.clamp(-clip, clip), self.rows(hit)).view(*x.shape[:-1], self.out_features)
 
 
 def row_stores(rows: Tensor | int | None, shadow: dict,

@@ -15,6 +15,7 @@ from .ops import (  # noqa: F401
     outlier_compensate,
     outlier_extract,
     outlier_product,
+    outlier_product_in_order,
     prepack_dynamic,
     quantize,
     quantize_u8,

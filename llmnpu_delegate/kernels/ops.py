@@ -301,6 +301,31 @@ def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) 
         return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
 
 
+def outlier_product_in_order(residue: Tensor, w_rows: Tensor) -> Tensor:
+    """``residue [M, k] @ w_rows [k, N]`` summed as the native runner sums it (``runner/src/cold_rows.cpp``):
+    per output row, the nonzero residues' products, each rounded, added in channel order to a zero
+    row, without FMA. The two ``.pte`` runners then agree bit for bit: a GEMM's order would leave
+    one-step differences in the prompt's K/V that a later decode step's dynamic INT8 rounding can
+    turn into a different token. Work: one ``index_add_`` per outlier rank within a row (the r-th
+    outlier of every row at once; outliers are few per row), not one per channel."""
+    out = residue.new_zeros((residue.shape[0], w_rows.shape[1]))
+    nz = residue.nonzero()                                   # row-major: by row, then by channel
+    if nz.numel() == 0:
+        return out
+    row, ch = nz[:, 0], nz[:, 1]
+    counts = torch.bincount(row, minlength=residue.shape[0])
+    rank = torch.arange(row.numel()) - (counts.cumsum(0) - counts)[row]
+    order = torch.argsort(rank, stable=True)
+    row, ch = row[order], ch[order]
+    value = residue[row, ch]
+    per_rank = torch.bincount(rank).tolist()
+    at = 0
+    for n in per_rank:                                       # rows within one rank are distinct
+        out.index_add_(0, row[at:at + n], w_rows.index_select(0, ch[at:at + n]).mul_(value[at:at + n, None]))
+        at += n
+    return out
+
+
 @torch.library.custom_op("llmnpu::outlier_compensate", mutates_args=())
 def outlier_compensate(y: Tensor, residue: Tensor, w_rows: Tensor) -> Tensor:
     """y [M, N] + residue [M, k] @ w_rows [k, N]: the float shadow matmul merged into the NPU result."""

@@ -37,6 +37,8 @@ const char* kUsage =
     "Prints the generated token ids, one per line; with --json a last line of timings.\n"
     "--warmup: one chunk of prefill and one decode step before the timed run (first-call set-up of\n"
     "every method, as a long-lived app has done before its first prompt).\n"
+    "--logits-out FILE: the logits behind each generated token, float32, one row of the vocabulary each\n"
+    "(the prompt's last position, then every decode step).\n"
     "--serve: one request per line on standard input, {\"ids\": [...], \"max_new_tokens\": N,\n"
     "\"logits_out\": FILE} (the last two optional); each is answered with its token ids, one per line,\n"
     "then a JSON line of timings with \"cached_tokens\" (prompt tokens whose K/V were kept from the\n"
@@ -174,11 +176,15 @@ Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_
   out.pre = prefill(s, program, ids, policy, fail_at, past);
   const PrefillResult& pre = out.pre;
   const double prefill_s = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!logits_out.empty()) {
-    std::ofstream f(logits_out, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(pre.logits.data()), static_cast<std::streamsize>(pre.logits.size() * 4));
-    if (!f) throw InputError("cannot write " + logits_out);
-  }
+  // the prompt's last logits, then each decode step's: one float32 row per generated token
+  std::ofstream logits_file;
+  auto write_logits = [&](const std::vector<float>& row) {
+    if (logits_out.empty()) return;
+    if (!logits_file.is_open()) logits_file.open(logits_out, std::ios::binary);
+    logits_file.write(reinterpret_cast<const char*>(row.data()), static_cast<std::streamsize>(row.size() * 4));
+    if (!logits_file) throw InputError("cannot write " + logits_out);
+  };
+  write_logits(pre.logits);
   if (!trace.empty()) write_trace(trace, s, pre.records);
 
   auto is_eos = [&](int64_t t) { return std::find(s.eos_ids.begin(), s.eos_ids.end(), t) != s.eos_ids.end(); };
@@ -190,7 +196,9 @@ Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_
   if (!keep_kv) program.release_prefill();   // this process prefills no other prompt
   Decoder decoder(s, program, out.pre, /*release=*/!keep_kv);
   while (static_cast<long>(out.tokens.size()) < max_new && !is_eos(token)) {
-    token = next_token(decoder.step(token), sampling);
+    const std::vector<float> logits = decoder.step(token);
+    write_logits(logits);
+    token = next_token(logits, sampling);
     out.tokens.push_back(token);
     last = Clock::now();
     std::cout << token << std::endl;
