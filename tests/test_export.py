@@ -704,13 +704,13 @@ def test_the_arm64_runner_gives_the_x86_tokens_on_the_tiny_program(exported, tmp
 
 
 def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp_path):
-    """A rows file the runners cannot read (its type is not float32 or float16) is refused in one line
+    """A rows file the runners cannot read (its type is not float32, float16 or int8) is refused in one line
     before any prompt, not read as the wrong floats."""
     from llmnpu_delegate.format.sidecar import sidecar_digest
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
-    assert meta["shadow"]["rows_dtype"] == "float16"
+    assert meta["shadow"]["rows_dtype"] == "int8"
     meta["shadow"]["rows_dtype"] = "bfloat16"
     meta["sidecar_sha256"] = sidecar_digest(meta)
     side.write_text(json.dumps(meta))

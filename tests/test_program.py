@@ -94,6 +94,37 @@ def test_float16_cold_rows_give_the_product_of_the_rounded_weights(tmp_path):
     assert 0 < (half - exact).abs().max() <= 2 ** -10 * exact.abs().max()
 
 
+def test_int8_cold_rows_are_the_linears_own_codes_times_their_scales(tmp_path):
+    """A program's rows file holds each cold row as the linear's INT8 weight codes (per output channel,
+    as its GEMM quantizes them) with the block's scales in front: the product is the float product of
+    ``code * scale`` (one rounding), a quarter of float32's bytes, and within the weight's
+    quantization step of the float rows' product."""
+    from llmnpu_delegate.kernels.ops import quantize_weight
+
+    lin, x = _inputs()
+    w = torch.randn(24, 32, generator=torch.Generator().manual_seed(3))
+    w[:, 5] *= 40                                           # an input channel far larger than the rest
+    lin.weight.data.copy_(w)
+    cold = [0, 5, 17, 20, 31]
+    hits = torch.zeros(32)
+    hits[[5, 17, 20]] = 1.0
+    blocks = {"a": (lin.weight, cold[:3], CLIP), "lin": (lin.weight, cold, CLIP)}  # 3 x 24 codes: the next block is padded
+    desc = write_cold_rows(blocks, tmp_path / "i8.bin", "int8")
+    assert desc["rows_dtype"] == "int8" and desc["bytes"] == (4 * 24 + 3 * 24) + (4 * 24 + 5 * 24)
+    assert desc["linears"]["lin"]["scales_offset"] % 4 == 0
+    rows = ColdRows(tmp_path / "i8.bin", desc)
+    got = rows.product("lin", x, hits)
+    assert rows.fetched == 3
+    q, scale = quantize_weight(w, "channel")
+    deq = (q.float() * scale[:, None]).t()[[5, 17, 20]]     # [3, N]: the rows as the runners rebuild them
+    residue = (x - x.clamp(-CLIP, CLIP))[..., [5, 17, 20]]
+    assert torch.equal(rows.stores["lin"].rows(torch.tensor([5, 17, 20])), deq)
+    torch.testing.assert_close(got, residue @ deq, rtol=1e-6, atol=1e-5)
+    float_rows = residue @ w.t()[[5, 17, 20]]
+    step = (residue.abs() @ (scale[None, :].expand(3, -1) / 2)).max()   # half a code per weight
+    assert 0 < (got - float_rows).abs().max() <= step
+
+
 def test_sparse_branch_equals_the_dense_formula_when_every_outlier_channel_is_hot(tmp_path):
     lin, x = _inputs()
     plan = LinearPlan(act_scale=CLIP / 127, clip=CLIP, hot=torch.tensor([3, 17, 20]), dense=torch.tensor([3, 17, 20]))

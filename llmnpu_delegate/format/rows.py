@@ -5,11 +5,17 @@ A shadowed linear saturates its INT8 input at ``clip``; the shadow product adds 
 produce most outliers, so only their rows stay in RAM (or in the program); a rare outlier elsewhere
 reads its row from the rows file (the paper keeps them on disk likewise).
 
-One layout serves the engine's cache and the ``.pte``'s rows file: little-endian floats (``rows_dtype``:
-float32 for the engine's cache, which it maps; float16 for a program's file, half the bytes to store
-and read, its rounding a 2^-11 part of a rare outlier's share of the product), one block per shadowed
-linear of ``[cold channels, out_features]`` rows, at the byte offset its description
-(``write_cold_rows``'s return, the sidecar's ``shadow`` entry) gives. ``RowStore`` serves one linear's
+One layout serves the engine's cache and the ``.pte``'s rows file: one block per shadowed linear of
+``[cold channels, out_features]`` rows, at the byte offset its description (``write_cold_rows``'s
+return, the sidecar's ``shadow`` entry) gives, in little-endian ``rows_dtype``:
+- ``float32``: the engine's cache, which it maps;
+- ``float16``: half the bytes, its rounding a 2^-11 part of a rare outlier's share of the product;
+- ``int8``: a program's file (the default): the linear's own INT8 weight codes, per output channel
+  as its INT8 GEMM quantizes them (``kernels.quantize_weight``), the block's ``out_features`` float32
+  scales first (at ``scales_offset``, 4-byte aligned); a row is ``code * scale``, one rounding. A
+  quarter of float32's bytes: the file is then the size of the model's INT8 linears. Measured on
+  the embedded model (8 x 512 evaluation tokens, every position against the float model): top-1
+  agreement 0.9587 with float rows, 0.9584 with these; perplexity 23.69 and 23.70. ``RowStore`` serves one linear's
 rows and its product; ``ColdRows`` is a program's rows file, one store per linear, whose rows are read
 when hit and not kept (``FileRows``), as the native runner reads them.
 """
@@ -25,11 +31,11 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..kernels import outlier_product_in_order
-from ..kernels.ops import gather_rows, shadow_product
+from ..kernels.ops import gather_rows, quantize_weight, shadow_product
 from ..paths import atomic_path, file_sha256
 
-ROW_DTYPES = {"float32": "<f4", "float16": "<f2"}     # a rows file's dtype -> its numpy type
-PROGRAM_ROW_DTYPE = "float16"
+ROW_DTYPES = {"float32": "<f4", "float16": "<f2", "int8": "i1"}     # a rows file's dtype -> its numpy type
+PROGRAM_ROW_DTYPE = "int8"
 
 
 def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path, dtype: str = "float32") -> dict:
@@ -40,11 +46,21 @@ def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Pa
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for name, (w, cold, clip) in blocks.items():
             w = w.detach().float()
-            block = w.t()[list(cold)].contiguous().numpy().astype(ROW_DTYPES[dtype])   # [cold, N]
+            entry = {"cold_channels": [int(c) for c in cold], "in_features": w.shape[1], "out_features": w.shape[0],
+                     "clip": clip}
+            if dtype == "int8":
+                q, scale = quantize_weight(w, "channel")
+                f.write(scale.numpy().astype("<f4").tobytes())
+                entry["scales_offset"], offset = offset, offset + 4 * w.shape[0]
+                block = q.t()[list(cold)].contiguous().numpy()                           # [cold, N] codes
+            else:
+                block = w.t()[list(cold)].contiguous().numpy().astype(ROW_DTYPES[dtype])   # [cold, N]
             f.write(block.tobytes())
-            linears[name] = {"cold_channels": [int(c) for c in cold], "rows_offset": offset, "in_features": w.shape[1],
-                             "out_features": w.shape[0], "clip": clip}
-            offset += block.nbytes
+            entry["rows_offset"], offset = offset, offset + block.nbytes
+            pad = -offset % 4                                    # the next block's scales stay aligned
+            f.write(b"\0" * pad)
+            offset += pad
+            linears[name] = entry
     digest = file_sha256(path)
     return {"form": "sparse", "rows_file": path.name, "rows_dtype": dtype, "bytes": offset, "rows_sha256": digest,
             "linears": linears}
@@ -69,10 +85,16 @@ def map_rows(path: Path, nbytes: int) -> Tensor | None:
 class FileRows:
     """A [count, n] block of rows (``dtype``) at byte ``offset`` of an open file, read as float32 when
     indexed and not kept: a mapping would leave every row ever hit resident (most of the file after a
-    long prompt)."""
+    long prompt). INT8 rows are scaled by the block's ``n`` scales at ``scales_offset``, read once."""
 
-    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str):
+    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str, scales_offset: int | None = None):
         self.fd, self.offset, self.shape, self.dtype = fd, offset, (count, n), np.dtype(ROW_DTYPES[dtype])
+        self.scales = None
+        if dtype == "int8":
+            data = os.pread(fd, 4 * n, scales_offset)
+            if len(data) != 4 * n:
+                raise LlmNpuError("the rows file ended early (in a block's scales): export again")
+            self.scales = np.frombuffer(data, dtype="<f4")
 
     def __getitem__(self, slots: Tensor) -> Tensor:
         row = self.shape[1] * self.dtype.itemsize
@@ -81,7 +103,10 @@ class FileRows:
             raise LlmNpuError(f"the rows file ended early (read {len(data)} of {slots.numel() * row} bytes): "
                               f"export again")
         rows = np.frombuffer(data, dtype=self.dtype).astype(np.float32)    # float16 -> float32 is exact
-        return torch.from_numpy(rows).view(slots.numel(), self.shape[1])
+        rows = rows.reshape(slots.numel(), self.shape[1])
+        if self.scales is not None:
+            rows = rows * self.scales                                       # code * scale: one rounding
+        return torch.from_numpy(rows)
 
 
 class RowStore:
@@ -154,7 +179,7 @@ def row_stores(rows: Tensor | int | None, shadow: dict,
         if rows is None or not cold.numel():
             block = None
         elif isinstance(rows, int):
-            block = FileRows(rows, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"])
+            block = FileRows(rows, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"], lin.get("scales_offset"))
         else:                                   # the engine's float32 cache, mapped
             start = lin["rows_offset"] // 4
             block = rows[start:start + cold.numel() * n].view(cold.numel(), n)

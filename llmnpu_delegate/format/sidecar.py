@@ -45,7 +45,7 @@ SCHEMA = {
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
     "shadow": {"form": str, "rows_file?": str, "rows_dtype?": str, "bytes?": int, "rows_sha256?": str,
                "linears?": {str: {"cold_channels": INTS, "rows_offset": int, "in_features": int,
-                                  "out_features": int, "clip": NUM}}},
+                                  "out_features": int, "clip": NUM, "scales_offset?": int}}},
     "tokenizer": (None, {"folder": str, "files": STRS, "bos_id": (int, None), "eos_ids": INTS,
                          "chat_template?": (str, None)}),
     "decode": {"method": str, "mode": str, "backend": str, "hot_inputs": {str: INTS}, "inputs": STRS, "outputs": STRS,
@@ -131,6 +131,8 @@ def check_sidecar(meta: dict) -> str | None:
             return "a sparse shadow lacks its rows file, their type or linears"
         if shadow["rows_dtype"] not in ROW_DTYPES:
             return f"shadow.rows_dtype is {shadow['rows_dtype']!r}, not one of {', '.join(ROW_DTYPES)}"
+        if shadow["rows_dtype"] == "int8" and any("scales_offset" not in lin for lin in shadow["linears"].values()):
+            return "shadow.linears of INT8 rows lack their scales_offset"
         branches = [b["linear"] for e in subs for b in e.get("shadow", [])]
         if missing := [b for b in branches if b not in shadow["linears"]]:
             return f"shadow.linears lacks {missing[0]}"

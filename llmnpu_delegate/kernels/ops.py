@@ -301,6 +301,20 @@ def outlier_product(residue: Tensor, w_rows: Tensor, out: Tensor | None = None) 
         return torch.mm(residue, w_rows) if out is None else torch.addmm(out, residue, w_rows)
 
 
+def quantize_weight(w: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
+    """Symmetric INT8 weight [N, K] -> (int8 [N, K], scale [N]); per output channel or per tensor."""
+    w = w.detach().float()
+    if granularity == "channel":
+        amax = w.abs().amax(dim=1)
+    else:
+        amax = w.abs().max().expand(w.shape[0])
+    scale = (amax / QMAX).clamp_min(1e-12)
+    # w * (1 / scale), not w / scale: torch's quantize_per_channel, which folds the programs' weights
+    # (pt2e), rounds that product; the two differ at a few near-ties per 100,000 weights
+    q = torch.mul(w, (1.0 / scale)[:, None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale.contiguous()
+
+
 def outlier_product_in_order(residue: Tensor, w_rows: Tensor) -> Tensor:
     """``residue [M, k] @ w_rows [k, N]`` summed as the native runner sums it (``runner/src/cold_rows.cpp``):
     per output row, the nonzero residues' products, each rounded, added in channel order to a zero

@@ -6,20 +6,7 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..format.rows import RowStore
-
-
-def quantize_weight(w: Tensor, granularity: str) -> tuple[Tensor, Tensor]:
-    """Symmetric INT8 weight [N, K] -> (int8 [N, K], scale [N]); per output channel or per tensor."""
-    w = w.detach().float()
-    if granularity == "channel":
-        amax = w.abs().amax(dim=1)
-    else:
-        amax = w.abs().max().expand(w.shape[0])
-    scale = (amax / K.QMAX).clamp_min(1e-12)
-    # w * (1 / scale), not w / scale: torch's quantize_per_channel, which folds the programs' weights
-    # (pt2e), rounds that product; the two differ at a few near-ties per 100,000 weights
-    q = torch.mul(w, (1.0 / scale)[:, None]).round_().clamp_(-K.QMAX, K.QMAX).to(torch.int8)
-    return q, scale.contiguous()
+from ..kernels.ops import quantize_weight  # noqa: F401  (lives with the kernels: the rows file uses it too)
 
 
 class QuantLinear(nn.Module):

@@ -119,6 +119,10 @@ void halves_to_floats(const uint16_t* h, float* f, int64_t n) {
   for (int64_t j = 0; j < n; ++j) f[j] = half_to_float(h[j]);
 }
 
+void codes_to_floats(const int8_t* q, const float* scale, float* f, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) f[j] = static_cast<float>(q[j]) * scale[j];   // one rounding, as numpy's
+}
+
 ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
   if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
   std::string path = dir + "/" + s.rows_file;
@@ -132,9 +136,21 @@ ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
   fd_ = fd;
   for (const auto& [name, c] : s.cold) {
     int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * s.rows_itemsize;
-    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes) {
+    const bool scaled = s.rows_itemsize == 1;
+    const int64_t scales_end = c.scales_offset + 4 * c.out_features;
+    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes ||
+        (scaled && (c.scales_offset < 0 || c.scales_offset % 4 || scales_end > s.rows_bytes))) {
       close(fd_);
       throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
+    }
+    if (scaled) {   // little-endian float32, as the hosts this runs on (x86-64, aarch64 Linux/Android)
+      std::vector<float> scales(static_cast<size_t>(c.out_features));
+      const auto bytes = static_cast<ssize_t>(scales.size() * sizeof(float));
+      if (pread(fd_, scales.data(), static_cast<size_t>(bytes), static_cast<off_t>(c.scales_offset)) != bytes) {
+        close(fd_);
+        throw InputError("cannot read the cold rows' scales of " + name + " from " + path + ": export again");
+      }
+      scales_[name] = std::move(scales);
     }
   }
 }
@@ -152,6 +168,8 @@ void ColdRows::add_product(const std::string& linear, const Value& x, const Valu
   std::vector<int64_t> channels;   // the cold channels hit, ascending
   std::vector<float> rows;         // their rows of W^T, [channels, n]
   std::vector<uint16_t> half(s_.rows_itemsize == 2 ? static_cast<size_t>(n) : 0);
+  std::vector<int8_t> codes(s_.rows_itemsize == 1 ? static_cast<size_t>(n) : 0);
+  const float* scales = codes.empty() ? nullptr : scales_.at(linear).data();
   const int64_t row_bytes = n * s_.rows_itemsize;
   for (size_t slot = 0; slot < c.cold_channels.size(); ++slot) {
     const int64_t ch = c.cold_channels[slot];
@@ -160,10 +178,12 @@ void ColdRows::add_product(const std::string& linear, const Value& x, const Valu
     rows.resize(channels.size() * static_cast<size_t>(n));
     float* row = rows.data() + (channels.size() - 1) * n;
     const off_t at = static_cast<off_t>(c.rows_offset + static_cast<int64_t>(slot) * row_bytes);
-    void* dst = half.empty() ? static_cast<void*>(row) : static_cast<void*>(half.data());
+    void* dst = !half.empty() ? static_cast<void*>(half.data()) : !codes.empty() ? static_cast<void*>(codes.data())
+                                                                                 : static_cast<void*>(row);
     if (pread(fd_, dst, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
       throw RunError("cannot read the cold rows of " + linear + " from " + s_.rows_file);
     if (!half.empty()) halves_to_floats(half.data(), row, n);
+    if (!codes.empty()) codes_to_floats(codes.data(), scales, row, n);
   }
   if (channels.empty()) return;
   fetched.fetch_add(static_cast<int64_t>(channels.size()), std::memory_order_relaxed);

@@ -3,6 +3,8 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <vector>
 #include <string>
 
 #include "sidecar.h"
@@ -26,11 +28,15 @@ class ColdRows {
  private:
   const Sidecar& s_;
   int fd_ = -1;
+  std::map<std::string, std::vector<float>> scales_;   // INT8 rows: each linear's, read once
 };
 
 // IEEE half to float (exact: every half is a float), `n` of them; the CPU's own conversion where it
 // has one (F16C, Arm's FP16), else bit by bit.
 void halves_to_floats(const uint16_t* h, float* f, int64_t n);
+
+// INT8 codes to floats, `code * scale` per output channel (format/rows.py's int8 rows).
+void codes_to_floats(const int8_t* q, const float* scale, float* f, int64_t n);
 
 // Which conversion and product loops this CPU takes ("f16c+avx2", ...; "baseline" under
 // LLMNPU_RUNNER_BASELINE=1): the --json summary reports it

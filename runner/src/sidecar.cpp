@@ -266,9 +266,9 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
       s.rows_file = sh.at("rows_file").get<std::string>();
       s.rows_bytes = sh.at("bytes").get<int64_t>();
       const std::string dtype = sh.at("rows_dtype").get<std::string>();
-      if (dtype != "float32" && dtype != "float16")
+      if (dtype != "float32" && dtype != "float16" && dtype != "int8")
         throw InputError("sidecar " + s.path + " has cold rows of type " + dtype + ": export again");
-      s.rows_itemsize = dtype == "float16" ? 2 : 4;
+      s.rows_itemsize = dtype == "int8" ? 1 : dtype == "float16" ? 2 : 4;
       for (const auto& [name, lin] : sh.at("linears").items()) {
         ColdLinear c;
         c.cold_channels = lin.at("cold_channels").get<std::vector<int64_t>>();
@@ -276,6 +276,7 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
         c.in_features = lin.at("in_features").get<int64_t>();
         c.out_features = lin.at("out_features").get<int64_t>();
         c.clip = lin.at("clip").get<double>();
+        if (s.rows_itemsize == 1) c.scales_offset = lin.at("scales_offset").get<int64_t>();
         s.cold[name] = c;
       }
     }

@@ -37,6 +37,7 @@ struct NpuLinear {
 struct ColdLinear {
   std::vector<int64_t> cold_channels;
   int64_t rows_offset = 0, in_features = 0, out_features = 0;
+  int64_t scales_offset = -1;   // INT8 rows: the block's out_features float32 scales
   double clip = 0;
 };
 
@@ -62,7 +63,7 @@ struct Sidecar {
   }
   std::string shadow_form, rows_file;
   int64_t rows_bytes = 0;
-  int rows_itemsize = 4;   // the rows file's floats: 4 (float32) or 2 (float16)
+  int rows_itemsize = 4;   // the rows file's items: 4 (float32), 2 (float16) or 1 (int8 codes, scaled)
   std::map<std::string, ColdLinear> cold;
   bool has_profile = false;
   std::map<int, double> profile_static;
