@@ -124,8 +124,9 @@ def test_policies_give_bit_identical_outputs(program, tmp_path):
 
 
 def test_the_cold_rows_portable_loops_give_the_same_bits(program, tmp_path, monkeypatch):
-    """The cold products' CPU paths (F16C/Arm conversion of the float16 rows, the AVX2 product loop)
-    against the portable loops forced on this CPU: the same bits (exact conversion, no FMA)."""
+    """The cold products' CPU paths (the AVX2 product loop; the F16C/Arm conversion serves float16
+    rows, which this program, with INT8 rows, does not have) against the portable loops forced on this
+    CPU: the same bits (no FMA)."""
     pte, ids = program
     meta = json.loads(sidecar_path(pte).read_text())
     fast = run_native(pte, ids.tolist(), meta, 4, logits_out=tmp_path / "fast.bin")
