@@ -13,11 +13,12 @@ return, the sidecar's ``shadow`` entry) gives, in little-endian ``rows_dtype``:
 - ``int8``: a program's file (the default): the linear's own INT8 weight codes, per output channel
   as its INT8 GEMM quantizes them (``kernels.quantize_weight``), the block's ``out_features`` float32
   scales first (at ``scales_offset``, 4-byte aligned); a row is ``code * scale``, one rounding. A
-  quarter of float32's bytes: the file is then the size of the model's INT8 linears. Measured on
-  the embedded model (8 x 512 evaluation tokens, every position against the float model): top-1
-  agreement 0.9587 with float rows, 0.9584 with these; perplexity 23.69 and 23.70. ``RowStore`` serves one linear's
-rows and its product; ``ColdRows`` is a program's rows file, one store per linear, whose rows are read
-when hit and not kept (``FileRows``), as the native runner reads them.
+  quarter of float32's bytes, at an accuracy cost within measurement noise (docs/results.md, "Cold
+  shadow rows as INT8 codes").
+
+``RowStore`` serves one linear's rows and its product; ``ColdRows`` is a program's rows file, one
+store per linear, whose rows are read when hit and not kept (``FileRows``), as the native runner
+reads them.
 """
 from __future__ import annotations
 
