@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_artefacts import BYTES, damage_bytes, mutated, structure
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.format.sidecar import sidecar_path
+from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller, quant_config
@@ -61,7 +61,8 @@ def exported(engine, tmp_path_factory):
 def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, exported):
     out, summary = exported
     # no temporaries left
-    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.pte", "tiny.rows.bin", "tiny.tokenizer"]
+    # (and no rows file: the program's INT8 weights are its cold rows, ``shadow.rows_in_program``)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.json", "tiny.pte", "tiny.tokenizer"]
     meta = json.loads(sidecar_path(out).read_text())
     runner = PteRunner(out)
     steps = engine.program.steps
@@ -544,9 +545,12 @@ def test_run_pte_refuses_bad_programs_and_prompts(exported, tmp_path, capsys):
     refused("--prompt", "a b c", "--model", "smollm2-135m", match="drop --model")
     shutil.rmtree(tmp_path / "tiny.tokenizer")
     refused("--prompt", "a b c", match="tokenizer folder tiny.tokenizer is missing")
-    (tmp_path / "tiny.rows.bin").unlink()
-    refused("--prompt", "a b c", match="cold rows file tiny.rows.bin is missing")
     meta = json.loads(sidecar_path(pte).read_text())
+    name, lin = next(iter(meta["shadow"]["linears"].items()))
+    moved = {**meta, "shadow": {**meta["shadow"], "linears": {**meta["shadow"]["linears"],
+                                                                name: {**lin, "rows_offset": pte.stat().st_size}}}}
+    sidecar_path(pte).write_text(json.dumps({**moved, "sidecar_sha256": sidecar_digest(moved)}))
+    refused("--prompt", "a b c", match=f"cold rows of {name} lie outside")
     sidecar_path(pte).write_text(json.dumps({**meta, "version": 1}))
     refused("--prompt", "a b c", match="another version of llmnpu export")
     runner = PteRunner(exported[0])
@@ -601,7 +605,6 @@ def test_the_native_runner_checks_what_the_python_runner_checks(exported, tmp_pa
     """The sidecar's checksum, its task table against the data flow (a dependency left out would be a
     race in the C++ schedule), and with --verify the .pte's SHA-256: refused by the native runner with
     the Python runner's reason."""
-    from llmnpu_delegate.format.sidecar import sidecar_digest
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -664,7 +667,6 @@ def test_malformed_sidecar_is_refused_or_runs_the_same(exported, tmp_path, data)
     exporter): the Python runner refuses in one line or gives the same logits; the native runner
     (--dry-run reads the whole sidecar), under AddressSanitizer and UndefinedBehaviorSanitizer, exits 0,
     or 2 with one line, and never crashes."""
-    from llmnpu_delegate.format.sidecar import sidecar_digest
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -706,7 +708,6 @@ def test_the_arm64_runner_gives_the_x86_tokens_on_the_tiny_program(exported, tmp
 def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp_path):
     """A rows file the runners cannot read (its type is not float32, float16 or int8) is refused in one line
     before any prompt, not read as the wrong floats."""
-    from llmnpu_delegate.format.sidecar import sidecar_digest
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())
@@ -724,7 +725,6 @@ def test_rows_of_an_unknown_float_type_are_refused_by_both_runners(exported, tmp
 def test_native_runner_refuses_a_garbled_profile_in_one_line(exported, tmp_path, static):
     """Found by the property test above: a profile whose step table is not a table of step numbers
     once escaped as a bare `stoi` from the native runner (exit 1)."""
-    from llmnpu_delegate.format.sidecar import sidecar_digest
 
     pte, side = _program_copy(exported[0], tmp_path / "program")
     meta = json.loads(side.read_text())

@@ -3,6 +3,7 @@
 `make test` builds both binaries first (the release one and the one under AddressSanitizer and
 UndefinedBehaviorSanitizer); a missing binary fails these tests, it does not skip them.
 """
+import hashlib
 import json
 import subprocess
 import time
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmnpu_delegate.format.sidecar import sidecar_path
+from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.format.tasks import expand
 from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
@@ -89,6 +90,56 @@ def test_prefill_and_decode_logits_are_the_python_runners_bits(program, tmp_path
     # the test could fail: without the cold products the logits move by far more than a step
     runner.cold.product = lambda *a: None
     assert np.abs(runner(ids, "ooo").logits.numpy() - logits[0]).max() > 1e-3
+
+
+def _with_rows_file(pte: Path, folder: Path) -> Path:
+    """A copy of the program in ``folder`` whose cold rows come from a rows file (format/rows.py's
+    layout: a block's scales, then its cold channels' rows), written from the program's own W^T rows."""
+    for f in pte.parent.iterdir():
+        if f.is_file() and f.suffix == ".pte":
+            (folder / f.name).write_bytes(f.read_bytes())
+    meta = json.loads(sidecar_path(pte).read_text())
+    program, out = pte.read_bytes(), bytearray()
+    for lin in meta["shadow"]["linears"].values():
+        n = lin.pop("out_features")
+        assert lin.pop("rows_in") == "program"
+        scales = program[lin["scales_offset"]:lin["scales_offset"] + 4 * n]
+        rows = b"".join(program[lin["rows_offset"] + c * n:lin["rows_offset"] + (c + 1) * n] for c in lin["cold_channels"])
+        lin.update(out_features=n, scales_offset=len(out), rows_offset=len(out) + len(scales))
+        out += scales + rows + b"\0" * (-len(rows) % 4)
+    rows_file = folder / (pte.stem + ".rows.bin")
+    rows_file.write_bytes(bytes(out))
+    meta["shadow"].update(rows_file=rows_file.name, bytes=len(out), rows_sha256=hashlib.sha256(out).hexdigest())
+    meta["sidecar_sha256"] = sidecar_digest(meta)
+    sidecar_path(folder / pte.name).write_text(json.dumps(meta))
+    return folder / pte.name
+
+
+def test_cold_rows_are_read_from_the_programs_own_weights(program, tmp_path):
+    """The program stores each shadowed linear's INT8 weight as W^T rows, and its cold rows are read from
+    there: no rows file is written, the rows the runner reads are the linear's codes times its scales
+    (from the model's float weights, independently), and a copy whose rows come from a rows file in the
+    file's own layout gives both runners the same bits."""
+    from llmnpu_delegate.kernels.ops import quantize_weight
+    from llmnpu_delegate.models import keep_first_blocks, load_model
+
+    pte, ids = program
+    runner = PteRunner(pte)
+    shadow = runner.meta["shadow"]
+    assert "rows_file" not in shadow and not (pte.parent / (pte.stem + ".rows.bin")).exists()
+    assert shadow["linears"] and all(lin["rows_in"] == "program" for lin in shadow["linears"].values())
+    model = keep_first_blocks(load_model("smollm2-135m"), 2).model
+    for name, lin in shadow["linears"].items():
+        q, scale = quantize_weight(model.get_submodule(name).weight.detach().float(), "channel")
+        cold = torch.tensor(lin["cold_channels"])
+        assert torch.equal(runner.cold.stores[name].rows(cold), (q.float() * scale[:, None]).t()[cold]), name
+    want = run_native(pte, ids.tolist(), runner.meta, 8, logits_out=tmp_path / "program.bin")
+    filed = _with_rows_file(pte, tmp_path)
+    got = run_native(filed, ids.tolist(), json.loads(sidecar_path(filed).read_text()), 8,
+                     logits_out=tmp_path / "file.bin")
+    assert got.tokens == want.tokens and got.summary["cold_rows"] == want.summary["cold_rows"] > 0
+    assert _logits(tmp_path, "file.bin").tobytes() == _logits(tmp_path, "program.bin").tobytes()
+    assert PteRunner(filed)(ids, "ooo").logits.numpy().tobytes() == _logits(tmp_path, "program.bin")[0].tobytes()
 
 
 def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
@@ -207,9 +258,17 @@ def test_bad_programs_and_prompts_get_one_line_errors(program, tmp_path):
     copy.write_bytes(pte.read_bytes()[:-4096])
     refused("the .pte and sidecar do not match")
     copy.write_bytes(pte.read_bytes())
-    (tmp_path / meta["shadow"]["rows_file"]).write_bytes(b"\0" * 64)
+    name, lin = next(iter(meta["shadow"]["linears"].items()))
+    for change, match in (({"rows_offset": len(pte.read_bytes())}, f"cold rows of {name} lie outside"),
+                          ({"rows_in": "cloud"}, f"reads the cold rows of {name} from cloud")):
+        moved = {**meta, "shadow": {**meta["shadow"], "linears": {**meta["shadow"]["linears"], name: {**lin, **change}}}}
+        sidecar_path(copy).write_text(json.dumps({**moved, "sidecar_sha256": sidecar_digest(moved)}))
+        refused(match)
+    (tmp_path / "filed").mkdir()
+    copy = filed = _with_rows_file(pte, tmp_path / "filed")
+    (filed.parent / "smol.rows.bin").write_bytes(b"\0" * 64)
     refused("does not belong to this program")
-    (tmp_path / meta["shadow"]["rows_file"]).unlink()
+    (filed.parent / "smol.rows.bin").unlink()
     refused("cold rows file smol.rows.bin is missing")
 
 

@@ -1,4 +1,6 @@
 """lower/xnnpack_forms.py: the rewrites keep every value, and they keep the decode step in few partitions."""
+import operator
+
 import torch
 from torch import nn
 
@@ -41,3 +43,54 @@ def test_decode_step_is_two_xnnpack_partitions_per_layer():
         gm = program_decode.export_decode(model, kv_shape(model.config), 64, mode, ids).exported_program("forward").graph_module
         calls = sum("executorch_call_delegate" in str(n.target) for n in gm.graph.nodes)
         assert calls <= 2 * layers + 2, (mode, calls)
+
+
+class _TwoLinears(nn.Module):
+    """q/k-like linears sharing one rank-3 input, and one more on their sum."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(48, 40, bias=False), nn.Linear(48, 40, bias=False), nn.Linear(40, 24, bias=False)
+        for lin in (self.a, self.b, self.c):
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g)
+
+    def forward(self, x):
+        return self.c(self.a(x) + self.b(x))
+
+
+def _xnnpack_outputs(ep, x):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
+    left = {str(n.target) for n in program.exported_program().graph.nodes if n.op == "call_function"
+            and "executorch_call_delegate" not in str(n.target) and n.target is not operator.getitem}
+    method = Runtime.get().load_program(program.buffer).load_method("forward")
+    return method.execute([x])[0], program.buffer, left
+
+
+def test_int8_weights_as_w_transposed_rows_give_the_same_bits(monkeypatch):
+    """XNNPACK's dynamic INT8 linears with their weights stored as W^T rows (``int8_weights_as_rows``)
+    give the bits of the plain linears, all inside XNNPACK, and the program then holds each weight's
+    codes as W^T rows (what the shadow path reads) and not as W."""
+    from llmnpu_delegate.kernels.ops import quantize_weight
+    from llmnpu_delegate.lower import table
+
+    model = _TwoLinears().eval()
+    x = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(1))
+    x[..., 5] *= 30
+    rows_ep = table.quantize_dynamic(torch.export.export(model, (x,), strict=False).module(), [(x,)])
+    monkeypatch.setattr(table, "int8_weights_as_rows", lambda gm: 0)
+    plain_ep = table.quantize_dynamic(torch.export.export(model, (x,), strict=False).module(), [(x,)])
+    assert not any(n.target == torch.ops.aten.linear.default for n in rows_ep.graph.nodes)
+    got, buffer, left = _xnnpack_outputs(rows_ep, x)
+    want, plain_buffer, _ = _xnnpack_outputs(plain_ep, x)
+    assert not left and got.shape == (1, 7, 24)        # all of it in XNNPACK
+    assert torch.equal(got, want)
+    assert (got - model(x)).abs().max() > 0          # it is INT8 (a float product would match the model)
+    for lin in (model.a, model.b, model.c):
+        q, _ = quantize_weight(lin.weight, "channel")
+        assert bytes(buffer).find(q.t().contiguous().numpy().tobytes()) >= 0
+        assert bytes(buffer).find(q.numpy().tobytes()) < 0 <= bytes(plain_buffer).find(q.numpy().tobytes())

@@ -73,6 +73,9 @@ def cmd_export(args) -> dict:
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
+    held = summary["rows_in_program"]
+    cold = (f"; cold rows of {held} linears read from the program's own INT8 weights, of {sh['linears'] - held} "
+            f"from a rows file of {summary['rows_bytes'] / 2**20:.1f} MiB" if sh["form"] == "sparse" else "")
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
                  f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
@@ -82,7 +85,6 @@ def cmd_export(args) -> dict:
                  f"worker(s) (their seconds: {stages})\n"
                  f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
                  f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
-                 f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}); cold rows on disk "
-                 f"{summary['rows_bytes'] / 2**20:.1f} MiB\n"
+                 f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
                  f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary

@@ -10,11 +10,18 @@ One layout serves the engine's cache and the ``.pte``'s rows file: one block per
 return, the sidecar's ``shadow`` entry) gives, in little-endian ``rows_dtype``:
 - ``float32``: the engine's cache, which it maps;
 - ``float16``: half the bytes, its rounding a 2^-11 part of a rare outlier's share of the product;
-- ``int8``: a program's file (the default): the linear's own INT8 weight codes, per output channel
-  as its INT8 GEMM quantizes them (``kernels.quantize_weight``), the block's ``out_features`` float32
-  scales first (at ``scales_offset``, 4-byte aligned); a row is ``code * scale``, one rounding. A
+- ``int8``: a program's rows (the default): the linear's own INT8 weight codes, per output channel
+  as its INT8 GEMM quantizes them (``kernels.quantize_weight``), with the block's ``out_features``
+  float32 scales (at ``scales_offset``, 4-byte aligned); a row is ``code * scale``, one rounding. A
   quarter of float32's bytes, at an accuracy cost within measurement noise (docs/results.md, "Cold
   shadow rows as INT8 codes").
+
+A program whose XNNPACK methods store a linear's weight as the rows of W^T (``lower/xnnpack_forms.
+int8_weights_as_rows``: the decode step, float-output NPU methods) holds those very codes and
+scales: that linear's entry then says ``"rows_in": "program"``, its offsets are into the ``.pte``,
+and its rows are indexed by input channel (row ``c`` at ``rows_offset + c * out_features``), every
+channel's row being there. A rows file holds only the linears the program does not; a program
+whose linears are all in it has none.
 
 ``RowStore`` serves one linear's rows and its product; ``ColdRows`` is a program's rows file, one
 store per linear, whose rows are read when hit and not kept (``FileRows``), as the native runner
@@ -39,16 +46,30 @@ ROW_DTYPES = {"float32": "<f4", "float16": "<f2", "int8": "i1"}     # a rows fil
 PROGRAM_ROW_DTYPE = "int8"
 
 
-def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path, dtype: str = "float32") -> dict:
+def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Path, dtype: str = "float32",
+                    program_rows: dict[str, dict] | None = None) -> dict:
     """Write each shadowed linear's cold rows (``blocks``: name -> (W [N, K], its cold input channels,
-    its clip threshold)) one block after another into ``path`` (atomically) as ``dtype``; returns the
-    description: the sidecar's ``shadow`` entry."""
+    its clip threshold)) one block after another into ``path`` (atomically) as ``dtype``, except the
+    linears in ``program_rows`` (name -> the ``rows_offset`` and ``scales_offset`` of its INT8 W^T rows
+    and scales in the program; ``dtype`` int8 only); returns the description: the sidecar's
+    ``shadow`` entry. No file is written when every linear is in the program."""
+    program_rows = program_rows or {}
+    if program_rows and dtype != "int8":
+        raise LlmNpuError(f"a program holds INT8 rows; cold rows of type {dtype} go to a rows file")
     linears, offset = {}, 0
+    to_file = {name: block for name, block in blocks.items() if name not in program_rows}
+    for name, (w, cold, clip) in blocks.items():
+        linears[name] = {"cold_channels": [int(c) for c in cold], "in_features": w.shape[1],
+                         "out_features": w.shape[0], "clip": clip}
+        if name in program_rows:
+            linears[name].update(rows_in="program", rows_offset=int(program_rows[name]["rows_offset"]),
+                                 scales_offset=int(program_rows[name]["scales_offset"]))
+    desc = {"form": "sparse", "rows_dtype": dtype, "linears": linears}
+    if not to_file:
+        return desc
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        for name, (w, cold, clip) in blocks.items():
-            w = w.detach().float()
-            entry = {"cold_channels": [int(c) for c in cold], "in_features": w.shape[1], "out_features": w.shape[0],
-                     "clip": clip}
+        for name, (w, cold, clip) in to_file.items():
+            w, entry = w.detach().float(), linears[name]
             if dtype == "int8":
                 q, scale = quantize_weight(w, "channel")
                 f.write(scale.numpy().astype("<f4").tobytes())
@@ -61,10 +82,12 @@ def write_cold_rows(blocks: dict[str, tuple[Tensor, list[int], float]], path: Pa
             pad = -offset % 4                                    # the next block's scales stay aligned
             f.write(b"\0" * pad)
             offset += pad
-            linears[name] = entry
-    digest = file_sha256(path)
-    return {"form": "sparse", "rows_file": path.name, "rows_dtype": dtype, "bytes": offset, "rows_sha256": digest,
-            "linears": linears}
+    return {**desc, "rows_file": path.name, "bytes": offset, "rows_sha256": file_sha256(path)}
+
+
+def in_program(lin: dict) -> bool:
+    """Whether a linear's rows (a sidecar ``shadow.linears`` entry) are the program's own bytes."""
+    return lin.get("rows_in") == "program"
 
 
 def other_channels(channels: Tensor, in_features: int) -> Tensor:
@@ -86,10 +109,14 @@ def map_rows(path: Path, nbytes: int) -> Tensor | None:
 class FileRows:
     """A [count, n] block of rows (``dtype``) at byte ``offset`` of an open file, read as float32 when
     indexed and not kept: a mapping would leave every row ever hit resident (most of the file after a
-    long prompt). INT8 rows are scaled by the block's ``n`` scales at ``scales_offset``, read once."""
+    long prompt). INT8 rows are scaled by the block's ``n`` scales at ``scales_offset``, read once.
+    ``rows``: where each of the ``count`` rows lies in the block, in rows (a program's W^T holds every
+    input channel's row: the cold channels themselves); None for the rows file's 0, 1, 2, ..."""
 
-    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str, scales_offset: int | None = None):
+    def __init__(self, fd: int, offset: int, count: int, n: int, dtype: str, scales_offset: int | None = None,
+                 rows: list[int] | None = None):
         self.fd, self.offset, self.shape, self.dtype = fd, offset, (count, n), np.dtype(ROW_DTYPES[dtype])
+        self.at = rows
         self.scales = None
         if dtype == "int8":
             data = os.pread(fd, 4 * n, scales_offset)
@@ -99,7 +126,8 @@ class FileRows:
 
     def __getitem__(self, slots: Tensor) -> Tensor:
         row = self.shape[1] * self.dtype.itemsize
-        data = b"".join(os.pread(self.fd, row, self.offset + s * row) for s in slots.tolist())
+        at = slots.tolist() if self.at is None else [self.at[s] for s in slots.tolist()]
+        data = b"".join(os.pread(self.fd, row, self.offset + r * row) for r in at)
         if len(data) != slots.numel() * row:
             raise LlmNpuError(f"the rows file ended early (read {len(data)} of {slots.numel() * row} bytes): "
                               f"export again")
@@ -169,16 +197,20 @@ class RowStore:
 
 
 def row_stores(rows: Tensor | int | None, shadow: dict,
-               hot_rows: dict[str, tuple[Tensor, Tensor]] | None = None) -> dict[str, RowStore]:
+               hot_rows: dict[str, tuple[Tensor, Tensor]] | None = None, program: int | None = None) -> dict[str, RowStore]:
     """A store per linear of a rows file's description ``shadow`` over its mapped ``rows`` (or an open
-    file descriptor: rows read when hit); ``hot_rows`` (name -> (hot channels, their rows)) when RAM
-    holds them, else the hot channels are the rest."""
+    file descriptor: rows read when hit; ``program``: the open ``.pte``, for the linears whose rows
+    it holds); ``hot_rows`` (name -> (hot channels, their rows)) when RAM holds them, else the hot
+    channels are the rest."""
     stores = {}
     for name, lin in shadow["linears"].items():
         k, n = lin["in_features"], lin["out_features"]
         cold = torch.tensor(lin["cold_channels"], dtype=torch.int64)
-        if rows is None or not cold.numel():
+        if not cold.numel() or (rows is None and not in_program(lin)):
             block = None
+        elif in_program(lin):
+            block = FileRows(program, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"], lin["scales_offset"],
+                             lin["cold_channels"])
         elif isinstance(rows, int):
             block = FileRows(rows, lin["rows_offset"], cold.numel(), n, shadow["rows_dtype"], lin.get("scales_offset"))
         else:                                   # the engine's float32 cache, mapped
@@ -193,25 +225,44 @@ def row_stores(rows: Tensor | int | None, shadow: dict,
 
 
 class ColdRows:
-    """A program's rows file (beside the ``.pte``), checked against the sidecar's ``shadow`` entry and
-    held open, its rows read when hit; the hot rows are in the program, so only the cold part runs here."""
+    """A program's cold rows, checked against the sidecar's ``shadow`` entry and held open, read when
+    hit: those in the rows file beside the ``.pte`` (``path``) and those in the ``.pte`` itself
+    (``program``). The hot rows are in the program's methods, so only the cold part runs here."""
 
-    def __init__(self, path: Path | None, shadow: dict):
+    def __init__(self, path: Path | None, shadow: dict, program: Path | None = None):
         self.stores: dict[str, RowStore] = {}
         self.clips: dict[str, float] = {}
+        self._fds: list[int] = []
         if shadow.get("form") != "sparse":
             return
-        if path is None or not Path(path).is_file():
-            raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
-        if Path(path).stat().st_size != shadow["bytes"] or file_sha256(Path(path)) != shadow["rows_sha256"]:
-            raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
-        self._fd = os.open(path, os.O_RDONLY)
-        self.stores = row_stores(self._fd, shadow)
+        rows = program_fd = None
+        if "rows_file" in shadow:
+            if path is None or not Path(path).is_file():
+                raise LlmNpuError(f"the program's cold rows file {shadow['rows_file']} is missing: copy it with the .pte")
+            if Path(path).stat().st_size != shadow["bytes"] or file_sha256(Path(path)) != shadow["rows_sha256"]:
+                raise LlmNpuError(f"{path} does not belong to this program (size or digest differ): export again")
+            rows = self._open(path)
+        held = {name: lin for name, lin in shadow["linears"].items() if in_program(lin)}
+        if held:
+            if program is None or not Path(program).is_file():
+                raise LlmNpuError("the sidecar reads cold rows from the program, and no .pte was given")
+            size = Path(program).stat().st_size
+            for name, lin in held.items():
+                n = lin["out_features"]
+                if not (0 <= lin["rows_offset"] and lin["rows_offset"] + lin["in_features"] * n <= size
+                        and 0 <= lin["scales_offset"] and lin["scales_offset"] + 4 * n <= size):
+                    raise LlmNpuError(f"the sidecar's cold rows of {name} lie outside {program}: export again")
+            program_fd = self._open(program)
+        self.stores = row_stores(rows, shadow, program=program_fd)
         self.clips = {name: lin["clip"] for name, lin in shadow["linears"].items()}
 
+    def _open(self, path: Path) -> int:
+        self._fds.append(os.open(path, os.O_RDONLY))
+        return self._fds[-1]
+
     def __del__(self):
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        for fd in getattr(self, "_fds", ()):
+            os.close(fd)
 
     @property
     def fetched(self) -> int:

@@ -24,7 +24,8 @@ FORMAT = "llmnpu-pte-sidecar"
 #    instead of keeping whole linears float; the embedding table in float16, one INT8 LM head
 # 6: an NPU linear's output has ``bits``: 8 (requantized, with its encoding) or 32 (float; the
 #    decode's INT8 linears then carry the same zero columns)
-VERSION = 6
+# 7: a shadowed linear's cold rows may be the program's own W^T rows (``"rows_in": "program"``)
+VERSION = 7
 
 NUM = "number"
 ANY = "any"
@@ -45,7 +46,8 @@ SCHEMA = {
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
     "shadow": {"form": str, "rows_file?": str, "rows_dtype?": str, "bytes?": int, "rows_sha256?": str,
                "linears?": {str: {"cold_channels": INTS, "rows_offset": int, "in_features": int,
-                                  "out_features": int, "clip": NUM, "scales_offset?": int}}},
+                                  "out_features": int, "clip": NUM, "scales_offset?": int,
+                                  "rows_in?": str}}},
     "tokenizer": (None, {"folder": str, "files": STRS, "bos_id": (int, None), "eos_ids": INTS,
                          "chat_template?": (str, None)}),
     "decode": {"method": str, "mode": str, "backend": str, "hot_inputs": {str: INTS}, "inputs": STRS, "outputs": STRS,
@@ -127,10 +129,17 @@ def check_sidecar(meta: dict) -> str | None:
     if shadow["form"] not in ("sparse", "dense"):
         return f"shadow.form is {shadow['form']!r}"
     if shadow["form"] == "sparse":
-        if any(k not in shadow for k in ("rows_file", "rows_dtype", "linears")):
-            return "a sparse shadow lacks its rows file, their type or linears"
+        if any(k not in shadow for k in ("rows_dtype", "linears")):
+            return "a sparse shadow lacks its rows' type or linears"
         if shadow["rows_dtype"] not in ROW_DTYPES:
             return f"shadow.rows_dtype is {shadow['rows_dtype']!r}, not one of {', '.join(ROW_DTYPES)}"
+        places = {lin.get("rows_in", "rows_file") for lin in shadow["linears"].values()}
+        if places - {"rows_file", "program"}:
+            return f"shadow.linears put rows in {sorted(places - {'rows_file', 'program'})[0]!r}"
+        if "rows_file" in places and any(k not in shadow for k in ("rows_file", "bytes", "rows_sha256")):
+            return "a sparse shadow lacks its rows file"
+        if "program" in places and shadow["rows_dtype"] != "int8":
+            return "shadow.linears read rows of the program, which holds INT8 ones only"
         if shadow["rows_dtype"] == "int8" and any("scales_offset" not in lin for lin in shadow["linears"].values()):
             return "shadow.linears of INT8 rows lack their scales_offset"
         branches = [b["linear"] for e in subs for b in e.get("shadow", [])]

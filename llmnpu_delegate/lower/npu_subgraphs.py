@@ -29,6 +29,7 @@ from ..errors import LlmNpuError
 from ..format.regions import RegionSpec
 from ..quantize.apply import LinearPlan
 from .encodings import LlmNpuQuantizer
+from .xnnpack_forms import int8_weights_as_rows
 
 
 
@@ -185,7 +186,10 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     with torch.no_grad():
         for block in calib_rows.split(n):
             prepared(*spec.inputs(block))
-    return convert_pt2e(prepared), example
+    converted = convert_pt2e(prepared)
+    if output_bits == 32:
+        int8_weights_as_rows(converted)     # the decode's form of the same weights (``table.quantize_dynamic``)
+    return converted, example
 
 
 def check_output_bits(output_bits: int, target: str) -> None:

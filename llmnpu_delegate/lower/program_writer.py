@@ -127,7 +127,8 @@ class ProgramWriter:
 
     def write(self, path: str | Path) -> dict:
         """Serialize the methods added so far as one ``.pte`` at ``path`` (temporary name, renamed);
-        returns its size and SHA-256."""
+        returns its size, SHA-256 and where each named data entry lies in it (``named_data``: key ->
+        (byte offset, size))."""
         from executorch.exir import ExecutorchBackendConfig
         from executorch.exir._serialize._program import PTEFile, serialize_pte_binary
         from executorch.exir.schema import Program, SubsegmentOffsets
@@ -152,7 +153,24 @@ class ProgramWriter:
             while block := f.read(1 << 24):
                 digest.update(block)
                 size += len(block)
-        return {"bytes": size, "sha256": digest.hexdigest()}
+        return {"bytes": size, "sha256": digest.hexdigest(), "named_data": named_data_offsets(path)}
+
+
+def named_data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Key -> (byte offset in the file, size) of each named data entry of the ``.pte`` at ``path``,
+    read from its header and program table (the segments themselves are not read)."""
+    from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+        header = _get_extended_header(head)
+        if header is None or not header.is_valid():
+            return {}
+        f.seek(0)
+        program = _flatbuffer_to_program(f.read(header.program_size))
+    segments = program.segments
+    return {d.key: (header.segment_base_offset + segments[d.segment_index].offset, segments[d.segment_index].size)
+            for d in program.named_data}
 
 
 def _intern(table: list, at: dict, item, data: bytes) -> int:

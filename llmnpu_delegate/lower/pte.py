@@ -41,7 +41,7 @@ from torch import Tensor
 from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
-from ..format.rows import PROGRAM_ROW_DTYPE, write_cold_rows
+from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
 from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
 from ..format.tasks import dependency_table
 from ..partitioner.regions import is_linear
@@ -53,6 +53,7 @@ from .npu_subgraphs import check_output_bits, lower_region, output_groups, regio
 from .export_shortcuts import lowering_shortcuts
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
+from .shadow import rows_in_program
 from .table import quantize_dynamic
 from .workers import Claims, Spool, default_workers, run_jobs
 from .xnnpack_forms import for_xnnpack
@@ -218,10 +219,15 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         writer.add(spool.take(results.pop(DECODE_JOB)["method"]))
     bar.set_postfix_str(f"writing {len(writer.methods)} methods")
     with _timed(stages, "write"):
-        shadow_meta = (write_cold_rows(_cold_blocks(engine), rows_path(out), PROGRAM_ROW_DTYPE) if shadow == "sparse"
-                       else {"form": "dense"})
         tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
         written = writer.write(out)
+        shadow_meta = {"form": "dense"}
+        if shadow == "sparse":      # the rows the program holds are not written again (``shadow.rows_in_program``)
+            blocks = _cold_blocks(engine)
+            shadow_meta = write_cold_rows(blocks, rows_path(out), PROGRAM_ROW_DTYPE,
+                                          rows_in_program(blocks, written["named_data"]))
+        if "rows_file" not in shadow_meta:
+            rows_path(out).unlink(missing_ok=True)      # an earlier export's, which nothing would read
         meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, written)
         meta.update(shadow=shadow_meta, tokenizer=tok_meta,
                     decode=kv_format.describe(decode, engine.kv, context, hot))
@@ -238,6 +244,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
             "output_bits": output_bits,
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
+            "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
             "seconds": round(time.perf_counter() - t0, 1),
             "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}

@@ -71,3 +71,37 @@ def add_shadow_paths(gm: fx.GraphModule, plans: dict[str, LinearPlan], prefix: s
     graph.lint()
     gm.recompile()
     return added
+
+
+def rows_in_program(blocks: dict[str, tuple], named_data: dict[str, tuple[int, int]]) -> dict[str, dict]:
+    """Which shadowed linears' cold rows a written program holds itself, and where.
+
+    XNNPACK's serializer keys each constant of a program by the SHA-256 of its bytes, and a weight's
+    per-channel scales by ``"scale_"`` and theirs. A dynamically quantized linear's weight is stored
+    as the INT8 rows of W^T (``xnnpack_forms.int8_weights_as_rows``; with the float-output methods'
+    zero columns, ``npu_subgraphs.SENTINELS`` zero rows after them), the codes and scales of
+    ``quantize_weight``: the rows the shadow path reads. ``blocks``: name -> (W [N, K], cold
+    channels, clip), as for ``write_cold_rows``; ``named_data``: ``ProgramWriter.write``'s. Returns
+    name -> ``rows_offset``, ``scales_offset`` (bytes into the ``.pte``) for those found."""
+    import hashlib
+
+    import torch.nn.functional as F
+
+    from ..kernels.ops import quantize_weight
+    from .npu_subgraphs import SENTINELS
+
+    def key(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+    found = {}
+    for name, (w, _cold, _clip) in blocks.items():
+        q, scale = quantize_weight(w.detach().float(), "channel")
+        scales = named_data.get("scale_" + key(scale.float()))
+        if scales is None or scales[1] != 4 * q.shape[0]:
+            continue
+        for rows in (q.t(), F.pad(q.t(), (0, 0, 0, SENTINELS))):
+            at = named_data.get(key(rows))
+            if at is not None and at[1] == rows.numel():
+                found[name] = {"rows_offset": at[0], "scales_offset": scales[0]}
+                break
+    return found

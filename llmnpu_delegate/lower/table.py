@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, fx
 
 from ..partitioner.regions import is_linear
+from .xnnpack_forms import int8_weights_as_rows
 
 TABLE_DTYPE = torch.float16
 
@@ -88,6 +89,7 @@ def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], float_weights=(
         prepared(*args)
     converted = convert_pt2e(prepared, fold_quantize=False)
     fold_weight_quantization(converted)
+    int8_weights_as_rows(converted)         # W^T rows: a shadow path's cold rows are the program's bytes
     return torch.export.export(converted, examples[0], strict=False)
 
 

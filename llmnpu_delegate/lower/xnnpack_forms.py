@@ -9,6 +9,7 @@ program's ATen graph, before ``to_edge_transform_and_lower``.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import fx
@@ -64,3 +65,76 @@ def drop_empty_concats(gm: fx.GraphModule) -> int:
             done += 1
     gm.recompile()
     return done
+
+
+def int8_weights_as_rows(gm: fx.GraphModule) -> int:
+    """Rewrite each bias-free linear with a dynamically quantized input and a per-output-channel INT8
+    weight (a converted pt2e graph, weights folded) as ``addmm(0, x, dequantize(W_q^T, axis 1))``:
+    the same product (XNNPACK's FullyConnected with ``XNN_FLAG_TRANSPOSE_WEIGHTS`` packs either
+    layout into the same kernel), but the program then stores each weight as the rows of W^T, so the
+    row a shadow path reads for an outlier in input channel c is one contiguous slice of the
+    program's own bytes (``format/rows.py``: a program needs no rows file of its own).
+    ``addmm`` and not ``mm``: ExecuTorch's ``mm`` serializer cannot read per-channel scales (it passes
+    no program to ``QuantParams``); a zero bias is exact, and equal biases are stored once.
+    Returns the number rewritten."""
+    aten, qd = torch.ops.aten, torch.ops.quantized_decomposed
+    graph, done, flat_inputs = gm.graph, 0, {}
+    for node in list(graph.nodes):
+        if node.target != aten.linear.default or (len(node.args) > 2 and node.args[2] is not None):
+            continue
+        x, dq = node.args[0], node.args[1]
+        if (getattr(x, "target", None) != qd.dequantize_per_tensor.tensor
+                or getattr(dq, "target", None) != qd.dequantize_per_channel.default
+                or dq.args[0].op != "get_attr" or dq.args[3] != 0):
+            continue
+        codes = dq.args[0]
+        w = _attr(gm, codes.target)
+        if w.dim() != 2 or w.dtype != torch.int8:
+            continue
+        n, k = w.shape
+        stem = codes.target.replace(".", "_")
+        gm.register_buffer(f"{stem}_rows", w.t().contiguous())
+        gm.register_buffer(f"{stem}_zero_bias", torch.zeros(n))
+        lead = list(node.meta["val"].shape[:-1])
+        with graph.inserting_before(node):
+            rows = graph.get_attr(f"{stem}_rows")
+            weight = graph.call_function(dq.target, (rows, *dq.args[1:3], 1, *dq.args[4:]), dq.kwargs)
+            if len(lead) != 1 and x not in flat_inputs:      # one chain per input (q, k and v share theirs)
+                flat_inputs[x] = _flat_dynamic(graph, x, k)
+            flat = flat_inputs.get(x, x)
+            product = graph.call_function(aten.addmm.default, (graph.get_attr(f"{stem}_zero_bias"), flat, weight))
+            out = product if len(lead) == 1 else graph.call_function(aten.view.default, (product, [*lead, n]))
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        if not dq.users:
+            graph.erase_node(dq)
+        if not codes.users:            # an attribute nothing reads would stay in the program as a constant
+            graph.erase_node(codes)
+            owner, _, leaf = codes.target.rpartition(".")
+            delattr(gm.get_submodule(owner) if owner else gm, leaf)
+        done += 1
+    graph.eliminate_dead_code()       # the rank-3 quantize chains the flat ones replaced
+    graph.lint()
+    gm.recompile()
+    return done
+
+
+def _flat_dynamic(graph: fx.Graph, dq: fx.Node, k: int) -> fx.Node:
+    """``dq`` (``dequantize(quantize(x, choose_qparams(x)))``) again on ``x`` viewed as [-1, k] rows,
+    inserted at the graph's insertion point: XNNPACK's partitioner takes a dynamically quantized
+    ``addmm`` only when the chain feeds it directly (a view between them leaves it float)."""
+    q = dq.args[0]
+    choose = q.args[1].args[0]
+    x = graph.call_function(torch.ops.aten.view.default, (q.args[0], [-1, k]))
+    chosen = graph.call_function(choose.target, (x, *choose.args[1:]), choose.kwargs)
+    scale = graph.call_function(operator.getitem, (chosen, 0))
+    zero = graph.call_function(operator.getitem, (chosen, 1))
+    codes = graph.call_function(q.target, (x, scale, zero, *q.args[3:]), q.kwargs)
+    return graph.call_function(dq.target, (codes, scale, zero, *dq.args[3:]), dq.kwargs)
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

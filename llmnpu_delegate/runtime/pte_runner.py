@@ -130,7 +130,7 @@ class PteRunner:
 
         backends.get(meta["target"]).prepare_runtime()
         shadow = meta["shadow"]
-        self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow)
+        self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow, Path(pte))
         self.pte = Path(pte)
         # One program per worker, each mapping the file (the runtime reads the methods in place): the
         # host methods of a program share one planned arena, sized to the largest of them (ExecuTorch's

@@ -123,33 +123,50 @@ void codes_to_floats(const int8_t* q, const float* scale, float* f, int64_t n) {
   for (int64_t j = 0; j < n; ++j) f[j] = static_cast<float>(q[j]) * scale[j];   // one rounding, as numpy's
 }
 
-ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
-  if (s.shadow_form != "sparse" || s.rows_bytes == 0) return;
-  std::string path = dir + "/" + s.rows_file;
+namespace {
+
+// Opens `path` read-only and returns its descriptor and size; throws InputError(`missing`) if it cannot.
+int open_sized(const std::string& path, const std::string& missing, int64_t& size) {
   int fd = open(path.c_str(), O_RDONLY);
-  if (fd < 0) throw InputError("the program's cold rows file " + s.rows_file + " is missing: copy it with the .pte");
+  if (fd < 0) throw InputError(missing);
   struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size != s.rows_bytes) {
+  if (fstat(fd, &st) != 0) {
     close(fd);
-    throw InputError(path + " does not belong to this program (its size differs): export again");
+    throw InputError(missing);
   }
-  fd_ = fd;
+  size = static_cast<int64_t>(st.st_size);
+  return fd;
+}
+
+}  // namespace
+
+ColdRows::ColdRows(const Sidecar& s, const std::string& dir, const std::string& pte) : s_(s) {
+  if (s.shadow_form != "sparse") return;
+  int64_t rows_size = 0, pte_size = 0;
+  if (!s.rows_file.empty() && s.rows_bytes > 0) {
+    const std::string path = dir + "/" + s.rows_file;
+    fd_ = open_sized(path, "the program's cold rows file " + s.rows_file + " is missing: copy it with the .pte", rows_size);
+    if (rows_size != s.rows_bytes) throw InputError(path + " does not belong to this program (its size differs): export again");
+  }
+  for (const auto& [name, c] : s.cold)
+    if (c.in_program && program_fd_ < 0) program_fd_ = open_sized(pte, "cannot open " + pte, pte_size);
   for (const auto& [name, c] : s.cold) {
-    int64_t end = c.rows_offset + static_cast<int64_t>(c.cold_channels.size()) * c.out_features * s.rows_itemsize;
+    // the program holds a row for every input channel; the rows file one per cold channel
+    const int64_t rows = c.in_program ? c.in_features : static_cast<int64_t>(c.cold_channels.size());
+    const int64_t size = c.in_program ? pte_size : rows_size;
+    const std::string& where = c.in_program ? pte : s.rows_file;
+    const int64_t end = c.rows_offset + rows * c.out_features * s.rows_itemsize;
     const bool scaled = s.rows_itemsize == 1;
     const int64_t scales_end = c.scales_offset + 4 * c.out_features;
-    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > s.rows_bytes ||
-        (scaled && (c.scales_offset < 0 || c.scales_offset % 4 || scales_end > s.rows_bytes))) {
-      close(fd_);
-      throw InputError("the sidecar's cold rows of " + name + " lie outside " + path + ": export again");
-    }
+    if (c.rows_offset < 0 || c.rows_offset % s.rows_itemsize || end > size ||
+        (scaled && (c.scales_offset < 0 || c.scales_offset % 4 || scales_end > size)))
+      throw InputError("the sidecar's cold rows of " + name + " lie outside " + where + ": export again");
     if (scaled) {   // little-endian float32, as the hosts this runs on (x86-64, aarch64 Linux/Android)
       std::vector<float> scales(static_cast<size_t>(c.out_features));
       const auto bytes = static_cast<ssize_t>(scales.size() * sizeof(float));
-      if (pread(fd_, scales.data(), static_cast<size_t>(bytes), static_cast<off_t>(c.scales_offset)) != bytes) {
-        close(fd_);
-        throw InputError("cannot read the cold rows' scales of " + name + " from " + path + ": export again");
-      }
+      if (pread(c.in_program ? program_fd_ : fd_, scales.data(), static_cast<size_t>(bytes),
+                static_cast<off_t>(c.scales_offset)) != bytes)
+        throw InputError("cannot read the cold rows' scales of " + name + " from " + where + ": export again");
       scales_[name] = std::move(scales);
     }
   }
@@ -157,6 +174,7 @@ ColdRows::ColdRows(const Sidecar& s, const std::string& dir) : s_(s) {
 
 ColdRows::~ColdRows() {
   if (fd_ >= 0) close(fd_);
+  if (program_fd_ >= 0) close(program_fd_);
 }
 
 void ColdRows::add_product(const std::string& linear, const Value& x, const Value& hits, Value& out) {
@@ -177,11 +195,12 @@ void ColdRows::add_product(const std::string& linear, const Value& x, const Valu
     channels.push_back(ch);
     rows.resize(channels.size() * static_cast<size_t>(n));
     float* row = rows.data() + (channels.size() - 1) * n;
-    const off_t at = static_cast<off_t>(c.rows_offset + static_cast<int64_t>(slot) * row_bytes);
+    const int64_t index = c.in_program ? ch : static_cast<int64_t>(slot);
+    const off_t at = static_cast<off_t>(c.rows_offset + index * row_bytes);
     void* dst = !half.empty() ? static_cast<void*>(half.data()) : !codes.empty() ? static_cast<void*>(codes.data())
                                                                                  : static_cast<void*>(row);
-    if (pread(fd_, dst, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
-      throw RunError("cannot read the cold rows of " + linear + " from " + s_.rows_file);
+    if (pread(c.in_program ? program_fd_ : fd_, dst, static_cast<size_t>(row_bytes), at) != static_cast<ssize_t>(row_bytes))
+      throw RunError("cannot read the cold rows of " + linear + (c.in_program ? " from the program" : " from " + s_.rows_file));
     if (!half.empty()) halves_to_floats(half.data(), row, n);
     if (!codes.empty()) codes_to_floats(codes.data(), scales, row, n);
   }

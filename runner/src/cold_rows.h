@@ -1,5 +1,6 @@
-// The shadow path's cold rows: the rows of W^T a program does not hold, in the rows file beside it
-// (format/rows.py's layout), multiplied one row per hit channel. Mirrors format/rows.py (ColdRows).
+// The shadow path's cold rows: the rows of W^T its methods do not multiply densely, in the rows file
+// beside the program or in the program's own INT8 weights (format/rows.py's layout), multiplied one
+// row per hit channel. Mirrors format/rows.py (ColdRows).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -17,7 +18,8 @@ namespace llmnpu {
 // file after one long prompt).
 class ColdRows {
  public:
-  ColdRows(const Sidecar& s, const std::string& dir);
+  // `dir`: the folder of the rows file; `pte`: the program, for the linears whose rows it holds.
+  ColdRows(const Sidecar& s, const std::string& dir, const std::string& pte);
   ~ColdRows();
   ColdRows(const ColdRows&) = delete;
   ColdRows& operator=(const ColdRows&) = delete;
@@ -27,7 +29,8 @@ class ColdRows {
 
  private:
   const Sidecar& s_;
-  int fd_ = -1;
+  int fd_ = -1;           // the rows file
+  int program_fd_ = -1;   // the .pte
   std::map<std::string, std::vector<float>> scales_;   // INT8 rows: each linear's, read once
 };
 

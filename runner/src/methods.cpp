@@ -191,7 +191,7 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
   (void)executorch::runtime::set_option("XnnpackBackend", xnn.view());   // NotFound: no XNNPACK, fine
 
   auto slash = pte.find_last_of('/');
-  cold = std::make_unique<ColdRows>(s, slash == std::string::npos ? "." : pte.substr(0, slash));
+  cold = std::make_unique<ColdRows>(s, slash == std::string::npos ? "." : pte.substr(0, slash), pte);
   // One planned arena per prefill worker: the methods of its Module share one activation buffer,
   // sized to the largest of *its* methods (ExecuTorch's own sharing sizes it to the largest method of
   // the whole program: the attention's 22 MiB for the NPU lane's linears too), instead of one buffer

@@ -263,8 +263,10 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
     const auto& sh = m.at("shadow");
     s.shadow_form = sh.at("form").get<std::string>();
     if (s.shadow_form == "sparse") {
-      s.rows_file = sh.at("rows_file").get<std::string>();
-      s.rows_bytes = sh.at("bytes").get<int64_t>();
+      if (sh.contains("rows_file")) {   // absent when the program holds every linear's rows
+        s.rows_file = sh.at("rows_file").get<std::string>();
+        s.rows_bytes = sh.at("bytes").get<int64_t>();
+      }
       const std::string dtype = sh.at("rows_dtype").get<std::string>();
       if (dtype != "float32" && dtype != "float16" && dtype != "int8")
         throw InputError("sidecar " + s.path + " has cold rows of type " + dtype + ": export again");
@@ -277,6 +279,15 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
         c.out_features = lin.at("out_features").get<int64_t>();
         c.clip = lin.at("clip").get<double>();
         if (s.rows_itemsize == 1) c.scales_offset = lin.at("scales_offset").get<int64_t>();
+        if (lin.contains("rows_in")) {
+          const std::string where = lin.at("rows_in").get<std::string>();
+          if (where != "program" || s.rows_itemsize != 1)
+            throw InputError("sidecar " + s.path + " reads the cold rows of " + name + " from " + where +
+                             ": export again with this version");
+          c.in_program = true;
+        } else if (s.rows_file.empty()) {
+          throw InputError("sidecar " + s.path + " names no rows file for " + name + ": export the program again");
+        }
         s.cold[name] = c;
       }
     }

@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 6;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 7;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -39,6 +39,9 @@ struct ColdLinear {
   int64_t rows_offset = 0, in_features = 0, out_features = 0;
   int64_t scales_offset = -1;   // INT8 rows: the block's out_features float32 scales
   double clip = 0;
+  // The rows are the program's own W^T (format/rows.py "rows_in": "program"): offsets into the .pte,
+  // row c at rows_offset + c * out_features; else the rows file's, the i-th cold channel's i-th.
+  bool in_program = false;
 };
 
 struct TaskTable {  // format/tasks.py dependency_table
@@ -63,7 +66,7 @@ struct Sidecar {
   }
   std::string shadow_form, rows_file;
   int64_t rows_bytes = 0;
-  int rows_itemsize = 4;   // the rows file's items: 4 (float32), 2 (float16) or 1 (int8 codes, scaled)
+  int rows_itemsize = 4;   // the rows' items: 4 (float32), 2 (float16) or 1 (int8 codes, scaled)
   std::map<std::string, ColdLinear> cold;
   bool has_profile = false;
   std::map<int, double> profile_static;
