@@ -6,7 +6,7 @@ from torch import nn
 
 from llmnpu_delegate.capture import kv_shape
 from llmnpu_delegate.lower import decode as program_decode
-from llmnpu_delegate.lower.xnnpack_forms import for_xnnpack
+from llmnpu_delegate.lower.xnnpack_forms import for_xnnpack, mark_as_rows
 from llmnpu_delegate.models import load_model
 
 
@@ -71,7 +71,7 @@ def _xnnpack_outputs(ep, x):
     return method.execute([x])[0], program.buffer, left
 
 
-def test_int8_weights_as_w_transposed_rows_give_the_same_bits(monkeypatch):
+def test_int8_weights_as_w_transposed_rows_give_the_same_bits():
     """XNNPACK's dynamic INT8 linears with their weights stored as W^T rows (``int8_weights_as_rows``)
     give the bits of the plain linears, all inside XNNPACK, and the program then holds each weight's
     codes as W^T rows (what the shadow path reads) and not as W."""
@@ -81,9 +81,10 @@ def test_int8_weights_as_w_transposed_rows_give_the_same_bits(monkeypatch):
     model = _TwoLinears().eval()
     x = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(1))
     x[..., 5] *= 30
-    rows_ep = table.quantize_dynamic(torch.export.export(model, (x,), strict=False).module(), [(x,)])
-    monkeypatch.setattr(table, "int8_weights_as_rows", lambda gm: 0)
-    plain_ep = table.quantize_dynamic(torch.export.export(model, (x,), strict=False).module(), [(x,)])
+    marked = torch.export.export(model, (x,), strict=False).module()
+    mark_as_rows(n for n in marked.graph.nodes if n.target == torch.ops.aten.linear.default)
+    rows_ep = table.quantize_dynamic(marked, [(x,)])
+    plain_ep = table.quantize_dynamic(torch.export.export(model, (x,), strict=False).module(), [(x,)])  # not marked
     assert not any(n.target == torch.ops.aten.linear.default for n in rows_ep.graph.nodes)
     got, buffer, left = _xnnpack_outputs(rows_ep, x)
     want, plain_buffer, _ = _xnnpack_outputs(plain_ep, x)

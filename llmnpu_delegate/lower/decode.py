@@ -38,7 +38,7 @@ from ..families import family_of
 from ..format.kv import empty_cache
 from ..partitioner.regions import linear_names
 from .table import half_table_lookups, quantize_dynamic
-from .xnnpack_forms import for_xnnpack
+from .xnnpack_forms import for_xnnpack, mark_as_rows
 
 MODES = ("int8", "fp32")
 ATTN_IMPLEMENTATION = "llmnpu_decode"
@@ -115,7 +115,7 @@ def example_inputs(kv, context: int, position: int = 3) -> tuple:
 
 @torch.no_grad()
 def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_ids: Tensor | None = None,
-                  hot_inputs: dict[str, list[int]] | None = None, padded: list[str] = ()):
+                  hot_inputs: dict[str, list[int]] | None = None, padded: list[str] = (), as_rows: list[str] = ()):
     """The decode step as an edge program lowered to XNNPACK (``mode``: ``int8`` dynamic-activation
     INT8 linears, or ``fp32``). ``calib_ids``: a few tokens that drive the INT8 flow's preparation
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
@@ -139,6 +139,10 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
         ep = torch.export.export(step, example, strict=False)
         if mode == "int8":
             gm = ep.module()
+            rows = linear_names(gm, list(as_rows), "model.")     # before the rewrites below rename weights
+            if missing := sorted(set(as_rows) - set(rows.values())):
+                raise LlmNpuError(f"decode: linears {missing[:3]} to store as rows are not in the step")
+            mark_as_rows(rows)
             half_table_lookups(gm)          # the table's only float copy is float16 (``table.py``)
             float_rows = split_hot_inputs(gm, hot_inputs or {})
             pad_linears(gm, list(padded))

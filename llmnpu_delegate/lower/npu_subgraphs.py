@@ -27,9 +27,10 @@ from torch import Tensor, nn
 from .. import backends
 from ..errors import LlmNpuError
 from ..format.regions import RegionSpec
+from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
 from .encodings import LlmNpuQuantizer
-from .xnnpack_forms import int8_weights_as_rows
+from .xnnpack_forms import int8_weights_as_rows, mark_as_rows
 
 
 
@@ -181,14 +182,16 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     # non-strict: the region is plain tensor code, so Dynamo's bytecode tracing adds nothing but time
     # (the emitted methods are the same bytes; 14 % of an NPU method's lowering)
     graph = torch.export.export(module, example, strict=False).module()
-    ours = LlmNpuQuantizer(plan_names(spec, plans), granularity, flavour=backend.encodings, output_bits=output_bits)
+    local = plan_names(spec, plans)
+    mark_as_rows(node for node, name in linear_names(graph, local).items() if local[name].shadow)
+    ours = LlmNpuQuantizer(local, granularity, flavour=backend.encodings, output_bits=output_bits)
     prepared = prepare_pt2e(graph, backend.quantizer(ours))
     with torch.no_grad():
         for block in calib_rows.split(n):
             prepared(*spec.inputs(block))
     converted = convert_pt2e(prepared)
     if output_bits == 32:
-        int8_weights_as_rows(converted)     # the decode's form of the same weights (``table.quantize_dynamic``)
+        int8_weights_as_rows(converted)     # the shadowed ones, as the decode stores them (``decode.export_decode``)
     return converted, example
 
 

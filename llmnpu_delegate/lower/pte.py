@@ -285,7 +285,7 @@ def _lower_job(x: _Export, job: int) -> dict:
             pad = ([n for step in x.engine.program.steps if step.sub.kind == "npu" for n in step.sub.linears]
                    if x.output_bits == 32 else [])
             lowered = decode_step.export_decode(x.engine.model, x.engine.kv, x.context, x.decode, x.calib_ids,
-                                                x.hot, pad).exported_program("forward")
+                                                x.hot, pad, _shadowed(x.engine)).exported_program("forward")
         with _timed(stages, "to_executorch"):
             # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
             out["method"] = x.spool.put(emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False)),

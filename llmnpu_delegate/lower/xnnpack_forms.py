@@ -67,20 +67,33 @@ def drop_empty_concats(gm: fx.GraphModule) -> int:
     return done
 
 
+AS_ROWS = "llmnpu_weight_as_rows"     # node meta flag: a linear whose INT8 weight is stored as W^T rows
+
+
+def mark_as_rows(nodes) -> None:
+    """Flag linear ``nodes`` (before quantization: the flag survives pt2e) for ``int8_weights_as_rows``."""
+    for node in nodes:
+        node.meta[AS_ROWS] = True
+
+
 def int8_weights_as_rows(gm: fx.GraphModule) -> int:
-    """Rewrite each bias-free linear with a dynamically quantized input and a per-output-channel INT8
-    weight (a converted pt2e graph, weights folded) as ``addmm(0, x, dequantize(W_q^T, axis 1))``:
+    """Rewrite each flagged (``mark_as_rows``) bias-free linear with a dynamically quantized input and
+    a per-output-channel INT8 weight (a converted pt2e graph, weights folded) as
+    ``addmm(0, x, dequantize(W_q^T, axis 1))``:
     the same product (XNNPACK's FullyConnected with ``XNN_FLAG_TRANSPOSE_WEIGHTS`` packs either
     layout into the same kernel), but the program then stores each weight as the rows of W^T, so the
     row a shadow path reads for an outlier in input channel c is one contiguous slice of the
-    program's own bytes (``format/rows.py``: a program needs no rows file of its own).
+    program's own bytes (``format/rows.py``: a program needs no rows file of its own). Flag the
+    shadowed linears, in every method that holds them (the float-output NPU methods and the decode
+    step), so that their weights stay the same bytes, stored once.
     ``addmm`` and not ``mm``: ExecuTorch's ``mm`` serializer cannot read per-channel scales (it passes
     no program to ``QuantParams``); a zero bias is exact, and equal biases are stored once.
     Returns the number rewritten."""
     aten, qd = torch.ops.aten, torch.ops.quantized_decomposed
     graph, done, flat_inputs = gm.graph, 0, {}
     for node in list(graph.nodes):
-        if node.target != aten.linear.default or (len(node.args) > 2 and node.args[2] is not None):
+        if (node.target != aten.linear.default or not node.meta.get(AS_ROWS)
+                or (len(node.args) > 2 and node.args[2] is not None)):
             continue
         x, dq = node.args[0], node.args[1]
         if (getattr(x, "target", None) != qd.dequantize_per_tensor.tensor
