@@ -46,14 +46,15 @@ def test_decode_step_is_two_xnnpack_partitions_per_layer():
 
 
 class _TwoLinears(nn.Module):
-    """q/k-like linears sharing one rank-3 input, and one more on their sum."""
+    """q/k-like linears sharing one rank-3 input (one with a bias, as Qwen2's), and one more on their sum."""
 
     def __init__(self):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.a, self.b, self.c = nn.Linear(48, 40, bias=False), nn.Linear(48, 40, bias=False), nn.Linear(40, 24, bias=False)
+        self.a, self.b, self.c = nn.Linear(48, 40), nn.Linear(48, 40, bias=False), nn.Linear(40, 24, bias=False)
         for lin in (self.a, self.b, self.c):
             lin.weight.data = torch.randn(lin.weight.shape, generator=g)
+        self.a.bias.data = torch.randn(40, generator=g)
 
     def forward(self, x):
         return self.c(self.a(x) + self.b(x))

@@ -66,7 +66,7 @@ def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], float_weights=(
     as XNNPACK's dynamic INT8: weights per output channel, activations per token at run time; but
     not the linears whose weight is one of ``gm``'s attributes ``float_weights``. ``examples``: inputs
     to run the prepared module on (dynamic scales need no statistics; one run suffices); the first
-    is the export's example."""
+    is the export's example. Linears flagged ``xnnpack_forms.mark_as_rows`` store their weights as W^T rows."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -89,7 +89,7 @@ def quantize_dynamic(gm: torch.nn.Module, examples: list[tuple], float_weights=(
         prepared(*args)
     converted = convert_pt2e(prepared, fold_quantize=False)
     fold_weight_quantization(converted)
-    int8_weights_as_rows(converted)         # W^T rows: a shadow path's cold rows are the program's bytes
+    int8_weights_as_rows(converted)
     return torch.export.export(converted, examples[0], strict=False)
 
 

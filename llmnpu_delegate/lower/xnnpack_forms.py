@@ -77,9 +77,9 @@ def mark_as_rows(nodes) -> None:
 
 
 def int8_weights_as_rows(gm: fx.GraphModule) -> int:
-    """Rewrite each flagged (``mark_as_rows``) bias-free linear with a dynamically quantized input and
+    """Rewrite each flagged (``mark_as_rows``) linear with a dynamically quantized input and
     a per-output-channel INT8 weight (a converted pt2e graph, weights folded) as
-    ``addmm(0, x, dequantize(W_q^T, axis 1))``:
+    ``addmm(b, x, dequantize(W_q^T, axis 1))`` (``b`` its bias, or zeros):
     the same product (XNNPACK's FullyConnected with ``XNN_FLAG_TRANSPOSE_WEIGHTS`` packs either
     layout into the same kernel), but the program then stores each weight as the rows of W^T, so the
     row a shadow path reads for an outlier in input channel c is one contiguous slice of the
@@ -92,8 +92,7 @@ def int8_weights_as_rows(gm: fx.GraphModule) -> int:
     aten, qd = torch.ops.aten, torch.ops.quantized_decomposed
     graph, done, flat_inputs = gm.graph, 0, {}
     for node in list(graph.nodes):
-        if (node.target != aten.linear.default or not node.meta.get(AS_ROWS)
-                or (len(node.args) > 2 and node.args[2] is not None)):
+        if node.target != aten.linear.default or not node.meta.get(AS_ROWS):
             continue
         x, dq = node.args[0], node.args[1]
         if (getattr(x, "target", None) != qd.dequantize_per_tensor.tensor
@@ -107,7 +106,9 @@ def int8_weights_as_rows(gm: fx.GraphModule) -> int:
         n, k = w.shape
         stem = codes.target.replace(".", "_")
         gm.register_buffer(f"{stem}_rows", w.t().contiguous())
-        gm.register_buffer(f"{stem}_zero_bias", torch.zeros(n))
+        bias = node.args[2] if len(node.args) > 2 else None
+        if bias is None:
+            gm.register_buffer(f"{stem}_zero_bias", torch.zeros(n))
         lead = list(node.meta["val"].shape[:-1])
         with graph.inserting_before(node):
             rows = graph.get_attr(f"{stem}_rows")
@@ -115,7 +116,9 @@ def int8_weights_as_rows(gm: fx.GraphModule) -> int:
             if len(lead) != 1 and x not in flat_inputs:      # one chain per input (q, k and v share theirs)
                 flat_inputs[x] = _flat_dynamic(graph, x, k)
             flat = flat_inputs.get(x, x)
-            product = graph.call_function(aten.addmm.default, (graph.get_attr(f"{stem}_zero_bias"), flat, weight))
+            if bias is None:
+                bias = graph.get_attr(f"{stem}_zero_bias")
+            product = graph.call_function(aten.addmm.default, (bias, flat, weight))
             out = product if len(lead) == 1 else graph.call_function(aten.view.default, (product, [*lead, n]))
         node.replace_all_uses_with(out)
         graph.erase_node(node)
