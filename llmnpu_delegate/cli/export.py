@@ -48,8 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="processes lowering methods side by side (default: one per core); the program is the "
                         "same for any number")
-    p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .rows.bin cold "
-                                                "shadow rows, .tokenizer/ folder)")
+    p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .tokenizer/ folder, "
+                                                "and .rows.bin cold shadow rows if the program does not hold them)")
     add_output_args(p, "print the summary as JSON")
     p.set_defaults(func=cmd_export)
 
