@@ -92,9 +92,10 @@ def test_prefill_and_decode_logits_are_the_python_runners_bits(program, tmp_path
     assert np.abs(runner(ids, "ooo").logits.numpy() - logits[0]).max() > 1e-3
 
 
-def _with_rows_file(pte: Path, folder: Path) -> Path:
+def _with_rows_file(pte: Path, folder: Path, dtype: str = "int8") -> Path:
     """A copy of the program in ``folder`` whose cold rows come from a rows file (format/rows.py's
-    layout: a block's scales, then its cold channels' rows), written from the program's own W^T rows."""
+    layout: for INT8 rows a block's scales, then its cold channels' rows), written from the program's
+    own W^T rows; ``float16``: the rows ``code * scale`` rounded to float16, no scales."""
     for f in pte.parent.iterdir():
         if f.is_file() and f.suffix == ".pte":
             (folder / f.name).write_bytes(f.read_bytes())
@@ -105,11 +106,18 @@ def _with_rows_file(pte: Path, folder: Path) -> Path:
         assert lin.pop("rows_in") == "program"
         scales = program[lin["scales_offset"]:lin["scales_offset"] + 4 * n]
         rows = b"".join(program[lin["rows_offset"] + c * n:lin["rows_offset"] + (c + 1) * n] for c in lin["cold_channels"])
-        lin.update(out_features=n, scales_offset=len(out), rows_offset=len(out) + len(scales))
+        if dtype == "float16":
+            codes = np.frombuffer(rows, np.int8).reshape(-1, n).astype(np.float32)
+            rows, scales = (codes * np.frombuffer(scales, "<f4")).astype("<f2").tobytes(), b""
+            del lin["scales_offset"]
+        else:
+            lin["scales_offset"] = len(out)
+        lin.update(out_features=n, rows_offset=len(out) + len(scales))
         out += scales + rows + b"\0" * (-len(rows) % 4)
     rows_file = folder / (pte.stem + ".rows.bin")
     rows_file.write_bytes(bytes(out))
-    meta["shadow"].update(rows_file=rows_file.name, bytes=len(out), rows_sha256=hashlib.sha256(out).hexdigest())
+    meta["shadow"].update(rows_file=rows_file.name, rows_dtype=dtype, bytes=len(out),
+                          rows_sha256=hashlib.sha256(out).hexdigest())
     meta["sidecar_sha256"] = sidecar_digest(meta)
     sidecar_path(folder / pte.name).write_text(json.dumps(meta))
     return folder / pte.name
@@ -175,18 +183,25 @@ def test_policies_give_bit_identical_outputs(program, tmp_path):
 
 
 def test_the_cold_rows_portable_loops_give_the_same_bits(program, tmp_path, monkeypatch):
-    """The cold products' CPU paths (the AVX2 product loop; the F16C/Arm conversion serves float16
-    rows, which this program, with INT8 rows, does not have) against the portable loops forced on this
-    CPU: the same bits (no FMA)."""
+    """The cold products' CPU paths (the AVX2 product loop, the F16C/Arm float16 conversion) against
+    the portable loops forced on this CPU: the same bits (no FMA), on the program's INT8 rows and on
+    a copy with float16 rows, whose logits are also the Python runner's bits."""
     pte, ids = program
-    meta = json.loads(sidecar_path(pte).read_text())
-    fast = run_native(pte, ids.tolist(), meta, 4, logits_out=tmp_path / "fast.bin")
-    monkeypatch.setenv("LLMNPU_RUNNER_BASELINE", "1")
-    portable = run_native(pte, ids.tolist(), meta, 4, logits_out=tmp_path / "portable.bin")
-    assert portable.summary["cold_kernels"] == "baseline+baseline" != fast.summary["cold_kernels"]
-    assert portable.summary["cold_rows"] == fast.summary["cold_rows"] > 0
-    assert _logits(tmp_path, "portable.bin").tobytes() == _logits(tmp_path, "fast.bin").tobytes()
-    assert portable.tokens == fast.tokens
+    half = _with_rows_file(pte, tmp_path, "float16")
+    for name, program_file in (("int8", pte), ("float16", half)):
+        meta = json.loads(sidecar_path(program_file).read_text())
+        monkeypatch.delenv("LLMNPU_RUNNER_BASELINE", raising=False)
+        fast = run_native(program_file, ids.tolist(), meta, 4, logits_out=tmp_path / f"fast-{name}.bin")
+        monkeypatch.setenv("LLMNPU_RUNNER_BASELINE", "1")
+        portable = run_native(program_file, ids.tolist(), meta, 4, logits_out=tmp_path / f"portable-{name}.bin")
+        assert portable.summary["cold_kernels"] == "baseline+baseline" != fast.summary["cold_kernels"]
+        assert portable.summary["cold_rows"] == fast.summary["cold_rows"] > 0
+        assert _logits(tmp_path, f"portable-{name}.bin").tobytes() == _logits(tmp_path, f"fast-{name}.bin").tobytes()
+        assert portable.tokens == fast.tokens
+    monkeypatch.delenv("LLMNPU_RUNNER_BASELINE")
+    assert PteRunner(half)(ids, "ooo").logits.numpy().tobytes() == _logits(tmp_path, "fast-float16.bin")[0].tobytes()
+    # the float16 rows are another rounding of the weights: the test would see a conversion that ignored them
+    assert _logits(tmp_path, "fast-float16.bin")[0].tobytes() != _logits(tmp_path, "fast-int8.bin")[0].tobytes()
 
 
 def test_the_native_policies_decide_exactly_like_the_python_ones(program):
