@@ -142,6 +142,17 @@ int open_sized(const std::string& path, const std::string& missing, int64_t& siz
 
 ColdRows::ColdRows(const Sidecar& s, const std::string& dir, const std::string& pte) : s_(s) {
   if (s.shadow_form != "sparse") return;
+  try {
+    open_files(dir, pte);
+  } catch (...) {   // a constructor that throws runs no destructor: close what was opened
+    if (fd_ >= 0) close(fd_);
+    if (program_fd_ >= 0) close(program_fd_);
+    throw;
+  }
+}
+
+void ColdRows::open_files(const std::string& dir, const std::string& pte) {
+  const Sidecar& s = s_;
   int64_t rows_size = 0, pte_size = 0;
   if (!s.rows_file.empty() && s.rows_bytes > 0) {
     const std::string path = dir + "/" + s.rows_file;

@@ -28,6 +28,8 @@ class ColdRows {
   std::atomic<int64_t> fetched{0};   // rows read
 
  private:
+  void open_files(const std::string& dir, const std::string& pte);   // the constructor's work
+
   const Sidecar& s_;
   int fd_ = -1;           // the rows file
   int program_fd_ = -1;   // the .pte
