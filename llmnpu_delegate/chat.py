@@ -22,11 +22,6 @@ from .errors import LlmNpuError
 from .paths import atomic_path
 
 SAVE_FORMAT = "llmnpu-chat"
-# The engine's chunk length for a chat. A turn after the first prefills the last answer and the new
-# message, tens of tokens, and a chunk is the unit of work: at 256 such a turn runs a whole chunk of
-# mostly padding. At 64 later turns took a third of the time at 256 on the embedded model, and first
-# turns of a few hundred tokens the same (docs/results.md, "Conversations"). `--chunk` overrides it.
-CHAT_CHUNK = 64
 COMMANDS = {"/reset": "forget the conversation (cached K/V stay, so a new one with the same start reuses it)",
             "/save FILE": "write the conversation to FILE (JSON)",
             "/load FILE": "continue the conversation saved in FILE",

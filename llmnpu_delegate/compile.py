@@ -140,7 +140,7 @@ class _PartitionedGraph:
         o = self.options
         backend = backends.get(o.get("backend", backends.DEFAULT), engine=True).engine(
             shells, o["fingerprint"], 0, o["plans"], o.get("weights", "channel"))
-        self.steps, self.shadow = build_steps(self.partition, backend)
+        self.steps, self.shadow, _ = build_steps(self.partition, backend)
 
     def _run(self, *args):
         if self.steps is None:

@@ -242,7 +242,8 @@ class LlmNpuForCausalLM:
             fill_cache(cache, result)
         else:
             fill_cache(cache, result, past_len)
-        self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks, "cached_tokens": result.reused,
+        self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks, "rows": result.rows,
+                             "cached_tokens": result.reused,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
         return CausalLMOutputWithPast(logits=result.logits[None, None], past_key_values=cache)
 

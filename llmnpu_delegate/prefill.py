@@ -3,7 +3,10 @@
 ``Prefiller`` prepares once (calibration plan, ``torch.export`` of one chunk step, partition,
 compilation of the static NPU subgraphs through the graph cache) and then serves prompts of any
 length: the last chunk is padded at its end, which needs no extra mask (a padded position comes
-after every real one, so causal masking already hides it) and its K/V are cut off afterwards.
+after every real one, so causal masking already hides it) and its K/V are cut off afterwards. A
+last part of at most a quarter chunk runs on a tail program of that many rows instead (the step
+captured at that length, with the same NPU regions): a later turn of a conversation is mostly
+such a part.
 The (chunk, subgraph) tasks run on two workers under a scheduling policy (``runtime/executor.py``);
 every policy gives the same outputs, bit for bit.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import math
 import statistics
 import threading
@@ -45,12 +49,15 @@ from .quantize import (
 from .runtime.allocator import give_back, tune_malloc
 from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, assign_costs, check_policy, simulate
 from .runtime.profile import Profile
-from .runtime.program import ChunkProgram, program_digest
+from .runtime.program import ChunkProgram, program_digest, same_subgraphs
 from .runtime.prefix_cache import PrefixCache
 from .runtime.prompt import PrefillResult, check_past, check_prompt, chunk_feeds, gather  # noqa: F401 - PrefillResult: API
 from .text import calibration_ids
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CHUNK = 256
+TAIL_MIN = 16         # rows: a shorter tail program saves less than its build and graphs cost
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
 # Named quantization modes of the engine (the eval harness's names); a QuantConfig works too.
@@ -59,6 +66,18 @@ QUANT_MODES: dict[str, QuantConfig | None] = {
     "w8a8": QuantConfig(outliers="none"),
     "w8a8-shadow": QuantConfig(outliers="shadow"),
 }
+
+
+def check_tail(tail_len, chunk_len: int) -> int | None:
+    """The tail program's rows for ``Prefiller(tail_len=...)``, or None for no tail program."""
+    if tail_len == "auto":
+        return chunk_len // 4 if chunk_len // 4 >= TAIL_MIN else None
+    if tail_len is None or tail_len == 0:
+        return None
+    if isinstance(tail_len, bool) or not isinstance(tail_len, int) or not 0 < tail_len < chunk_len:
+        raise LlmNpuError(f"tail_len must be 'auto', None or an integer in 1..{chunk_len - 1} (below the chunk "
+                          f"length), got {tail_len!r}")
+    return tail_len
 
 
 def resolve_quant(quant) -> QuantConfig | None:
@@ -100,13 +119,17 @@ class Prefiller:
             modes where the native kernels run; fp32 for the float reference), ``"fp32"`` or ``"bf16"``.
         prefix_cache: a ``PrefixCache``: a prompt that starts like an earlier one (under this engine's
             ``kv_key``) prefills only the tokens after the cached part, and every prompt is kept.
+        tail_len: rows of a second, shorter chunk program for a prompt's last few tokens (a later
+            turn's 50 new tokens run as 64 rows, not as a padded chunk of 256): ``"auto"``
+            (a quarter of ``chunk_len``, when that is at least ``TAIL_MIN`` rows), an int below
+            ``chunk_len``, or None (every chunk padded to ``chunk_len``).
     """
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
                  norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
                  policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto"):
         lm = model if isinstance(model, LoadedModel) else None
         self.model = lm.model if lm else model
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
@@ -117,6 +140,7 @@ class Prefiller:
                               f"got {chunk_len!r}")
         npu = backends.get(backend, engine=True)
         check_policy(policy)
+        tail_len = check_tail(tail_len, chunk_len)
         self.chunk_len, self.backend_name, self.policy = chunk_len, backend, policy
         self.quant = resolve_quant(quant)
         self.attention = resolve_precision(attention, self.quant is not None)
@@ -139,7 +163,9 @@ class Prefiller:
         self.program = ChunkProgram.build(self.partition, self.backend, chunk_len, self.kv.layers, progress,
                                           self.attention)
         self.timings["compile_s"] = time.perf_counter() - t
-        self.executor = Executor(self.program, workers)
+        self.tail = self._build_tail(tail_len, norms) if tail_len else None
+        self.tail_len = self.tail.chunk_len if self.tail else None
+        self.executor = Executor(self.program, workers, self.tail)
         if self.plans is not None:
             # Compile the activation quantizer (its torch form, used without the native kernels)
             # here, not inside the first timed task.
@@ -164,6 +190,8 @@ class Prefiller:
         ids = self._profile_ids()
         with torch.inference_mode():
             self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
+            if self.tail is not None:
+                self.executor.run(self._feeds(ids[:self.tail_len]), "inorder")
             if profile:
                 records = []
                 for _ in range(PROFILE_RUNS):
@@ -225,9 +253,29 @@ class Prefiller:
         return check_prompt(input_ids, self.max_context, self.model.config.vocab_size, past_len)
 
     def feeds(self, ids: Tensor, past=None) -> list[dict[str, Tensor]]:
-        """Per chunk: its ids, positions and logits row (the past K/V arrive from the previous chunk,
+        """Per chunk of ``chunk_len`` rows (the main program's, which export and validation step
+        through): its ids, positions and logits row (the past K/V arrive from the previous chunk,
         the first chunk's from ``past``: empty by default)."""
         return chunk_feeds(ids, self.chunk_len, self.kv, past)
+
+    def _feeds(self, ids: Tensor, past=None) -> list[dict[str, Tensor]]:
+        """The chunks a prompt runs as: ``feeds``, with a last chunk of ``tail_len`` rows when its
+        tokens fit there."""
+        return chunk_feeds(ids, self.chunk_len, self.kv, past, self.tail_len)
+
+    def _build_tail(self, tail_len: int, norms: str) -> ChunkProgram | None:
+        """The tail program: the chunk step captured and partitioned at ``tail_len`` rows, run with
+        this engine's NPU regions and shadow paths. None, with a warning, if the step is cut
+        otherwise at that length (then short last chunks run padded, as without a tail)."""
+        t = time.perf_counter()
+        partition = partition_step(self.model, tail_len, self.plans, norms)
+        if not same_subgraphs(self.partition, partition):
+            log.warning("the chunk step of %d rows is partitioned unlike that of %d: no tail program, "
+                        "short last chunks run padded to %d rows", tail_len, self.chunk_len, self.chunk_len)
+            return None
+        tail = self.program.tail(partition, self.backend, tail_len)
+        self.timings["tail_s"] = time.perf_counter() - t
+        return tail
 
     @torch.inference_mode()
     def __call__(self, input_ids, policy: str | None = None, past=None) -> PrefillResult:
@@ -255,7 +303,7 @@ class Prefiller:
         rows and mapped rows files, and the graph cache's copies in memory. For a caller that reads
         only the plans, partition, subgraphs and float model from here on (``llmnpu export`` once it
         has run its examples). The engine runs no prompt after."""
-        for step in self.program.steps:
+        for step in self.program.steps + (self.tail.steps if self.tail else []):
             step.fn = None
         self.program.shadow = {}
         self.cache.forget()
@@ -267,18 +315,19 @@ class Prefiller:
         if self.released:
             raise LlmNpuError("this engine's runtime was released (release_runtime): build a new Prefiller to run prompts")
         reused = past[0][0].shape[2] if past is not None else 0
-        feeds = self.feeds(ids, past)
+        feeds = self._feeds(ids, past)
+        rows = [f["input_ids"].shape[-1] for f in feeds]
         seen0, outliers0 = self._outlier_counts()
         # The cost-driven policies (ooo, cp) need each subgraph's time: an engine made for another policy has
         # none until its first prompt, which then runs in order and is profiled (same outputs).
         run_policy = "inorder" if policy in COST_POLICIES and self.profile is None else policy
-        costs = self.profile.costs(len(feeds), reused / self.chunk_len) if self.profile else None
+        costs = self.profile.costs(len(feeds), reused / self.chunk_len, rows[-1] / self.chunk_len) if self.profile else None
         out, stats = self.executor.run(feeds, run_policy, costs)
-        if self.profile is None and run_policy == "inorder" and not reused:
+        if self.profile is None and run_policy == "inorder" and not reused and rows[-1] == self.chunk_len:
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
             self.profile.save(self._profile_path())
         self.last_run = stats
-        result = gather(self.program, out, reused + ids.numel(), len(feeds), stats, reused)
+        result = gather(self.program, out, reused + ids.numel(), feeds, stats, reused)
         seen, outliers = self._outlier_counts()
         result.seen_elements, result.outlier_elements = seen - seen0, outliers - outliers0
         return result
@@ -296,6 +345,7 @@ class Prefiller:
         return "prefill:" + entry_key({"kv": 1, "backend": self.backend_name, "model": self.fingerprint,
                                        "chunk_len": self.chunk_len, "plan": self._plan_fields(),
                                        "quant": repr(self.quant), "program": program_digest(self.program),
+                                       "tail": program_digest(self.tail) if self.tail else None,
                                        "attention": self.attention})
 
     def _profile_path(self):
@@ -340,7 +390,7 @@ def choose_pruning(model: LoadedModel | nn.Module, calibration: Calibration, qua
     fingerprint = model.fingerprint if isinstance(model, LoadedModel) else model_fingerprint(base)
     chunk = min(DEFAULT_CHUNK, max_context(base.config))
     unpruned = Prefiller(model, chunk, quant=dataclasses.replace(quant, pruning_rate=0.0), calibration=calibration,
-                         progress=progress, attention=attention)
+                         progress=progress, attention=attention, tail_len=None)
     cost = unpruned.shadow_cost()
     unpruned.release_runtime()
     plan_linears(base, calibration, quant, fingerprint, progress, cost)
@@ -357,6 +407,13 @@ def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: st
         calibration = calibration if calibration is not None else default_calibration(lm, progress)
         plans = plan_linears(model, calibration, quant, fingerprint, progress)
     timings["plan_s"] = time.perf_counter() - t
+    return plans, partition_step(model, chunk_len, plans, norms, timings)
+
+
+def partition_step(model: nn.Module, chunk_len: int, plans: dict | None, norms: str = "cpu",
+                   timings: dict | None = None):
+    """``torch.export`` of a chunk step of ``chunk_len`` rows and its partition."""
+    timings = {} if timings is None else timings
     t = time.perf_counter()
     ep = export_chunk_step(model, chunk_len)
     timings["export_s"] = time.perf_counter() - t
@@ -365,7 +422,7 @@ def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: st
     partition = partition_graph(ep.module(), quantizable_linears(model), shadowed=shadowed, norms=norms,
                                 prefix="model.")
     timings["partition_s"] = time.perf_counter() - t
-    return plans, partition
+    return partition
 
 
 _prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -417,4 +474,5 @@ def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, p
         plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
         keep_first_blocks(lm, blocks)
     # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
-    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32")
+    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32",
+                         tail_len=None)

@@ -76,6 +76,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "prompt_tokens": int(ids.shape[1]),
         "new_tokens": int(new.numel()),
         "chunks": pre["chunks"],
+        "rows": pre["rows"],
         "ttft_s": round(times[0] - start, 4) if times else None,
         "prefill_s": round(pre["prefill_s"], 4),
         "prefill_tok_s": round(pre["tokens"] / pre["prefill_s"], 1),
@@ -163,12 +164,20 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
     return summary
 
 
+def _chunks(s: dict) -> str:
+    text = f"{s['chunks']} chunk(s)"
+    last = s.get("rows", 0) - (s["chunks"] - 1) * s["chunk"]
+    if s.get("rows") and last != s["chunk"]:
+        text += f", the last of {last} rows (tail program)"
+    return text
+
+
 def format_summary(s: dict) -> str:
     decode = f"{s['decode_tok_s']:.1f} tok/s" if s["decode_tok_s"] else "n/a (one token)"
     lines = [
         "",
         f"--- {s['model']} on {s['backend']} ({s['quant']}, chunk {s['chunk']}, {s['policy']} schedule)",
-        f"prompt {s['prompt_tokens']} tokens in {s['chunks']} chunk(s); {s['new_tokens']} new tokens",
+        f"prompt {s['prompt_tokens']} tokens in {_chunks(s)}; {s['new_tokens']} new tokens",
         f"time to first token {1e3 * s['ttft_s']:.0f} ms",
         f"prefill {s['prefill_tok_s']:.1f} tok/s ({1e3 * s['prefill_s']:.0f} ms)",
         f"decode  {decode} ({s['decode_mode']})",

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from llmnpu_delegate.chat import CHAT_CHUNK, Conversation, Reply, chat_loop, read_turns
+from llmnpu_delegate.chat import Conversation, Reply, chat_loop, read_turns
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
@@ -40,7 +40,7 @@ def test_chat_on_the_embedded_model_prefills_only_what_is_new(tmp_path, capsys):
     from llmnpu_delegate.hf import LlmNpuForCausalLM
     from llmnpu_delegate.runtime.prefix_cache import PrefixCache
 
-    wrapper = LlmNpuForCausalLM(load_model("smollm2-135m"), chunk_len=CHAT_CHUNK, progress=False)
+    wrapper = LlmNpuForCausalLM(load_model("smollm2-135m"), progress=False)
     replies = []
     for cache in (PrefixCache(directory=kv), PrefixCache()):
         wrapper.engine.prefix_cache = cache

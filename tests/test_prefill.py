@@ -51,16 +51,21 @@ def llama_calib(llama):
                      progress=False)
 
 
+# Chunk 24 has a tail program of 8 rows: the property tests below check it against the same
+# references whenever a prompt's last part fits in 8 tokens.
+TAILS = {8: None, 24: 8}
+
+
 @pytest.fixture(scope="module")
 def float_engines(llama):
-    return {c: Prefiller(llama, c, quant=None, cache=GraphCache()) for c in (8, 24)}
+    return {c: Prefiller(llama, c, quant=None, cache=GraphCache(), tail_len=TAILS[c]) for c in (8, 24)}
 
 
 @pytest.fixture(scope="module")
 def quant_engines(llama, llama_calib, tmp_path_factory):
     cache = GraphCache(tmp_path_factory.mktemp("graphs"))
     return {c: Prefiller(llama, c, quant=QUANT, calibration=llama_calib, cache=cache, progress=False,
-                         **FP32_ATTENTION) for c in (8, 24)}
+                         tail_len=TAILS[c], **FP32_ATTENTION) for c in (8, 24)}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,58 @@ def test_shadow_chunked_equals_unchunked_quantized(quant_engines, quant_referenc
     assert_within_quant_effect(result.logits, logits, float_logits)
     for k, layer, flt in zip(result.past_k, cache.layers, float_cache.layers):
         assert_within_quant_effect(k, layer.keys, flt.keys)
+
+
+@pytest.mark.parametrize("length, past, rows", [(29, 0, [24, 8]), (5, 0, [8]), (33, 0, [24, 24]),
+                                               (48, 0, [24, 24]), (6, 40, [8]), (20, 40, [24])])
+def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
+        quant_engines, llama, llama_calib, length, past, rows):
+    """A last part of at most 8 tokens runs as 8 rows on the tail program (its steps are called:
+    counted), a longer one as a padded chunk; against an engine without a tail, on the same
+    prompt and past: quantized, within a tenth of the quantization effect (measured: equal)."""
+    tailed = quant_engines[24]
+    padded = Prefiller(llama, 24, quant=QUANT, calibration=llama_calib, cache=GraphCache(), progress=False,
+                       tail_len=None, **FP32_ATTENTION)
+    ids = torch.randint(0, 1000, (past + length,), generator=torch.Generator().manual_seed(length))
+    prefix = padded(ids[:past]) if past else None
+    kv = (prefix.past_k, prefix.past_v) if prefix else None
+    calls = []
+    step = next(s for s in tailed.tail.steps if s.sub.kind == "cpu" and not s.static)   # an attention subgraph
+    real = step.fn
+    step.fn = lambda *a: calls.append(a[0].shape) or real(*a)
+    try:
+        got = tailed(ids[past:], past=kv)
+    finally:
+        step.fn = real
+    want = padded(ids[past:], past=kv)
+    assert [got.rows, want.rows] == [sum(rows), 24 * len(rows)]
+    assert len(calls) == (rows[-1] == 8)
+    float_ref = Prefiller(llama, 24, quant=None, cache=GraphCache(), tail_len=None)(ids[past:], past=kv)
+    assert_within_quant_effect(got.logits, want.logits, float_ref.logits)
+    for a, b, f in zip(got.past_k + got.past_v, want.past_k + want.past_v, float_ref.past_k + float_ref.past_v):
+        assert_within_quant_effect(a, b, f)
+    assert got.tokens == want.tokens == past + length
+
+
+def test_tail_lengths_and_a_partition_that_differs(llama, monkeypatch, caplog):
+    from llmnpu_delegate import prefill as prefill_module
+    from llmnpu_delegate.runtime.prompt import chunk_rows
+
+    assert chunk_rows(700, 256, 64) == [256, 256, 256] and chunk_rows(316, 256, 64) == [256, 64]
+    assert chunk_rows(512, 256, 64) == [256, 256] and chunk_rows(3, 256, None) == [256]
+    assert Prefiller(llama, 64, quant=None).tail_len == 16       # "auto": a quarter of the chunk
+    assert Prefiller(llama, 32, quant=None).tail is None         # a quarter would be below TAIL_MIN
+    for bad in (24, 30, -1, 2.5, "half"):
+        with pytest.raises(LlmNpuError, match="tail_len"):
+            Prefiller(llama, 24, quant=None, tail_len=bad)
+    engine = Prefiller(llama, 24, quant=None, tail_len=None)
+    short = dict(engine.feeds(torch.arange(8))[0], input_ids=torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(LlmNpuError, match="chunks of \\[8\\] rows have no program"):
+        engine.executor.run([short], "inorder")
+    monkeypatch.setattr(prefill_module, "same_subgraphs", lambda a, b: False)
+    engine = Prefiller(llama, 24, quant=None, tail_len=8)
+    assert engine.tail is None and "partitioned unlike" in caplog.text
+    assert engine(torch.arange(5)).rows == 24
 
 
 def test_shadow_path_is_exercised(quant_engines):

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from .. import backends
-from ..chat import (CHAT_CHUNK, COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
+from ..chat import (COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
                     read_turns)
 from ..errors import LlmNpuError
-from ..prefill import QUANT_MODES
+from ..prefill import DEFAULT_CHUNK, QUANT_MODES
 from ..runtime.prefix_cache import DEFAULT_BYTES, PrefixCache
 from ..runtime.sampling import check_sampling
 from .common import pruning_rate
@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pruning-rate", type=pruning_rate, default=None,
                    help="share of layers without a shadow path: auto (default) or a share in [0, 1]")
     p.add_argument("--chunk", type=int, default=None,
-                   help=f"chunk length (default {CHAT_CHUNK}: later turns are short, and a chunk is the unit of work)")
+                   help=f"chunk length (default {DEFAULT_CHUNK}; a later turn's few new tokens run on the "
+                        f"engine's tail program of a quarter of it)")
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto", help="decode (as for llmnpu run)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="no streaming; print every turn's record as one JSON object")
@@ -96,7 +97,7 @@ def _wrapper_responder(args, cache: PrefixCache) -> WrapperResponder:
     from ..hf import LlmNpuForCausalLM
     from ..models import load_model
 
-    wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or CHAT_CHUNK,
+    wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
                                 pruning_rate=args.pruning_rate, decode=args.decode, prefix_cache=cache,
                                 progress=not args.no_progress)

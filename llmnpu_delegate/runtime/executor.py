@@ -335,12 +335,15 @@ class _Shape:
 
 
 class Executor:
-    """Runs a ChunkProgram over the chunks of a prompt with two workers and a policy."""
+    """Runs a ChunkProgram over the chunks of a prompt with two workers and a policy. ``tail``: a
+    program of the same subgraphs for fewer rows (``ChunkProgram.tail``), run for a chunk fed that
+    many rows; its tasks are the same, so one task graph serves both."""
 
     SHAPES = 8      # prompt shapes (chunk counts) whose task graph and schedulers are kept
 
-    def __init__(self, program: ChunkProgram, workers: Workers | None = None):
+    def __init__(self, program: ChunkProgram, workers: Workers | None = None, tail: ChunkProgram | None = None):
         self.program = program
+        self.programs = {p.chunk_len: p for p in (program, tail) if p is not None}    # by rows
         self.workers = workers or Workers.auto()
         self.keep = {program.out_logits, *program.out_k, *program.out_v}
         handoff = {k: past_name("k", i) for i, k in enumerate(program.out_k)}
@@ -366,6 +369,10 @@ class Executor:
         ``fail=(chunk, step)`` injects a failure (for tests of the error path). The run's wall time
         counts from here: the task graph and the scheduler are part of what a prompt waits for."""
         check_policy(policy)
+        rows = {f["input_ids"].shape[-1] for f in feeds}
+        if not rows <= self.programs.keys():
+            raise LlmNpuError(f"chunks of {sorted(rows - self.programs.keys())} rows have no program here "
+                              f"(programs for {sorted(self.programs)} rows)")
         with _RUN_LOCK:
             t0 = time.perf_counter()
             shape = self._shape(len(feeds))
@@ -411,7 +418,8 @@ class _Run:
 
     def __init__(self, ex: Executor, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
         self.ex, self.sched, self.fail, self.t0 = ex, sched, fail, t0
-        self.fns = [s.fn for s in ex.program.steps]
+        fns = {rows: [s.fn for s in p.steps] for rows, p in ex.programs.items()}
+        self.fns = [fns[f["input_ids"].shape[-1]] for f in feeds]     # per chunk: its program's steps
         self.envs = [dict(f) for f in feeds]
         self.uses = [dict(u) for u in uses]
         self.stats = RunStats(policy=sched.policy)
@@ -520,5 +528,5 @@ class _Run:
             raise RuntimeError("injected failure")
         if self.profiling:   # torch.profiler sees each task as a region named after it
             with torch.profiler.record_function(f"llmnpu.{task.processor}[{task.chunk}:{task.step}]"):
-                return self.fns[task.step](*args)
-        return self.fns[task.step](*args)
+                return self.fns[task.chunk][task.step](*args)
+        return self.fns[task.chunk][task.step](*args)

@@ -17,10 +17,12 @@ from ..kernels.attention import chunk_attention_bf16
 _aten = torch.ops.aten
 
 
-def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "fp32") -> None:
+def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "fp32",
+                      copies: dict | None = None) -> None:
     """All rewrites, in place. ``private``: inputs no other subgraph reads (may be overwritten);
     ``attention``: "bf16" swaps attention for the bf16-operand kernel (``kernels/attention.py``) and
-    gives the few-row float linears (the LM head) bf16 weights."""
+    gives the few-row float linears (the LM head) bf16 weights; ``copies``: such weight copies made
+    for other graphs of the model, used again (and this graph's added)."""
     _fuse_activation_mul(gm, private)
     _fuse_rms_norm(gm)
     _fuse_add_rms_norm(gm)
@@ -28,7 +30,7 @@ def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "f
     _fuse_rope(gm)
     if attention == "bf16":
         _bf16_attention(gm)
-        _bf16_weight_head(gm)
+        _bf16_weight_head(gm, copies)
     _erase_dead(gm)
     gm.recompile()
 
@@ -76,10 +78,12 @@ def _bf16_attention(gm: fx.GraphModule) -> None:
 HEAD_ROWS = 8   # a float linear on at most this many rows streams its weight: the LM head on the logits row
 
 
-def _bf16_weight_head(gm: fx.GraphModule) -> None:
+def _bf16_weight_head(gm: fx.GraphModule, copies: dict | None = None) -> None:
     """A float linear on a few rows (the LM head on the last prompt token, the prefill's final task:
     nothing overlaps it) reads a bf16 copy of its weight (``native_ops.linear_bf16w``): half the
-    bytes of a product bound by them. The copy lives on this subgraph only."""
+    bytes of a product bound by them. One copy per weight in ``copies`` (a chunk program and its
+    tail program share it)."""
+    copies = {} if copies is None else copies
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != _aten.linear.default:
             continue
@@ -96,7 +100,10 @@ def _bf16_weight_head(gm: fx.GraphModule) -> None:
             continue
         name = w.target.replace(".", "_") + "_bf16"
         if not hasattr(gm, name):
-            gm.register_buffer(name, weight.detach().to(torch.bfloat16), persistent=False)
+            key = (w.target, weight.data_ptr(), tuple(weight.shape))
+            if key not in copies:
+                copies[key] = weight.detach().to(torch.bfloat16)
+            gm.register_buffer(name, copies[key], persistent=False)
         with gm.graph.inserting_before(node):
             copy = gm.graph.get_attr(name)
             fused = gm.graph.call_function(native_ops.linear_bf16w, (x, copy, bias))

@@ -68,12 +68,18 @@ class Profile:
             return times[low] + (times[high] - times[low]) * (position - low)
         return times[-1] * (position + 1) / len(times)   # attention reads (position + 1) chunks of keys
 
-    def costs(self, chunks: int, past_chunks: float = 0.0) -> dict:
-        """Every task's cost for a ``chunks``-chunk prompt after a past of ``past_chunks`` chunks."""
+    def costs(self, chunks: int, past_chunks: float = 0.0, last_rows: float = 1.0) -> dict:
+        """Every task's cost for a ``chunks``-chunk prompt after a past of ``past_chunks`` chunks.
+        ``last_rows``: the last chunk's rows as a share of a chunk's (a tail program's chunk), whose
+        tasks are priced in proportion: their work is per row, also the attention's."""
         out: dict = dict(self.static)
         for step in self.dynamic:
             for position in range(chunks):
                 out[(step, position)] = self.cost(step, position + past_chunks)
+        if last_rows != 1.0:
+            last = chunks - 1
+            for step in list(self.static) + list(self.dynamic):
+                out[(step, last)] = out.get((step, last), self.static.get(step, 0.0)) * last_rows
         return out
 
     def save(self, path: Path) -> None:

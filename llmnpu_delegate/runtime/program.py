@@ -54,25 +54,37 @@ def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
             if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
 
 
-def build_steps(partition: Partition, backend, progress: bool = False,
-                attention: str = "fp32") -> tuple[list[Step], dict]:
+def build_steps(partition: Partition, backend, progress: bool = False, attention: str = "fp32",
+                like: "ChunkProgram | None" = None) -> tuple[list[Step], dict, dict]:
     """One callable per subgraph, in order: NPU ones lowered by ``backend``, the others as float
     GraphModules with their shadow paths bound and their attention in ``attention`` precision
-    ("fp32" or "bf16", see ``kernels/attention.py``). Returns the steps and the bound shadow modules."""
+    ("fp32" or "bf16", see ``kernels/attention.py``). Returns the steps, the bound shadow modules
+    and the weight copies the graphs read.
+    ``like``: a program of the same subgraphs whose NPU regions, shadow modules and weight copies
+    are used again (they take any number of rows): only the CPU graphs are built anew."""
     from tqdm.auto import tqdm
 
-    shadow: dict[str, torch.nn.Module] = {}
+    shadow: dict[str, torch.nn.Module] = like.shadow if like is not None else {}
+    copies: dict = like.copies if like is not None else {}
     steps: list[Step] = []
     by_name = {n.name: n for n in partition.graph_module.graph.nodes}
-    for sub in tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress):
+    for i, sub in enumerate(tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress)):
         if sub.kind == "npu":
-            steps.append(Step(sub, backend.lower_npu(sub)))
+            steps.append(Step(sub, like.steps[i].fn if like is not None else backend.lower_npu(sub)))
             continue
         gm = subgraph_module(partition, sub)
         _bind_shadow(gm, backend, shadow)
-        fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention)
+        fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention, copies)
         steps.append(Step(sub, gm))
-    return steps, shadow
+    return steps, shadow, copies
+
+
+def same_subgraphs(a: Partition, b: Partition) -> bool:
+    """Whether two partitions (of one model at two chunk lengths) cut the step alike: the same
+    subgraphs, kinds, linears and values in and out, in the same order."""
+    def cut(p: Partition) -> list:
+        return [(s.kind, s.static, s.layer, s.inputs, s.outputs, s.linears) for s in p.subgraphs]
+    return cut(a) == cut(b) and a.graph_outputs == b.graph_outputs
 
 
 class ChunkProgram:
@@ -80,8 +92,9 @@ class ChunkProgram:
     ``build`` makes one from a partition and a backend; a ``.pte`` runner makes one from its methods."""
 
     def __init__(self, steps: list[Step], graph_outputs: list[str], chunk_len: int, layers: int,
-                 shadow: dict | None = None, attention: str = "fp32"):
+                 shadow: dict | None = None, attention: str = "fp32", copies: dict | None = None):
         self.steps, self.chunk_len, self.shadow = steps, chunk_len, shadow or {}
+        self.copies = copies if copies is not None else {}   # weight copies the CPU graphs read (fuse.py)
         self.attention = attention      # the CPU subgraphs' attention precision (kernels/attention.py)
         outs = graph_outputs
         self.out_logits, self.out_k, self.out_v = outs[0], outs[1:1 + layers], outs[1 + layers:1 + 2 * layers]
@@ -91,8 +104,18 @@ class ChunkProgram:
     @classmethod
     def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False,
               attention: str = "fp32") -> "ChunkProgram":
-        steps, shadow = build_steps(partition, backend, progress, attention)
-        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention)
+        steps, shadow, copies = build_steps(partition, backend, progress, attention)
+        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention, copies)
+
+    def tail(self, partition: Partition, backend, tail_len: int) -> "ChunkProgram":
+        """The same program for chunks of ``tail_len`` rows, from ``partition`` (the step captured
+        at that length, cut like this one's): its CPU graphs are its own, its NPU regions and shadow
+        paths this program's. A prompt's last few tokens then run as ``tail_len`` rows instead of a
+        padded chunk (on an NPU, a second static graph of that length)."""
+        steps, _, _ = build_steps(partition, backend, False, self.attention, like=self)
+        layers = len(self.out_k)
+        return ChunkProgram(steps, partition.graph_outputs, tail_len, layers, self.shadow, self.attention,
+                            self.copies)
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []

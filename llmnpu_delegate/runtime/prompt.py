@@ -6,9 +6,11 @@ A prompt may continue a past: the K/V of the ``P`` tokens before it (a conversat
 turns, a cached prefix). Its chunks then start at position ``P``, whatever ``P`` is: the chunk
 graphs take positions as inputs and the past length is symbolic in every attention subgraph, so a
 continuation that starts mid-chunk needs no partial first chunk, and pads only its last chunk, as a
-prompt from an empty past does."""
+prompt from an empty past does. A runner with a tail program (a second program of fewer rows) runs
+a last part that fits there as that many rows instead (``chunk_rows``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +31,7 @@ class PrefillResult:
     seen_elements: int = 0
     outlier_elements: int = 0
     reused: int = 0                # tokens whose K/V came from a past (given, or a prefix cache), not computed
+    rows: int = 0                  # rows the chunks ran, padding included
 
     @property
     def outlier_share(self) -> float:
@@ -78,20 +81,32 @@ def check_past(past, kv) -> tuple[list[Tensor], list[Tensor]]:
     return past_k, past_v
 
 
-def chunk_feeds(ids: Tensor, chunk_len: int, kv, past: tuple[list[Tensor], list[Tensor]] | None = None
-                ) -> list[dict[str, Tensor]]:
-    """Per chunk of a checked 1-D prompt: its ids (the last chunk padded with 0 at its end),
-    positions and the row whose logits are wanted; the first chunk also gets the past K/V (empty,
-    or a checked ``past`` whose ``P`` tokens come before the prompt; later chunks get theirs from
-    the chunk before)."""
-    c = chunk_len
+def chunk_rows(tokens: int, chunk_len: int, tail_len: int | None = None) -> list[int]:
+    """Rows of each chunk of a ``tokens``-token prompt: ``chunk_len`` each, except that a last
+    part of at most ``tail_len`` tokens runs as one chunk of ``tail_len`` rows (a runner with a
+    tail program) instead of a whole padded chunk."""
+    rows = [chunk_len] * math.ceil(tokens / chunk_len)
+    rest = tokens % chunk_len
+    if tail_len and 0 < rest <= tail_len < chunk_len:
+        rows[-1] = tail_len
+    return rows
+
+
+def chunk_feeds(ids: Tensor, chunk_len: int, kv, past: tuple[list[Tensor], list[Tensor]] | None = None,
+                tail_len: int | None = None) -> list[dict[str, Tensor]]:
+    """Per chunk of a checked 1-D prompt: its ids (the last chunk padded with 0 at its end, to
+    ``tail_len`` rows when its tokens fit there, see ``chunk_rows``), positions and the row whose
+    logits are wanted; the first chunk also gets the past K/V (empty, or a checked ``past`` whose
+    ``P`` tokens come before the prompt; later chunks get theirs from the chunk before)."""
     p = past[0][0].shape[2] if past is not None else 0
     feeds = []
-    for start in range(0, ids.numel(), c):
+    start = 0
+    for c in chunk_rows(ids.numel(), chunk_len, tail_len):
         part = ids[start:start + c]
         chunk = torch.nn.functional.pad(part, (0, c - part.numel()))[None]
         feeds.append({"input_ids": chunk, "cache_position": torch.arange(p + start, p + start + c),
                       "logits_index": torch.tensor([part.numel() - 1])})
+        start += c
     if past is None:
         empty = torch.zeros(1, kv.kv_heads, 0, kv.head_dim)
         past = ([empty] * kv.layers, [empty] * kv.layers)
@@ -100,11 +115,12 @@ def chunk_feeds(ids: Tensor, chunk_len: int, kv, past: tuple[list[Tensor], list[
     return feeds
 
 
-def gather(program, out: dict, total: int, chunks: int, stats, reused: int = 0) -> PrefillResult:
+def gather(program, out: dict, total: int, feeds: list[dict], stats, reused: int = 0) -> PrefillResult:
     """The executor's outputs of a prompt that ends at ``total`` tokens (``reused`` of them its
-    past; ``chunks`` chunks) as a ``PrefillResult``: the last real token's logits, and each layer's
-    K/V of all ``total`` tokens without the last chunk's padding."""
+    past), run as the chunks ``feeds``, as a ``PrefillResult``: the last real token's logits, and
+    each layer's K/V of all ``total`` tokens without the last chunk's padding."""
     return PrefillResult(out[program.out_logits].reshape(-1),
                          [out[k][:, :, :total] for k in program.out_k],
                          [out[v][:, :, :total] for v in program.out_v],
-                         chunks, {"prefill_s": stats.wall_s}, reused=reused)
+                         len(feeds), {"prefill_s": stats.wall_s}, reused=reused,
+                         rows=sum(f["input_ids"].shape[-1] for f in feeds))

@@ -178,7 +178,7 @@ class PteRunner:
         costs = self.profile.costs(len(feeds), reused / self.chunk_len) if self.profile else None
         out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)
         self.last_run = stats
-        return gather(self.program, out, reused + ids.numel(), len(feeds), stats, reused)
+        return gather(self.program, out, reused + ids.numel(), feeds, stats, reused)
 
     # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
