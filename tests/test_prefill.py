@@ -86,6 +86,20 @@ def test_float_prefill_equals_hf_forward(family):
     _assert_kv_close(result, cache)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gets_a_tail_program_that_equals_hf_forward(family):
+    """The step captured at the tail's length is cut like the chunk's in every family (sliding
+    windows, q/k norms, softcapping included), and a prompt ending on it equals HF's forward."""
+    lm = load_model(f"random:{family}")
+    ids = torch.randint(0, 1000, (134,))      # 4 chunks of 32, then 6 tokens on the 8-row tail
+    engine = Prefiller(lm, 32, quant=None, cache=GraphCache(), tail_len=8)
+    result = engine(ids)
+    assert engine.tail is not None and result.rows == 4 * 32 + 8
+    logits, cache = _hf(lm.model, ids)
+    torch.testing.assert_close(result.logits, logits, atol=1e-4, rtol=1e-4)
+    _assert_kv_close(result, cache)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(length=st.integers(1, 70), chunk=st.sampled_from([8, 24]))
 def test_float_chunked_equals_hf_for_any_length(float_engines, llama, length, chunk):
