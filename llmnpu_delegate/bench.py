@@ -179,7 +179,8 @@ def _ablation(lm: LoadedModel, ids, chunk: int, quant, out: dict, workers: Worke
     their linears in float on the NPU worker (the NPU's slow float path)."""
     n = ids.numel()
     t = time.perf_counter()
-    fresh = Prefiller(lm, chunk, quant=None, cache=GraphCache(), progress=False, workers=workers)
+    # one capture, as a naive engine has: no tail program to build
+    fresh = Prefiller(lm, chunk, quant=None, cache=GraphCache(), progress=False, workers=workers, tail_len=None)
     prepare = time.perf_counter() - t
     fresh(ids, policy="inorder")
     walls = []
