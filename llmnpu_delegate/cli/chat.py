@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
                    help="share of layers without a shadow path: auto (default) or a share in [0, 1]")
     p.add_argument("--chunk", type=int, default=None,
                    help=f"chunk length (default {DEFAULT_CHUNK}; a later turn's few new tokens run on the "
-                        f"engine's tail program of a quarter of it)")
+                        "engine's tail program of a quarter of it)")
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto", help="decode (as for llmnpu run)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="no streaming; print every turn's record as one JSON object")
