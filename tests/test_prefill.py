@@ -123,16 +123,23 @@ def test_shadow_chunked_equals_unchunked_quantized(quant_engines, quant_referenc
         assert_within_quant_effect(k, layer.keys, flt.keys)
 
 
+@pytest.fixture(scope="module")
+def untailed_engines(llama, llama_calib):
+    """Chunk-24 engines without a tail program: quantized like ``quant_engines[24]``, and float."""
+    return (Prefiller(llama, 24, quant=QUANT, calibration=llama_calib, cache=GraphCache(), progress=False,
+                      tail_len=None, **FP32_ATTENTION),
+            Prefiller(llama, 24, quant=None, cache=GraphCache(), tail_len=None))
+
+
 @pytest.mark.parametrize("length, past, rows", [(29, 0, [24, 8]), (5, 0, [8]), (33, 0, [24, 24]),
                                                (48, 0, [24, 24]), (6, 40, [8]), (20, 40, [24])])
 def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
-        quant_engines, llama, llama_calib, length, past, rows):
+        quant_engines, untailed_engines, length, past, rows):
     """A last part of at most 8 tokens runs as 8 rows on the tail program (its steps are called:
     counted), a longer one as a padded chunk; against an engine without a tail, on the same
     prompt and past: quantized, within a tenth of the quantization effect (measured: equal)."""
     tailed = quant_engines[24]
-    padded = Prefiller(llama, 24, quant=QUANT, calibration=llama_calib, cache=GraphCache(), progress=False,
-                       tail_len=None, **FP32_ATTENTION)
+    padded, floating = untailed_engines
     ids = torch.randint(0, 1000, (past + length,), generator=torch.Generator().manual_seed(length))
     prefix = padded(ids[:past]) if past else None
     kv = (prefix.past_k, prefix.past_v) if prefix else None
@@ -147,7 +154,7 @@ def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
     want = padded(ids[past:], past=kv)
     assert [got.rows, want.rows] == [sum(rows), 24 * len(rows)]
     assert len(calls) == (rows[-1] == 8)
-    float_ref = Prefiller(llama, 24, quant=None, cache=GraphCache(), tail_len=None)(ids[past:], past=kv)
+    float_ref = floating(ids[past:], past=kv)
     assert_within_quant_effect(got.logits, want.logits, float_ref.logits)
     for a, b, f in zip(got.past_k + got.past_v, want.past_k + want.past_v, float_ref.past_k + float_ref.past_v):
         assert_within_quant_effect(a, b, f)
