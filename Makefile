@@ -19,7 +19,7 @@ RUNNER_ASAN := runner/build-asan/llmnpu-runner
 RUNNER_ARM64 := runner/build-arm64/llmnpu-runner
 ARM64_SDK    := runner/build-arm64/sdk
 ARM64_APT    := g++-aarch64-linux-gnu qemu-user libssl-dev:arm64 libstdc++6:arm64
-RUNNER_SRC  := runner/CMakeLists.txt $(wildcard runner/src/*.cpp runner/src/*.h)
+RUNNER_SRC  := runner/CMakeLists.txt $(wildcard runner/src/*.cpp runner/src/*.h runner/ops/*.cpp runner/ops/*.h)
 SDK_CMAKE    = $$($(BIN)/python -c "import executorch, os; print(os.path.join(executorch.__path__[0], 'share', 'cmake'))")
 JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join(nlohmann_json.__path__[0], 'include'))")
 

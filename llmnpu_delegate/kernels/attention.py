@@ -77,6 +77,32 @@ def _(q, k, v, mask, scaling, softcap):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 
 
+# The out variant ExecuTorch's emitter turns a kept ``chunk_attention`` into; its runtime kernel is
+# the program's own (runner/ops/, loaded by both runners), not this Python one.
+_out_lib = torch.library.Library("llmnpu", "FRAGMENT")
+_out_lib.define("chunk_attention.out(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling, float softcap, *, "
+                "Tensor(a!) out) -> Tensor(a!)")
+
+
+@torch.library.impl(_out_lib, "chunk_attention.out", "CompositeExplicitAutograd")
+def _chunk_attention_out(q, k, v, mask, scaling, softcap, *, out):
+    out.copy_(_attend(q, k, v, mask, scaling, softcap))
+    return out
+
+
+@torch.library.impl(_out_lib, "chunk_attention.out", "Meta")
+def _chunk_attention_out_meta(q, k, v, mask, scaling, softcap, *, out):
+    return out
+
+
+def program_kernel_takes(q_shape, mask_shape, softcap: float) -> bool:
+    """Whether the program's kernel (runner/ops/attention.h) runs this attention: batch 1, a head size
+    that is a multiple of 16, one mask for all heads, no softcapping. Others are decomposed."""
+    c, d = q_shape[2], q_shape[3]
+    return (q_shape[0] == 1 and softcap == 0 and isinstance(d, int) and d % 16 == 0
+            and len(mask_shape) >= 2 and all(s == 1 for s in mask_shape[:-2]) and mask_shape[-2] == c)
+
+
 def chunk_attention_bf16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float) -> Tensor:
     """``chunk_attention`` with bf16 operands (see the module docstring). Softcapping and per-head
     masks, which the native kernel does not take, run the fp32 path."""
@@ -108,7 +134,7 @@ def _exported(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, sof
     return _explicit(q, k, v, mask, scaling, softcap, inplace=False).transpose(1, 2).contiguous()
 
 
-def decompositions() -> dict:
-    """``llmnpu::chunk_attention`` as plain aten ops, for ``ExportedProgram.run_decompositions``: programs
-    that leave our runtime (ExecuTorch's portable kernels have no such op) compute the same attention."""
-    return {torch.ops.llmnpu.chunk_attention.default: _exported}
+def decompositions(keep_attention: bool = False) -> dict:
+    """``llmnpu::chunk_attention`` as plain aten ops, for ``ExportedProgram.run_decompositions``, unless
+    ``keep_attention``: then the op stays, for the program's own kernel (``program_kernel_takes``)."""
+    return {} if keep_attention else {torch.ops.llmnpu.chunk_attention.default: _exported}

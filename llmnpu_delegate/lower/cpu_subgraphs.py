@@ -3,7 +3,8 @@
 Each CPU (or shadow) subgraph of the chunk step becomes one method. Two things change on the way
 out of our runtime: the shadow markers become float branches (``lower/shadow.py``: by default the
 sparse hot-channel product, as our engine computes it, with the cold channels left to the runner), and
-``llmnpu::chunk_attention`` is decomposed into aten ops. A dynamic subgraph (attention over the
+``llmnpu::chunk_attention`` stays whole where the program's own kernel takes it (``runner/ops/``, which
+both runners load), else is decomposed into aten ops. A dynamic subgraph (attention over the
 past) keeps the past length symbolic, bounded by the artefact's context, so one method serves
 every chunk position; a static one has fixed shapes.
 """
@@ -18,7 +19,7 @@ from torch.export import Dim, ExportedProgram
 
 from ..errors import LlmNpuError
 from ..format.rows import other_channels
-from ..kernels.attention import decompositions
+from ..kernels.attention import decompositions, program_kernel_takes
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
 from .shadow import dense_product, residue_hits, shadow_product
@@ -132,4 +133,13 @@ def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, Li
         # the copied nodes name the model's modules, which a subgraph module does not hold
         warnings.filterwarnings("ignore", message="Failed to fetch module")
         ep = torch.export.export(gm, tuple(example), dynamic_shapes=dynamic, strict=False)
-    return ep.run_decompositions(decompositions()), branches
+    return ep.run_decompositions(decompositions(keep_attention=_kernel_takes_all(ep.graph_module))), branches
+
+
+def _kernel_takes_all(gm: fx.GraphModule) -> bool:
+    """Whether every attention of the method can run on the program's kernel (runner/ops/): then the
+    op stays whole, else it is decomposed into XNNPACK's float ops."""
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.llmnpu.chunk_attention.default]
+    return bool(calls) and all(
+        n.args[0].meta["val"].dtype == torch.float32 and n.args[3].meta["val"].dtype in (torch.bool, torch.float32)
+        and program_kernel_takes(n.args[0].meta["val"].shape, n.args[3].meta["val"].shape, n.args[5]) for n in calls)

@@ -30,6 +30,7 @@ from ..format.regions import RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
+from . import program_ops
 from .executor import COST_POLICIES, PROCESSORS, Executor, Workers, check_policy
 from .profile import Profile
 from .program import ChunkProgram, Step
@@ -129,6 +130,7 @@ class PteRunner:
         from executorch.runtime import Runtime
 
         backends.get(meta["target"]).prepare_runtime()
+        program_ops.load()   # the attention methods call our kernel
         shadow = meta["shadow"]
         self.cold = ColdRows(Path(pte).parent / shadow["rows_file"] if "rows_file" in shadow else None, shadow, Path(pte))
         self.pte = Path(pte)

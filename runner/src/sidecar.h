@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 7;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 8;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
