@@ -131,6 +131,43 @@ def test_blind_rows_are_zero_and_every_other_row_is_not(paths):
     assert (out[blind] == 0).all() and (np.abs(out[~blind]).max(axis=(1, 2)) > 0).all()
 
 
+def test_the_shadow_operators_give_the_aten_ops_bits():
+    """``llmnpu::shadow_hits`` and ``shadow_gather`` (runner/ops/shadow.cpp) in an ExecuTorch program,
+    against clamp / sub / abs / amax / index_select in torch: the same bits, on inputs with values on,
+    inside and beyond the clip, a channel count that is not a multiple of the vector width, rank 2
+    and 3."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from llmnpu_delegate.lower import shadow  # noqa: F401  (registers the ops)
+
+    program_ops.load()
+    clip = 2.5
+
+    class Branch(torch.nn.Module):
+        def __init__(self, hot):
+            super().__init__()
+            self.register_buffer("hot", hot)
+
+        def forward(self, x):
+            return (torch.ops.llmnpu.shadow_hits(x, clip), torch.ops.llmnpu.shadow_gather(x, self.hot, clip))
+
+    torch.manual_seed(1)
+    for shape in ((64, 1538), (2, 37, 50)):
+        x = torch.randn(shape) * 2
+        x.view(-1)[::11] = clip
+        x.view(-1)[5::13] = -clip
+        x[..., 3] = 0.5                                    # a channel that never crosses the clip
+        hot = torch.tensor([0, 3, 7, shape[-1] - 1])
+        program = to_edge_transform_and_lower(torch.export.export(Branch(hot), (x,))).to_executorch()
+        hits, gathered = Runtime.get().load_program(program.buffer).load_method("forward").execute([x])
+        residue = x - torch.clamp(x, -clip, clip)
+        want_hits = torch.amax(residue.abs(), list(range(x.dim() - 1)))
+        assert hits.numpy().tobytes() == want_hits.numpy().tobytes()
+        assert gathered.numpy().tobytes() == torch.index_select(residue, -1, hot).numpy().tobytes()
+        assert hits[3] == 0 and (hits > 0).sum() > shape[-1] // 2
+
+
 def test_a_missing_kernel_library_is_a_one_line_error(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMNPU_OPS", str(tmp_path / "libllmnpu_ops.so"))
     program_ops.load.cache_clear()

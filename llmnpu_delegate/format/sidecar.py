@@ -25,7 +25,8 @@ FORMAT = "llmnpu-pte-sidecar"
 # 6: an NPU linear's output has ``bits``: 8 (requantized, with its encoding) or 32 (float; the
 #    decode's INT8 linears then carry the same zero columns)
 # 7: a shadowed linear's cold rows may be the program's own W^T rows (``"rows_in": "program"``)
-# 8: attention methods keep `llmnpu::chunk_attention` for the program's own kernel (runner/ops/)
+# 8: the program's own CPU operators (runner/ops/): attention (`llmnpu::chunk_attention`) and the
+#    shadow branches' two passes over their input (`llmnpu::shadow_hits`, `llmnpu::shadow_gather`)
 VERSION = 8
 
 NUM = "number"

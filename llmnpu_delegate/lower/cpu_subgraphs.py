@@ -55,18 +55,16 @@ def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, L
             if form == "dense":
                 delta, hits = shadow_product(graph, x, graph.get_attr(f"{prefix}{name}.weight"), plan.clip)[-1], None
             else:
-                rank = x.meta["val"].dim()
                 if (x, plan.clip) not in shared:
-                    residue, hits = residue_hits(graph, x, plan.clip, rank)
-                    shared[x, plan.clip] = residue, len(output.args[0]) + len(extra)
-                    extra.append(hits)
-                residue, hits = shared[x, plan.clip]
+                    shared[x, plan.clip] = len(output.args[0]) + len(extra)
+                    extra.append(residue_hits(graph, x, plan.clip))
+                hits = shared[x, plan.clip]
                 hot = program_hot_channels(plan)
                 attr = "shadow_" + name.replace(".", "_")
                 weight = root.get_submodule(f"{prefix}{name}").weight.detach().float()
                 gm.register_buffer(f"{attr}_w", weight[:, hot].contiguous())
                 gm.register_buffer(f"{attr}_hot", hot)
-                delta = dense_product(graph, residue, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"), rank)
+                delta = dense_product(graph, x, plan.clip, graph.get_attr(f"{attr}_w"), graph.get_attr(f"{attr}_hot"))
         node.replace_all_uses_with(delta)
         graph.erase_node(node)
         entry = {"linear": name, "input": inputs.index(x), "output": outs.index(node) if node in outs else None,

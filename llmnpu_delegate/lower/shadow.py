@@ -9,7 +9,7 @@ static scale removed: ``x - clamp(x, -clip, clip)`` (the residue) times ``W``. T
 - sparse (the paper's, and the ``.pte`` default), ``linear(residue[..., dense], W[:, dense])``:
   only the channels with outliers in a large share of tokens (``quantize/shadow.dense_channels``), a
   small GEMM with static shapes, plus a per-channel flag of which channels crossed the threshold at
-  all (``hits``), so that the runner adds the scattered outliers of the other ("cold") channels one
+  all (``hits``; both passes over the input are operators of the program's own), so that the runner adds the scattered outliers of the other ("cold") channels one
   row per hit, rows it reads off disk, as our engine does.
 
 The branch is marked so the quantizer and the partitioner leave it float.
@@ -32,20 +32,54 @@ def shadow_product(graph: fx.Graph, x: fx.Node, w: fx.Node, clip: float) -> list
     return [clipped, residue, graph.call_function(_aten.linear.default, (residue, w))]
 
 
-def residue_hits(graph: fx.Graph, x: fx.Node, clip: float, rank: int) -> tuple[fx.Node, fx.Node]:
-    """Insert ``x - clamp(x, -clip, clip)`` and its ``hits`` [K], max |residue| per input channel (> 0
-    exactly where some element of that channel crossed ``clip``), for an ``x`` of ``rank`` dims.
-    Linears that read one input at one clip (q/k/v, gate/up) share them."""
-    clipped = graph.call_function(_aten.clamp.default, (x, -clip, clip))
-    residue = graph.call_function(_aten.sub.Tensor, (x, clipped))
-    magnitude = graph.call_function(_aten.abs.default, (residue,))
-    return residue, graph.call_function(_aten.amax.default, (magnitude, list(range(rank - 1))))
+# The sparse branch's two passes over the input, as operators of the program's own (one pass each;
+# their kernels: runner/ops/shadow.cpp, which both runners load). Here, the same in aten, for export.
+def _residue(x: torch.Tensor, clip: float) -> torch.Tensor:
+    return x - torch.clamp(x, -clip, clip)
 
 
-def dense_product(graph: fx.Graph, residue: fx.Node, w_hot: fx.Node, hot: fx.Node, rank: int) -> fx.Node:
-    """Insert the static product of the dense channels: ``residue[..., hot] @ w_hot^T``, with
+@torch.library.custom_op("llmnpu::shadow_hits", mutates_args=())
+def shadow_hits(x: torch.Tensor, clip: float) -> torch.Tensor:
+    """max |x - clamp(x, -clip, clip)| per input channel (the last dim) over all rows: [K]."""
+    return torch.amax(_residue(x, clip).abs(), list(range(x.dim() - 1)))
+
+
+@shadow_hits.register_fake
+def _(x, clip):
+    return x.new_empty(x.shape[-1:])
+
+
+@torch.library.custom_op("llmnpu::shadow_gather", mutates_args=())
+def shadow_gather(x: torch.Tensor, hot: torch.Tensor, clip: float) -> torch.Tensor:
+    """The residue ``x - clamp(x, -clip, clip)`` of the input channels ``hot`` [h]: [.., h]."""
+    return _residue(torch.index_select(x, -1, hot), clip)
+
+
+@shadow_gather.register_fake
+def _(x, hot, clip):
+    return x.new_empty((*x.shape[:-1], hot.shape[0]))
+
+
+_out_lib = torch.library.Library("llmnpu", "FRAGMENT")
+_out_lib.define("shadow_hits.out(Tensor x, float clip, *, Tensor(a!) out) -> Tensor(a!)")
+_out_lib.define("shadow_gather.out(Tensor x, Tensor hot, float clip, *, Tensor(a!) out) -> Tensor(a!)")
+for _name, _fn in (("shadow_hits.out", lambda x, clip, *, out: out.copy_(shadow_hits(x, clip))),
+                   ("shadow_gather.out", lambda x, hot, clip, *, out: out.copy_(shadow_gather(x, hot, clip)))):
+    _out_lib.impl(_name, _fn, "CompositeExplicitAutograd")
+    _out_lib.impl(_name, lambda *args, out, **kw: out, "Meta")
+
+
+def residue_hits(graph: fx.Graph, x: fx.Node, clip: float) -> fx.Node:
+    """Insert the ``hits`` [K] of ``x``: max |x - clamp(x, -clip, clip)| per input channel, > 0
+    exactly where some element of that channel crossed ``clip``. Linears that read one input at one
+    clip (q/k/v, gate/up) share them."""
+    return graph.call_function(torch.ops.llmnpu.shadow_hits.default, (x, clip))
+
+
+def dense_product(graph: fx.Graph, x: fx.Node, clip: float, w_hot: fx.Node, hot: fx.Node) -> fx.Node:
+    """Insert the static product of the dense channels: ``residue(x)[..., hot] @ w_hot^T``, with
     ``w_hot`` = W[:, hot] [N, h] and ``hot`` [h] int64; returns ``delta`` [.., N]."""
-    gathered = graph.call_function(_aten.index_select.default, (residue, rank - 1, hot))
+    gathered = graph.call_function(torch.ops.llmnpu.shadow_gather.default, (x, hot, clip))
     return graph.call_function(_aten.linear.default, (gathered, w_hot))
 
 

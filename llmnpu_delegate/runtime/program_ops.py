@@ -1,5 +1,5 @@
-"""The program's own CPU operators (``runner/ops/``: ``llmnpu::chunk_attention.out``) for the Python
-runner. The native runner links them; here ``libllmnpu_ops.so``, built by ``make runner`` against the
+"""The program's own CPU operators (``runner/ops/``: ``llmnpu::chunk_attention.out``,
+``llmnpu::shadow_hits.out``, ``llmnpu::shadow_gather.out``) for the Python runner. The native runner links them; here ``libllmnpu_ops.so``, built by ``make runner`` against the
 same ExecuTorch library as the Python runtime, registers them with that runtime's kernel registry
 when it is loaded."""
 from __future__ import annotations

@@ -1,6 +1,7 @@
-// The program's own CPU operator, registered with ExecuTorch's kernel registry when this code is
-// loaded: linked into llmnpu-runner, and built as libllmnpu_ops.so for the Python runner (which
-// loads it beside ExecuTorch's Python runtime, runtime/program_ops.py).
+// The program's attention operator (the shadow branch's two are in shadow.cpp), registered with
+// ExecuTorch's kernel registry when this code is loaded: linked into llmnpu-runner, and built as
+// libllmnpu_ops.so for the Python runner (which loads it beside ExecuTorch's Python runtime,
+// runtime/program_ops.py).
 //
 //   llmnpu::chunk_attention.out(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling,
 //                               float softcap, *, Tensor(a!) out) -> Tensor(a!)
