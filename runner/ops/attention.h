@@ -1,5 +1,5 @@
 // llmnpu_ops::chunk_attention_f32: one prefill chunk's attention in fp32, the CPU kernel of the
-// exported program (op `llmnpu::chunk_attention.out`, ops.cpp).
+// exported program (op `llmnpu::chunk_attention.out`, attention_op.cpp).
 //
 // XNNPACK runs the decomposed form (grouped bmm, additive mask, softmax, bmm) near the core's fp32
 // peak, but over every key of the chunk's [C, P + C] score block: the masked half of the causal
