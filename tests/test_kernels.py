@@ -208,11 +208,12 @@ def test_fused_uint8_quantization_matches_the_quantize_op(form):
     assert int(got.min()) == 1 and int(got.max()) == 255    # symmetric: -128 is never produced
 
 
-@pytest.mark.parametrize("spec", ["random:tiny-llama", "random:tiny-gemma2"])   # gemma2: softcapping path
-def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
-    """A dynamic (attention) subgraph of chunk 2, exported with the chunk's real inputs, loses our custom
-    op through ``decompositions()`` and runs on ExecuTorch's portable kernels with the engine's result,
-    at that position and (the past length stays symbolic) at the first chunk's."""
+# tiny-llama: the op stays for the program's kernel (runner/ops/); gemma2: softcapping, decomposed
+@pytest.mark.parametrize("spec, kept", [("random:tiny-llama", True), ("random:tiny-gemma2", False)])
+def test_attention_subgraph_runs_in_executorch_as_the_engine_does(spec, kept):
+    """A dynamic (attention) subgraph of chunk 2, exported with the chunk's real inputs, keeps our custom
+    op where the program's kernel takes it (else ``decompositions()`` removes it) and runs in ExecuTorch
+    with the engine's result, at that position and (the past length stays symbolic) at the first chunk's."""
     from executorch.exir import to_edge_transform_and_lower
     from executorch.extension.pybindings.portable_lib import (
         _load_for_executorch_from_buffer,
@@ -221,6 +222,9 @@ def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
     from llmnpu_delegate.lower.cpu_subgraphs import export_cpu_subgraph
     from llmnpu_delegate.models import load_model
     from llmnpu_delegate.prefill import Prefiller
+    from llmnpu_delegate.runtime import program_ops
+
+    program_ops.load()
 
     engine = Prefiller(load_model(spec), chunk_len=16, quant=None, progress=False)
     program = engine.program
@@ -229,7 +233,8 @@ def test_attention_subgraph_runs_in_executorch_after_decomposition(spec):
     i = next(i for i, step in enumerate(program.steps) if not step.static)
     at = {c: (inputs, outs) for c, j, inputs, outs in runs if j == i}
     ep, _ = export_cpu_subgraph(engine.partition, program.steps[i].sub, None, "model.", tuple(at[2][0]), max_past=64)
-    assert not any("llmnpu" in str(n.target) for n in ep.graph.nodes)
+    assert any(n.target is torch.ops.llmnpu.chunk_attention.default for n in ep.graph.nodes) == kept
+    assert not any("llmnpu" in str(n.target) for n in ep.graph.nodes) or kept
     buffer = to_edge_transform_and_lower(ep).to_executorch().buffer
     pte = _load_for_executorch_from_buffer(buffer)
     for chunk in (2, 0):                                # a past of 32 tokens, then none

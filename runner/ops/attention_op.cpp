@@ -9,19 +9,11 @@
 // The same schema as the engine's op (kernels/attention.py); the export keeps it in a CPU method
 // only where this kernel takes it (lower/cpu_subgraphs.py), so a failed check here is a program
 // that was edited or written by another exporter.
-#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
-#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
-
 #include "attention.h"
+#include "op_api.h"
 
 namespace llmnpu_ops {
 namespace {
-
-using executorch::aten::ScalarType;
-using executorch::aten::SizesType;
-using executorch::aten::Tensor;
-using executorch::runtime::Error;
-using executorch::runtime::KernelRuntimeContext;
 
 Tensor& chunk_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& mask, double scaling, double softcap, Tensor& out) {

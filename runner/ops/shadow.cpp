@@ -9,20 +9,13 @@
 // One pass over the input each, where the same ops as aten (clamp, sub, abs, amax, index_select)
 // made five, the amax on ExecuTorch's portable kernel. Results are the aten ops' bits: the residue
 // is one subtraction, and a maximum does not depend on order.
-#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
-#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
-
 #include <cstdint>
 #include <cstring>
 
+#include "op_api.h"
+
 namespace llmnpu_ops {
 namespace {
-
-using executorch::aten::ScalarType;
-using executorch::aten::SizesType;
-using executorch::aten::Tensor;
-using executorch::runtime::Error;
-using executorch::runtime::KernelRuntimeContext;
 
 constexpr int W = 4;   // SSE2 or NEON: the pass is memory-bound
 typedef float vf __attribute__((vector_size(W * 4)));
@@ -37,7 +30,6 @@ inline vf magnitude(vf v, vf lo, vf hi) {
 }
 
 bool float_rows(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& out, const char* op) {
-  (void)op;
   ET_KERNEL_CHECK_MSG(ctx, x.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
                                x.dim() >= 1 && executorch::runtime::tensor_is_default_dim_order(x),
                       InvalidArgument, false, "%s: a float32 input of default layout", op);
