@@ -114,10 +114,10 @@ def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
 def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, LinearPlan] | None, prefix: str,
                         example: tuple[Tensor, ...], max_past: int,
                         shadow: str = "sparse", half_table: bool = False) -> tuple[ExportedProgram, list[dict]]:
-    """``sub`` as an ExportedProgram in core aten ops and the program's own operators (``runner/ops/``), traced on ``example`` (its
-    inputs at a past length > 1, so the past dimension is not specialised), and its shadow branches
-    (``shadow_branches``; empty for other subgraphs). ``half_table``: embedding lookups read a float16
-    table (``table.py``)."""
+    """``sub`` as an ExportedProgram in core aten ops and the program's own operators (``runner/ops/``),
+    traced on ``example`` (its inputs at a past length > 1, so the past dimension is not specialised),
+    and its shadow branches (``shadow_branches``; empty for other subgraphs). ``half_table``: embedding
+    lookups read a float16 table (``table.py``)."""
     gm = subgraph_module(partition, sub)
     if half_table:
         half_table_lookups(gm)
