@@ -382,6 +382,46 @@ def test_export_and_validate_commands_cpu_int8(tmp_path, capsys):
     assert min(r["within_2_steps"] for r in report["linears"]) >= 0.99
 
 
+def test_an_output_holding_two_scales_gets_a_second_finer_encoding():
+    """A row whose inputs all line up with channel 7's weights (an attention sink) drives it to ~110x
+    its ordinary values, on one row in 128: one 8-bit encoding sized for that row leaves the
+    ordinary rows a few steps. The export gives channel 7 a second encoding over its 99 % range, and
+    the merge takes the fine value where it did not saturate: the ordinary rows gain the resolution,
+    the sink rows keep the coarse value."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    from llmnpu_delegate.lower.npu_subgraphs import fine_outputs, lower_region, output_groups, region_spec
+    from llmnpu_delegate.quantize.apply import LinearPlan
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 48)
+    rows = torch.randn(256, 1024).clamp(-4, 4)
+    rows[::128] = 4 * lin.weight[7].detach().sign()
+    splits = output_groups(lin, rows)
+    assert splits == [[7]]
+    fine = fine_outputs(lin, rows, splits, "xnnpack")
+    assert [part for part, _ in fine] == [1]        # the sink channel; the main output holds its rows well
+    plans = {"l": LinearPlan(4 / 127)}
+    x = rows[128:160]                                # a call of 32 rows, the first a sink
+    want = torch.nn.functional.linear(x, lin.weight, lin.bias).detach()
+    got, coarse_step = {}, None
+    for with_fine in (False, True):
+        spec = region_spec("forward", ["l"], plans, {0: splits}, {0: fine} if with_fine else None, "xnnpack")
+        edge, encodings = lower_region(spec, [lin], plans, "channel", rows, 32, "cpu-int8")
+        assert len(encodings) == 2 + with_fine
+        coarse_step = encodings[1].scale
+        buffer = edge.to_executorch().buffer       # held: the loaded program reads it
+        pte = _load_for_executorch_from_buffer(buffer)
+        (got[with_fine],) = spec.merge(tuple(o.clone() for o in pte.run_method("forward", spec.grid_inputs(x))))
+    ordinary = want[1:, 7]
+    assert want[0, 7] > 100 * ordinary.abs().mean()
+    one, two = sqnr_db(got[False][1:, 7], ordinary), sqnr_db(got[True][1:, 7], ordinary)
+    assert one < 20 and two > one + 10, (one, two)
+    assert abs(float(got[True][0, 7] - want[0, 7])) < coarse_step   # the sink row: the coarse value
+    others = [c for c in range(48) if c != 7]
+    assert torch.equal(got[True][:, others], got[False][:, others])
+
+
 def test_outsized_output_channels_get_their_own_encoding():
     """Two output channels with 100-300x the others' range: split out, each gets its own output
     encoding, and the ordinary channels keep their resolution (the embedded model's down_proj case)."""

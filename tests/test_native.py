@@ -172,6 +172,42 @@ def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
     assert steps <= 4
 
 
+@pytest.fixture(scope="module")
+def fine_program(tmp_path_factory):
+    """A tiny model's cpu-int8 program with 8-bit outputs, every one of them with a second, finer
+    encoding too (the threshold that chooses them raised above any output's SQNR)."""
+    from llmnpu_delegate.cli import main
+    from llmnpu_delegate.lower import npu_subgraphs
+
+    out = tmp_path_factory.mktemp("fine") / "tiny.pte"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
+        assert main(["export", "--model", "random:tiny-llama", "--backend", "cpu-int8", "--chunk", "32",
+                     "--context", "96", "--output-bits", "8", "--out", str(out), "--no-progress", "--workers", "1"]) == 0
+    return out
+
+
+def test_second_output_encodings_are_merged_as_the_python_runner_merges_them(fine_program, tmp_path):
+    """Each NPU method returns every output twice (coarse and fine encodings); both runners take the
+    fine value where it did not saturate, element by element: the same bits. Without the fine
+    values the logits move, so the test sees the merge."""
+    from llmnpu_delegate.format.regions import FineOutput
+
+    runner = PteRunner(fine_program)
+    assert all(lin["fine_outputs"] for lin in runner.meta["linears"].values())
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(0))
+    want = runner.generate(ids, 8)
+    vocab = runner.meta["model"]["vocab_size"]
+    got = run_native(fine_program, ids.tolist(), runner.meta, 8, "ooo", logits_out=tmp_path / "fine.bin")
+    assert got.tokens == want.tokens
+    logits = _logits(tmp_path, "fine.bin", vocab)
+    assert logits.tobytes() == _python_logits(runner, ids, got.tokens).tobytes()
+    coarse = PteRunner(fine_program)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FineOutput, "take", lambda self, coarse_values, fine: coarse_values)
+        assert np.abs(coarse(ids, "ooo").logits.numpy().reshape(-1) - logits[0]).max() > 1e-3
+
+
 def test_policies_give_bit_identical_outputs(program, tmp_path):
     pte, ids = program
     meta = json.loads(sidecar_path(pte).read_text())

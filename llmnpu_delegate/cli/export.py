@@ -5,7 +5,7 @@ import dataclasses
 
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
-from ..lower.npu_subgraphs import check_output_bits
+from ..lower.npu_subgraphs import FINE_BELOW_DB, check_output_bits
 from ..lower.pte import DEFAULT_CONTEXT, export_pte
 from ..prefill import DEFAULT_CHUNK, QUANT_MODES, export_engine, quant_config
 from ..quantize import auto
@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
                    help="the NPU methods' outputs: 8 (requantized, as an integer NPU graph), 32 (float, the "
                         "engine's own numbers: cpu-int8 only) or auto (default: the backend's best, 32 for "
                         "cpu-int8, 8 for qnn)")
+    p.add_argument("--fine-outputs", choices=["auto", "off"], default="auto",
+                   help=f"8-bit outputs: auto (default) gives an output that one 8-bit encoding holds below "
+                        f"{FINE_BELOW_DB:g} dB on calibration text a second, finer 8-bit encoding (that product "
+                        f"computed twice, merged by the runner); off keeps one encoding per output")
     p.add_argument("--workers", type=int, default=None,
                    help="processes lowering methods side by side (default: one per core); the program is the "
                         "same for any number")
@@ -69,17 +73,20 @@ def cmd_export(args) -> dict:
                          model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
                          shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer,
                          workers=args.workers, release_engine=True,
-                         output_bits=None if args.output_bits == "auto" else int(args.output_bits))
+                         output_bits=None if args.output_bits == "auto" else int(args.output_bits),
+                         fine=args.fine_outputs == "auto")
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
     held = summary["rows_in_program"]
     cold = (f"; cold rows of {held} linears read from the program's own INT8 weights, of {sh['linears'] - held} "
             f"from a rows file of {summary['rows_bytes'] / 2**20:.1f} MiB" if sh["form"] == "sparse" else "")
+    fine = (f" ({summary['fine_outputs']} with a second encoding: +{100 * summary['fine_npu_share']:.1f} % NPU "
+            f"work)" if summary["fine_outputs"] else "")
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
                  f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
                  f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
-                 f"{summary['output_bits']}-bit outputs, decode {summary['decode']} on XNNPACK) and "
+                 f"{summary['output_bits']}-bit outputs{fine}, decode {summary['decode']} on XNNPACK) and "
                  f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
                  f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
                  f"worker(s) (their seconds: {stages})\n"

@@ -2,8 +2,9 @@
 
 An NPU subgraph's linears that share an activation scale share one method input (QNN keeps one
 encoding per tensor); output channels of outsized range come out as extra outputs with their own
-encodings (``lower/npu_subgraphs.output_groups``). ``RegionSpec`` is what a runner needs to call such
-a method: it puts each group's rows on its activation grid and merges the split outputs back.
+encodings (``lower/npu_subgraphs.output_groups``), and an output that one 8-bit encoding cannot hold
+comes out twice, with a second, finer encoding (``FineOutput``). ``RegionSpec`` is what a runner needs
+to call such a method: it puts each group's rows on its activation grid and merges the outputs back.
 """
 from __future__ import annotations
 
@@ -16,6 +17,35 @@ from ..errors import LlmNpuError
 from ..kernels import quantize
 
 
+def part_channels(width: int, splits: list[list[int]], part: int) -> list[int]:
+    """A linear's output channels in its output ``part``: 0 the main one (all but the split
+    channels, ``splits``), j the j-th split group."""
+    if part:
+        return splits[part - 1]
+    split = {c for chans in splits for c in chans}
+    return [c for c in range(width) if c not in split]
+
+
+@dataclass(frozen=True)
+class FineOutput:
+    """A second 8-bit encoding of one of a method's outputs, over the range that holds most of its
+    values (a calibration quantile): the method computes that product twice and requantizes it once
+    with the full range (coarse) and once with this one. Where the fine value is inside its range it
+    is the better one; where it saturated the coarse one is right. Two 8-bit encodings of one
+    product: an integer NPU that gives 8-bit inputs only 8-bit outputs (HTP) gets a range that holds
+    a value of 25,000 and values of +-60 at a step under one."""
+    linear: int        # index into RegionSpec.names
+    part: int          # 0: the linear's main output; j: its j-th split channel group
+    scale: float
+    low: float         # the smallest and largest value the encoding represents
+    high: float
+
+    def take(self, coarse: Tensor, fine: Tensor) -> Tensor:
+        # half a step inside the ends: a fine value at either end may have saturated
+        inside = (fine > self.low + 0.5 * self.scale) & (fine < self.high - 0.5 * self.scale)
+        return torch.where(inside, fine, coarse)
+
+
 @dataclass
 class RegionSpec:
     method: str                       # method name in the .pte
@@ -24,6 +54,8 @@ class RegionSpec:
     scales: list[float]               # one activation scale per group
     # linear index -> its split output channel groups (each an extra method output, in index order)
     splits: dict[int, list[list[int]]] = field(default_factory=dict)
+    # second encodings of some outputs: extra method outputs after the split groups, in this order
+    fine: list[FineOutput] = field(default_factory=list)
 
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         # distinct buffers: the runtime aliases one tensor object passed to two inputs
@@ -38,9 +70,25 @@ class RegionSpec:
             raise LlmNpuError(f"{self.method}: one activation scale per input group is needed")
         return tuple(quantize(x, s).to(x.dtype).mul_(s) for s in self.scales)
 
+    def output_index(self, linear: int, part: int) -> int:
+        """Where the method returns ``linear``'s output ``part`` (0: main, j: j-th split group)."""
+        if part == 0:
+            return linear
+        groups = self.splits.get(linear, [])
+        if not 0 < part <= len(groups):
+            raise LlmNpuError(f"{self.method}: {self.names[linear]} has no split channel group {part}")
+        return len(self.names) + sum(len(self.splits[i]) for i in self.splits if i < linear) + part - 1
+
     def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
         """The method's outputs back to one tensor per linear, channels in their places."""
         n = len(self.names)
+        coarse = n + sum(len(g) for g in self.splits.values())
+        if len(outs) != coarse + len(self.fine):
+            raise LlmNpuError(f"{self.method} returned {len(outs)} outputs, its spec names {coarse + len(self.fine)}")
+        outs, fine = list(outs[:coarse]), outs[coarse:]
+        for f, values in zip(self.fine, fine):
+            k = self.output_index(f.linear, f.part)
+            outs[k] = f.take(outs[k], values)
         merged, k = list(outs[:n]), n
         for i in sorted(self.splits):
             groups = self.splits[i]

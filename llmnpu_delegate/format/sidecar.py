@@ -27,7 +27,7 @@ FORMAT = "llmnpu-pte-sidecar"
 # 7: a shadowed linear's cold rows may be the program's own W^T rows (``"rows_in": "program"``)
 # 8: the program's own CPU operators (runner/ops/): attention (`llmnpu::chunk_attention`) and the
 #    shadow branches' two passes over their input (`llmnpu::shadow_hits`, `llmnpu::shadow_gather`)
-VERSION = 8
+VERSION = 9
 
 NUM = "number"
 ANY = "any"
@@ -43,7 +43,8 @@ SCHEMA = {
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
     "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
-                      "split_outputs": [ANY], "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
+                      "split_outputs": [ANY], "fine_outputs": [{"part": int, "bits": int, "scale": NUM, "range": NUMS}],
+                      "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
     "pruned_layers": STRS,
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
     "shadow": {"form": str, "rows_file?": str, "rows_dtype?": str, "bytes?": int, "rows_sha256?": str,

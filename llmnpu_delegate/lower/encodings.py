@@ -5,7 +5,8 @@ the input activation gets the plan's static per-tensor scale (clip / 127 for sha
 absolute maximum / 127 for the others), the weight our symmetric INT8 scales (per output channel or
 per tensor: max |w| / 127, exactly ``quantize_weight``). Nothing is left to an observer except the
 linear's output encoding, which an integer NPU graph needs and our INT8 engine does not have (it
-dequantizes the int32 accumulator): that one is observed (min/max) on calibration input.
+dequantizes the int32 accumulator): that one is observed (min/max) on calibration input, unless it
+is fixed too (``fixed_outputs``: a fine second encoding, ``npu_subgraphs.fine_outputs``).
 
 With float outputs (``output_bits=32``, ``npu_subgraphs.FloatOutputRegion``) the input is annotated
 as XNNPACK's dynamic INT8 and the output not at all: the region's sentinel columns make the dynamic
@@ -59,8 +60,10 @@ def weight_spec(granularity: str) -> QuantizationSpec:
                             qscheme=torch.per_tensor_symmetric)
 
 
-def output_spec(flavour: str) -> QuantizationSpec:
+def output_spec(flavour: str, fixed: tuple[float, int] | None = None) -> QuantizationSpec:
     dtype, lo, hi = (torch.uint8, 0, 255) if flavour == "qnn" else (torch.int8, -128, 127)
+    if fixed is not None:
+        return FixedQParamsQuantizationSpec(dtype, fixed[0], fixed[1], lo, hi, torch.per_tensor_affine)
     # min/max, not a histogram: an output clipped for a lower mean error would saturate exactly the
     # large values the shadow path exists to keep
     return QuantizationSpec(dtype, MinMaxObserver, quant_min=lo, quant_max=hi, qscheme=torch.per_tensor_affine)
@@ -85,12 +88,12 @@ class LlmNpuQuantizer(Quantizer):
     """Annotates the decoder linears named in ``plans`` with our fixed encodings (see module doc)."""
 
     def __init__(self, plans: dict[str, LinearPlan], granularity: str = "channel", flavour: str = "qnn",
-                 prefix: str = "", output_bits: int = 8):
+                 prefix: str = "", output_bits: int = 8, fixed_outputs: dict[str, tuple[float, int]] | None = None):
         super().__init__()
         if flavour not in FLAVOURS:
             raise LlmNpuError(f"unknown encoding flavour '{flavour}': use one of {FLAVOURS}")
         self.plans, self.granularity, self.flavour, self.prefix = plans, granularity, flavour, prefix
-        self.output_bits = output_bits
+        self.output_bits, self.fixed_outputs = output_bits, fixed_outputs or {}
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         found = linear_names(model, self.plans, self.prefix)
@@ -108,7 +111,8 @@ class LlmNpuQuantizer(Quantizer):
             if isinstance(bias, fx.Node) and self.flavour == "qnn":
                 qspecs[bias] = _bias_spec(act, weight, node, self.granularity)
             node.meta[ANNOTATION] = QuantizationAnnotation(
-                input_qspec_map=qspecs, output_qspec=None if floats else output_spec(self.flavour), _annotated=True)
+                input_qspec_map=qspecs, _annotated=True,
+                output_qspec=None if floats else output_spec(self.flavour, self.fixed_outputs.get(name)))
         return model
 
     def validate(self, model: fx.GraphModule) -> None:

@@ -6,7 +6,9 @@ weight encodings are ours (``encodings.py``): the plan's static activation scale
 INT8 weights. Linears of one subgraph whose activation scales differ (a pruned layer beside a
 shadowed one) get one method input each: QNN keeps one encoding per tensor. Only the outputs'
 encodings are observed, on calibration rows. Output channels of outsized range come out on their
-own, in groups with their own encodings (``output_groups``); ``RegionSpec.merge`` puts them back.
+own, in groups with their own encodings (``output_groups``), and an output that one 8-bit encoding
+holds poorly comes out a second time with a finer one (``fine_outputs``); ``RegionSpec.merge`` puts
+them back together.
 
 Or the outputs stay float (``output_bits=32``, ``FloatOutputRegion``): the same integer product,
 dequantized as our engine does, with no output encoding to observe or to saturate.
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 
 from .. import backends
 from ..errors import LlmNpuError
-from ..format.regions import RegionSpec
+from ..format.regions import FineOutput, RegionSpec, part_channels
 from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
 from .encodings import LlmNpuQuantizer
@@ -40,6 +42,12 @@ from .xnnpack_forms import int8_weights_as_rows, mark_as_rows
 BULK = 8.0
 WIDTH = 4.0
 MAX_GROUPS = 8
+
+# An 8-bit output (main or split group) whose one encoding, min/max over the calibration rows, holds
+# the bulk of them (inside their FINE_QUANTILE range) below FINE_BELOW_DB comes out a second time
+# with an encoding over that range (``fine_outputs``).
+FINE_BELOW_DB = 25.0
+FINE_QUANTILE = 0.99
 
 # Columns a float-output region appends to its input rows: -128 s and 127 s (see FloatOutputRegion).
 SENTINELS = 2
@@ -65,11 +73,60 @@ def output_groups(linear: nn.Linear, rows: Tensor) -> list[list[int]]:
     return groups
 
 
+def fine_outputs(linear: nn.Linear, rows: Tensor, splits: list[list[int]], flavour: str) -> list[tuple[int, tuple]]:
+    """The parts of ``linear``'s output (``part_channels``) that get a second, finer 8-bit encoding,
+    each with that encoding, (scale, zero point).
+
+    A part qualifies when its one min/max encoding holds the bulk of its calibration values, those
+    inside their FINE_QUANTILE range, below FINE_BELOW_DB: the few largest values set a step that
+    rounds the ordinary ones away. (The SQNR of all values would not see it: the largest ones carry
+    its energy. The embedded model: channels of ~25,000 on a sequence's first token and +-60 after
+    it.) The fine encoding spans that bulk range."""
+    with torch.no_grad():
+        out = F.linear(rows, linear.weight, linear.bias)
+    chosen = []
+    for part in range(len(splits) + 1):
+        values = out[:, part_channels(linear.out_features, splits, part)].flatten().double()
+        one = encoding_for(float(values.min()), float(values.max()), flavour)
+        sample = values[:: -(-values.numel() // (1 << 24))]     # torch.quantile's limit
+        low, high = (float(q) for q in torch.quantile(sample, torch.tensor([1 - FINE_QUANTILE, FINE_QUANTILE],
+                                                                             dtype=values.dtype)))
+        bulk = values[(values >= low) & (values <= high)]
+        if _sqnr(_fake_quant(bulk, *one, flavour), bulk) < FINE_BELOW_DB:
+            chosen.append((part, encoding_for(low, high, flavour)))
+    return chosen
+
+
+def _qrange(flavour: str) -> tuple[int, int]:
+    return (0, 255) if flavour == "qnn" else (-128, 127)
+
+
+def encoding_for(low: float, high: float, flavour: str) -> tuple[float, int]:
+    """(scale, zero point) of an 8-bit affine encoding of [low, high] (widened to hold 0), as
+    torch's min/max observer makes it."""
+    qmin, qmax = _qrange(flavour)
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max((high - low) / (qmax - qmin), torch.finfo(torch.float32).eps)
+    return scale, int(min(max(qmin - round(low / scale), qmin), qmax))
+
+
+def _fake_quant(x: Tensor, scale: float, zero: int, flavour: str) -> Tensor:
+    qmin, qmax = _qrange(flavour)
+    return (torch.clamp(torch.round(x / scale) + zero, qmin, qmax) - zero) * scale
+
+
+def _sqnr(x: Tensor, ref: Tensor) -> float:
+    noise = float((x - ref).pow(2).sum())
+    return float("inf") if noise == 0 else 10 * torch.log10(ref.pow(2).sum() / noise).item()
+
+
 class RegionModule(nn.Module):
     """One NPU subgraph as a module: ``inputs[g]`` feeds the linears of activation-scale group ``g``.
-    Outputs: each linear without its split channels, then each split channel group (``spec.splits``)."""
+    Outputs: each linear without its split channels, then each split channel group (``spec.splits``),
+    then the outputs computed a second time for their fine encoding (``spec.fine``)."""
 
-    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], splits: dict[int, list[list[int]]]):
+    def __init__(self, linears: list[nn.Linear], groups: list[list[int]], splits: dict[int, list[list[int]]],
+                 fine: list[FineOutput] = ()):
         super().__init__()
         mains, parts, self.part_of = [], [], []
         for i, lin in enumerate(linears):
@@ -79,6 +136,11 @@ class RegionModule(nn.Module):
                 parts.append(_rows(lin, chans))
                 self.part_of.append(i)
         self.lins, self.outs = nn.ModuleList(mains), nn.ModuleList(parts)
+        # a copy of the part's weight rows: one linear node per output encoding
+        self.twins = nn.ModuleList(_rows(linears[f.linear], part_channels(linears[f.linear].out_features,
+                                                                          splits.get(f.linear, []), f.part))
+                                   for f in fine)
+        self.twin_of = [f.linear for f in fine]
         self.groups = groups
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -87,7 +149,8 @@ class RegionModule(nn.Module):
             for i in idx:
                 source[i] = x
         return (tuple(self.lins[i](source[i]) for i in range(len(self.lins)))
-                + tuple(out(source[i]) for out, i in zip(self.outs, self.part_of)))
+                + tuple(out(source[i]) for out, i in zip(self.outs, self.part_of))
+                + tuple(twin(source[i]) for twin, i in zip(self.twins, self.twin_of)))
 
 
 class FloatOutputRegion(nn.Module):
@@ -144,20 +207,34 @@ def _rows(lin: nn.Linear, channels: list[int]) -> nn.Linear:
 
 
 def region_spec(method: str, names: list[str], plans: dict[str, LinearPlan],
-                splits: dict[int, list[list[int]]] | None = None) -> RegionSpec:
+                splits: dict[int, list[list[int]]] | None = None,
+                fine: dict[int, list[tuple[int, tuple]]] | None = None, flavour: str = "qnn") -> RegionSpec:
+    """``fine``: per linear, the parts with a second encoding, (part, (scale, zero point)) as
+    ``fine_outputs`` gives them for ``flavour``'s 8-bit range."""
     by_scale: dict[float, list[int]] = {}
     for i, n in enumerate(names):
         by_scale.setdefault(float(plans[n].act_scale), []).append(i)
+    qmin, qmax = _qrange(flavour)
+    twins = [FineOutput(i, part, scale, (qmin - zero) * scale, (qmax - zero) * scale)
+             for i in sorted(fine or {}) for part, (scale, zero) in fine[i]]
     return RegionSpec(method, list(names), list(by_scale.values()), list(by_scale),
-                      {i: c for i, c in (splits or {}).items() if c})
+                      {i: c for i, c in (splits or {}).items() if c}, twins)
 
 
 def plan_names(spec: RegionSpec, plans: dict[str, LinearPlan]) -> dict[str, LinearPlan]:
-    """RegionModule's linears (``lins.<i>``, ``outs.<j>``) -> the plan entries of the linears they compute."""
+    """RegionModule's linears (``lins.<i>``, ``outs.<j>``, ``twins.<k>``) -> the plan entries of the
+    linears they compute."""
     local = {f"lins.{i}": plans[n] for i, n in enumerate(spec.names)}
     parts = [i for i in sorted(spec.splits) for _ in spec.splits[i]]
     local.update({f"outs.{j}": plans[spec.names[i]] for j, i in enumerate(parts)})
+    local.update({f"twins.{k}": plans[spec.names[f.linear]] for k, f in enumerate(spec.fine)})
     return local
+
+
+def fixed_outputs(spec: RegionSpec, flavour: str) -> dict[str, tuple[float, int]]:
+    """RegionModule's twin linears -> their fine output encodings (scale, zero point)."""
+    qmin = _qrange(flavour)[0]
+    return {f"twins.{k}": (f.scale, qmin - round(f.low / f.scale)) for k, f in enumerate(spec.fine)}
 
 
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
@@ -173,18 +250,19 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     if calib_rows.shape[0] % n:
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {n}-row calls")
     if output_bits == 32:
-        if spec.splits:
-            raise LlmNpuError(f"{spec.method}: float outputs need no split channels")
+        if spec.splits or spec.fine:
+            raise LlmNpuError(f"{spec.method}: float outputs need no split channels or second encodings")
         module = FloatOutputRegion(linears, spec.groups, spec.scales, n).eval()
     else:
-        module = RegionModule(linears, spec.groups, spec.splits).eval()
+        module = RegionModule(linears, spec.groups, spec.splits, spec.fine).eval()
     example = spec.inputs(calib_rows[:n])
     # non-strict: the region is plain tensor code, so Dynamo's bytecode tracing adds nothing but time
     # (the emitted methods are the same bytes; 14 % of an NPU method's lowering)
     graph = torch.export.export(module, example, strict=False).module()
     local = plan_names(spec, plans)
     mark_as_rows(node for node, name in linear_names(graph, local).items() if local[name].shadow)
-    ours = LlmNpuQuantizer(local, granularity, flavour=backend.encodings, output_bits=output_bits)
+    ours = LlmNpuQuantizer(local, granularity, flavour=backend.encodings, output_bits=output_bits,
+                           fixed_outputs=fixed_outputs(spec, backend.encodings))
     prepared = prepare_pt2e(graph, backend.quantizer(ours))
     with torch.no_grad():
         for block in calib_rows.split(n):

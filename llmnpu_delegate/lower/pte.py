@@ -49,7 +49,7 @@ from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
 from . import decode as decode_step
 from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
-from .npu_subgraphs import check_output_bits, lower_region, output_groups, region_spec
+from .npu_subgraphs import check_output_bits, fine_outputs, lower_region, output_groups, part_channels, region_spec
 from .export_shortcuts import lowering_shortcuts
 from .program_writer import ProgramWriter, emit_method
 from .same_program import program_key
@@ -123,25 +123,40 @@ def _made(args: list) -> tuple:
 
 
 def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
-    """Per linear: its output encoding (bits; scale and representable range of an 8-bit one), and each
-    split channel group's own."""
+    """Per linear: its output encoding (bits; scale and representable range of an 8-bit one), each
+    split channel group's own, and the second encodings of its parts that have one."""
     def fields(e):
         return {"bits": 32} if e is None else {"bits": 8, "scale": e.scale, "range": [e.low, e.high]}
 
-    out = {name: {"output": fields(encodings[i]), "split_channels": [], "split_outputs": []}
+    out = {name: {"output": fields(encodings[i]), "split_channels": [], "split_outputs": [], "fine_outputs": []}
            for i, name in enumerate(spec.names)}
     k = len(spec.names)
     for i in sorted(spec.splits):
         groups = spec.splits[i]
         out[spec.names[i]].update(split_channels=groups, split_outputs=[fields(e) for e in encodings[k:k + len(groups)]])
         k += len(groups)
+    for f, e in zip(spec.fine, encodings[k:]):
+        if abs(e.scale - f.scale) > 1e-6 * f.scale:
+            raise LlmNpuError(f"{spec.method}: the fine output encoding of {spec.names[f.linear]} was not kept")
+        out[spec.names[f.linear]]["fine_outputs"].append({"part": f.part, **fields(e)})
     return out
+
+
+def _fine_share(engine, npu_outputs: dict) -> float:
+    """The NPU multiply-adds the second encodings add, as a share of the program's."""
+    total = extra = 0
+    for name, o in npu_outputs.items():
+        lin = engine.backend.linear(name)
+        total += lin.out_features * lin.in_features
+        extra += sum(len(part_channels(lin.out_features, o["split_channels"], f["part"])) for f in o["fine_outputs"]) \
+            * lin.in_features
+    return extra / total if total else 0.0
 
 
 def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
                context: int | None = None, model: dict | None = None, progress: bool = True,
                shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None,
-               release_engine: bool = False, output_bits: int | None = None) -> dict:
+               release_engine: bool = False, output_bits: int | None = None, fine: bool = True) -> dict:
     """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
     returns a summary.
 
@@ -154,7 +169,8 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     ``release_engine``: the caller runs no prompt on ``engine`` afterwards, so its runtime is let go
     once the examples are taken (``Prefiller.release_runtime``): the workers share less memory.
     ``output_bits``: the NPU methods' outputs, 8-bit (requantized) or 32 (float; ``npu_subgraphs.py``);
-    default the target's first (``output_bits`` of its backend).
+    default the target's first (``output_bits`` of its backend). ``fine``: 8-bit outputs that one
+    encoding holds poorly come out a second time with a finer one (``npu_subgraphs.fine_outputs``).
     """
     from tqdm.auto import tqdm
 
@@ -179,7 +195,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     out.parent.mkdir(parents=True, exist_ok=True)
     claims, spool = Claims(), Spool(out.parent)
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
-                    context, calib_ids, hot, claims, spool, output_bits)
+                    context, calib_ids, hot, claims, spool, output_bits, fine and output_bits == 8)
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
@@ -243,6 +259,8 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
             "output_bits": output_bits,
+            "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
+            "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
             "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
@@ -270,6 +288,7 @@ class _Export:
     claims: Claims          # program keys already being lowered (shared by the workers)
     spool: Spool            # where each emitted method waits for the program to be written
     output_bits: int        # the NPU methods' outputs: 8 or 32 (float), ``npu_subgraphs.py``
+    fine: bool              # 8-bit outputs held poorly by one encoding get a second one
 
 
 def _lower_job(x: _Export, job: int) -> dict:
@@ -297,7 +316,7 @@ def _lower_job(x: _Export, job: int) -> dict:
         if sub.kind == "npu":
             rows = Spool.take(x.rows[job])
             lowered = _lower_npu(x.engine, sub, name, rows, x.target, x.soc, out["entry"], out["npu_outputs"],
-                                 x.output_bits)
+                                 x.output_bits, x.fine)
         else:
             example = _made(x.examples[job])
             ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.", example,
@@ -332,7 +351,7 @@ def _check_export_args(engine, target: str, soc: str, context: int, shadow: str,
 
 
 def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict,
-               output_bits: int):
+               output_bits: int, fine: bool):
     """An NPU region as the target's method; records its input groups in ``entry`` and its outputs'
     encodings in ``npu_outputs``."""
     linears = [engine.backend.linear(n) for n in sub.linears]
@@ -340,7 +359,10 @@ def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entr
     # float outputs have no encoding to split
     splits = ({j: output_groups(lin, rows) for j, lin in enumerate(linears)}
               if engine.backend.weights == "channel" and output_bits == 8 else {})
-    spec = region_spec(name, sub.linears, engine.plans, splits)
+    flavour = backends.get(target).encodings
+    twins = ({j: fine_outputs(lin, rows, splits.get(j, []), flavour) for j, lin in enumerate(linears)}
+             if fine and output_bits == 8 else {})
+    spec = region_spec(name, sub.linears, engine.plans, splits, twins, flavour)
     edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows, engine.chunk_len,
                                    target, soc, output_bits)
     npu_outputs.update(_encodings_by_linear(spec, encodings))

@@ -26,7 +26,7 @@ from .. import backends
 from ..capture import KVShape
 from ..errors import LlmNpuError
 from ..format.kv import empty_cache, fill_cache, write_slot
-from ..format.regions import RegionSpec
+from ..format.regions import FineOutput, RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
@@ -57,7 +57,9 @@ def _npu_call(method, entry: dict, linears: dict):
     names = entry["linears"]
     splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
     scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
-    spec = RegionSpec(entry["method"], names, entry["input_groups"], scales, splits)
+    fine = [FineOutput(i, f["part"], f["scale"], *f["range"]) for i, n in enumerate(names)
+            for f in linears[n]["fine_outputs"]]
+    spec = RegionSpec(entry["method"], names, entry["input_groups"], scales, splits, fine)
 
     def run(x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, x.shape[-1])

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
+from ..format.regions import part_channels
 from ..kernels import QMAX
 from .pte_runner import PteRunner
 
@@ -78,6 +79,22 @@ def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
     return step, low, high
 
 
+def element_steps(linear: dict, want: Tensor, weight: Tensor | None = None,
+                  granularity: str = "channel") -> tuple[Tensor, Tensor]:
+    """Per element of the engine's output ``want`` [rows, width]: the step of the encoding that
+    carries it (a part's fine second encoding where the value lies inside its range) and whether the
+    output's encodings represent it."""
+    width = want.shape[-1]
+    step, low, high = output_encoding(linear, width, weight, granularity)
+    step, inside = step.expand_as(want).clone(), (want >= low) & (want <= high)
+    for f in linear.get("fine_outputs", []):
+        chans = part_channels(width, linear["split_channels"], f["part"])
+        # a full step inside the ends: the runner takes the fine value where it is half a step inside
+        held = (want[:, chans] >= f["range"][0] + f["scale"]) & (want[:, chans] <= f["range"][1] - f["scale"])
+        step[:, chans] = torch.where(held, torch.tensor(f["scale"]), step[:, chans])
+    return step, inside
+
+
 def check_engine_matches(engine, meta: dict) -> None:
     """The engine must be the exported one: same weights, chunk length and activation scales."""
     if engine.fingerprint != meta["model"]["fingerprint"] or engine.kv.layers != meta["model"]["layers"]:
@@ -102,13 +119,13 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
     for io in capture_npu_io(engine, eval_ids):
         got = steps[io.step].fn(io.rows)
         for name, out, want in zip(io.names, got, io.outputs):
-            step, low, high = output_encoding(meta["linears"][name], want.shape[-1],
-                                              engine.backend.linear(name).weight, engine.backend.weights)
+            step, inside = element_steps(meta["linears"][name], want, engine.backend.linear(name).weight,
+                                         engine.backend.weights)
             steps_off = (out - want).abs() / step
             # an engine value beyond what the output encoding can represent saturates: counted apart
-            inside = (want >= low) & (want <= high)
             report.append({"subgraph": io.step, "layer": io.layer, "linear": name,
                            "output_bits": meta["linears"][name]["output"]["bits"],
+                           "fine_outputs": len(meta["linears"][name]["fine_outputs"]),
                            "max_steps": round(float(steps_off[inside].max()), 2) if inside.any() else None,
                            "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
                            "saturated": round(float((~inside).float().mean()), 5),

@@ -87,7 +87,30 @@ std::vector<ValuePtr> MethodCall::npu(const std::vector<ValuePtr>& inputs, bool 
   }
   auto outs = execute(std::move(args));
   const size_t n = sub_.linears.size();
-  if (outs.size() < n) throw RunError("method " + sub_.method + " returned too few outputs");
+  // outputs: each linear's main one, its split groups (linear by linear), then the fine encodings
+  size_t coarse = n, fine = 0;
+  for (const auto& name : sub_.linears) {
+    coarse += s_.linears.at(name).split_channels.size();
+    fine += s_.linears.at(name).fine_outputs.size();
+  }
+  if (outs.size() != coarse + fine)
+    throw RunError("method " + sub_.method + " returned " + std::to_string(outs.size()) + " outputs, the sidecar names " +
+                   std::to_string(coarse + fine));
+  for (size_t i = 0, before = n, t = coarse; i < n; ++i) {
+    const auto& lin = s_.linears.at(sub_.linears[i]);
+    for (const auto& f : lin.fine_outputs) {
+      const Value& v = *outs[t++];
+      Value& c = *outs[f.part == 0 ? i : before + static_cast<size_t>(f.part) - 1];
+      if (v.numel() != c.numel()) throw RunError("method " + sub_.method + " returned mismatched fine outputs");
+      // half a step inside the ends: a fine value at either end may have saturated (as in Python)
+      const float lo = static_cast<float>(f.low + 0.5 * f.scale), hi = static_cast<float>(f.high - 0.5 * f.scale);
+      const float* src = v.f32();
+      float* dst = c.f32();
+      for (int64_t j = 0; j < v.numel(); ++j)
+        if (src[j] > lo && src[j] < hi) dst[j] = src[j];
+    }
+    before += lin.split_channels.size();
+  }
   std::vector<ValuePtr> merged;
   size_t k = n;
   std::vector<int64_t> lead(x.shape.begin(), x.shape.end() - 1);

@@ -257,7 +257,20 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
       l.output_bits = lin.at("output").at("bits").get<int>();
       if (l.output_bits != 8 && l.output_bits != 32)
         throw InputError("sidecar " + s.path + " gives " + name + " " + std::to_string(l.output_bits) +
-                         "-bit outputs: export again with this version");      l.split_channels = lin.at("split_channels").get<std::vector<std::vector<int>>>();
+                         "-bit outputs: export again with this version");
+      l.split_channels = lin.at("split_channels").get<std::vector<std::vector<int>>>();
+      for (const auto& f : lin.at("fine_outputs")) {
+        FineOutput o;
+        o.part = f.at("part").get<int>();
+        o.scale = f.at("scale").get<double>();
+        const auto range = f.at("range").get<std::vector<double>>();
+        if (o.part < 0 || static_cast<size_t>(o.part) > l.split_channels.size() || !(o.scale > 0) ||
+            range.size() != 2 || !(range[0] < range[1]))
+          throw InputError("sidecar " + s.path + " gives " + name + " a bad second output encoding: export again");
+        o.low = range[0];
+        o.high = range[1];
+        l.fine_outputs.push_back(o);
+      }
       s.linears[name] = l;
     }
     const auto& sh = m.at("shadow");

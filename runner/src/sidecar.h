@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 8;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 9;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -28,10 +28,18 @@ struct Subgraph {
   std::vector<ShadowBranch> shadow;
 };
 
+// A second, finer 8-bit encoding of one part of a linear's output (format/regions.py FineOutput):
+// the method returns that part twice; the fine value wins where it lies inside its range.
+struct FineOutput {
+  int part = 0;                 // 0: the main output; j: the j-th split channel group
+  double scale = 0, low = 0, high = 0;
+};
+
 struct NpuLinear {
   double act_scale = 0;
   int output_bits = 8;                            // 8: requantized by the method; 32: float
   std::vector<std::vector<int>> split_channels;   // output channels the method returns on their own
+  std::vector<FineOutput> fine_outputs;           // extra outputs after every split group, in order
 };
 
 struct ColdLinear {
