@@ -79,7 +79,7 @@ def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, 
         if plans[name].shadow:
             assert lin["clip"] == pytest.approx(plans[name].clip) and lin["hot_channels"] == plans[name].hot.tolist()
         # cpu-int8's default: float outputs, nothing split
-        assert lin["output"] == {"bits": 32} and lin["split_channels"] == [] == lin["split_outputs"]
+        assert lin["output"] == {"bits": 32} and lin["split_channels"] == [] == lin["split_outputs"] == lin["fine_outputs"]
     assert summary["output_bits"] == 32
     assert meta["pruned_layers"] == sorted(n for n, p in plans.items() if not p.shadow)
     assert 0 < len(meta["pruned_layers"]) < len(plans)          # both kinds present in this plan

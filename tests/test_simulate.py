@@ -278,3 +278,18 @@ def test_fp16_width_is_the_profiles(tiny):
     a = cost.npu_seconds(sub, 0, toy_device())
     b = cost.npu_seconds(sub, 0, replace(toy_device(), params={**toy_device().params, "cpu.float_bytes": 4.0}))
     assert b > a
+
+
+def test_second_output_encodings_cost_their_share_of_the_npu_work(tiny):
+    """A share s of the NPU outputs computed twice: the NPU lane's GEMMs take (1 + s) as long and
+    the outputs' traffic grows, so its busy time grows by at most s plus the merge, at least s times
+    the GEMMs' part; the CPU lane is untouched. A share outside [0, 1] is refused."""
+    base, fine = (simulate_prefill(tiny, "SM8650", 2 * C, ("ooo",), fine_share=s)["policies"]["ooo"]
+                  for s in (0.0, 0.1))
+    gemm = sum(cost.npu_seconds(step.sub, 0, load_device("SM8650")) - load_device("SM8650")["npu.graph_launch_s"]
+               for step in tiny.program.steps if step.sub.processor == "npu")
+    grew = fine["npu_busy_s"] - base["npu_busy_s"]
+    assert 0.1 * 0.5 * gemm * 2 < grew < 0.1 * base["npu_busy_s"] * 1.5, (grew, gemm, base["npu_busy_s"])
+    assert fine["cpu_busy_s"] == pytest.approx(base["cpu_busy_s"])
+    with pytest.raises(LlmNpuError, match="second encoding must be in"):
+        simulate_prefill(tiny, "SM8650", C, ("ooo",), fine_share=1.5)

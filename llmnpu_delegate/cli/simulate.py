@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", choices=list(SIM_QUANT), default="w8a8-shadow", help="default w8a8-shadow")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
     p.add_argument("--norms", choices=["cpu", "npu"], default="cpu", help="where norms run (default cpu)")
+    p.add_argument("--fine-share", type=float, default=0.0,
+                   help="share of the NPU linears' outputs computed a second time for a finer 8-bit encoding "
+                        "(llmnpu export prints it; default 0: one encoding each)")
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
                    help="scheduling policies (default: all)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")
@@ -55,7 +58,8 @@ def cmd_simulate(args) -> dict:
         return {"model": args.model, "soc": args.soc, "prompt_len": args.prompt_len, "sweep": rows}
     scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.norms, progress=not args.no_progress,
                   soc=args.soc)
-    result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir, args.past)
+    result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir, args.past,
+                              args.fine_share)
     args.text = _format_simulate(result)
     return result
 
@@ -64,7 +68,9 @@ def _format_simulate(r: dict) -> str:
     after = f" after a kept past of {r['past']}" if r["past"] else ""
     lines = [f"{r['model']} on {r['soc']} ({r['device']}), simulated: {r['prompt_len']} tokens{after} in {r['chunks']} "
              f"chunks of {r['chunk']}, {r['subgraphs']} subgraphs, {r['shadowed_linears']} shadowed linears "
-             f"(plan: {r['plan_source']})"]
+             f"(plan: {r['plan_source']})"
+             + (f"; {100 * r['fine_share']:.1f} % of the NPU outputs computed twice for a second encoding"
+                if r["fine_share"] else "")]
     lines.append(f"{'policy':<10}{'tok/s':>8}{'wall ms':>9}{'NPU ms':>8}{'CPU ms':>8}{'bubbles':>9}{'bound':>8}"
                  f"{'energy J':>10}{'tok/J':>7}")
     for p, d in r["policies"].items():

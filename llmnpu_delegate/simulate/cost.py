@@ -8,7 +8,10 @@ paper Table 4), whatever dtype the graph was traced in.
 
 - NPU graph: ``graph_launch + sum over GEMMs of max(flops / int8 rate, int8 weight bytes / weight
   bandwidth) + activation bytes in and out / memory bandwidth``: the roofline fitted to Table 3,
-  applied GEMM by GEMM, plus the shared-memory traffic of the graph's inputs and outputs.
+  applied GEMM by GEMM, plus the shared-memory traffic of the graph's inputs and outputs. With
+  ``fine_share`` of the output channels computed a second time for a finer 8-bit encoding
+  (``lower/npu_subgraphs.fine_outputs``), the GEMMs' compute and their outputs' traffic grow by
+  that share, and the runner's merge reads both copies and writes one on the CPU's memory.
 - CPU: each op that does work costs ``op_launch + max(flops / float rate, bytes / memory
   bandwidth)``; views and shape arithmetic are free. A shadow product of a linear absent from the
   plan's outlier shares is a pruned path and costs nothing.
@@ -108,20 +111,24 @@ def subgraph_work(sub: Subgraph, past: int, float_bytes: float, outlier_rate: di
     return total
 
 
-def npu_seconds(sub: Subgraph, past: int, device: Device) -> float:
+def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0) -> float:
     fb = device["cpu.float_bytes"]
     t = device["npu.graph_launch_s"]
-    io = 0.0
+    io = merge = 0.0
     for node in sub.nodes:
         if is_linear(node):
             k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
-            t += max(node_flops(node, past) / device["npu.int8_ops_per_s"], k * n / device["npu.weight_bytes_per_s"])
+            t += (1 + fine_share) * max(node_flops(node, past) / device["npu.int8_ops_per_s"],
+                                        k * n / device["npu.weight_bytes_per_s"])
+            out = _val_bytes(node, past, fb)
+            io += fine_share * out
+            merge += 3 * fine_share * out
         else:
             io += node_work(node, past, fb, {}).bytes     # a norm folded into the region (norms="npu")
     if sub.nodes:   # the graph's float inputs and outputs cross the shared memory
         nodes = {n.name: n for n in sub.nodes[0].graph.nodes}
         io += sum(_val_bytes(nodes[name], past, fb) for name in (*sub.inputs, *sub.outputs))
-    return t + io / device["npu.io_bytes_per_s"]
+    return t + io / device["npu.io_bytes_per_s"] + merge / device["cpu.memory_bytes_per_s"]
 
 
 def cpu_seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
@@ -135,8 +142,10 @@ def cpu_seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str
     return t
 
 
-def seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
-    """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens."""
+def seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float],
+            fine_share: float = 0.0) -> float:
+    """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens (``fine_share``: see
+    the module docstring)."""
     if sub.processor == "npu":
-        return npu_seconds(sub, past, device)
+        return npu_seconds(sub, past, device, fine_share)
     return cpu_seconds(sub, past, device, outlier_rate)

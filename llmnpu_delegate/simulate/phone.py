@@ -187,16 +187,17 @@ def _scenario(net: nn.Module, model: str, chunk: int, rates: dict[str, float], s
     return Scenario(model, partition, program, chunk, max_context(net.config), rates, source, rate)
 
 
-def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0) -> dict:
+def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0, fine_share: float = 0.0) -> dict:
     """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones
-    (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys)."""
+    (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys).
+    ``fine_share``: of the NPU outputs computed twice (``cost.npu_seconds``)."""
     costs: dict = {}
     for j, step in enumerate(scn.program.steps):
         if step.static:
-            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate)
+            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate, fine_share)
         else:
             for i in range(chunks):
-                costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate)
+                costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate, fine_share)
     return costs
 
 
@@ -212,11 +213,15 @@ def energy(stats: RunStats, device: Device) -> dict:
 
 
 def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES,
-                     trace_dir: Path | None = None, past: int = 0) -> dict:
+                     trace_dir: Path | None = None, past: int = 0, fine_share: float = 0.0) -> dict:
     """Predicted prefill of a ``prompt_len``-token prompt on ``soc``, per policy; with ``past``, the
     prompt continues a conversation whose first ``past`` tokens' K/V are kept (a later turn: its
-    chunks start at position ``past``, mid-chunk or not, and only the last one is padded)."""
+    chunks start at position ``past``, mid-chunk or not, and only the last one is padded).
+    ``fine_share``: the share of NPU outputs computed a second time for a finer encoding (what
+    ``llmnpu export`` reports as ``fine_npu_share``)."""
     device = load_device(soc)
+    if not 0.0 <= fine_share <= 1.0:
+        raise LlmNpuError(f"the share of NPU outputs with a second encoding must be in [0, 1], got {fine_share}")
     if not isinstance(past, int) or past < 0:
         raise LlmNpuError(f"the past must be a whole number of tokens >= 0, got {past!r}")
     if not isinstance(prompt_len, int) or not 0 < prompt_len <= scn.context - past:
@@ -228,9 +233,9 @@ def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES
     for p in policies:
         check_policy(p)
     chunks = math.ceil(prompt_len / scn.chunk)
-    costs = step_costs(scn, device, chunks, past)
+    costs = step_costs(scn, device, chunks, past, fine_share)
     out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "past": past,
-           "chunk": scn.chunk,
+           "chunk": scn.chunk, "fine_share": fine_share,
            "chunks": chunks, "pruning_rate": scn.pruning_rate, "shadowed_linears": scn.shadowed,
            "plan_source": scn.plan_source, "subgraphs": len(scn.program.steps), "policies": {}}
     names = {i: step_label(s.sub) for i, s in enumerate(scn.program.steps)}
