@@ -46,6 +46,11 @@ def cmd_validate(args) -> dict:
 WORST = 10
 
 
+def _bits(x: dict) -> str:
+    """The output's bits; ``8+`` when some part of it has a second, finer 8-bit encoding."""
+    return f"{x['output_bits']}{'+' if x.get('fine_outputs') else ''}"
+
+
 def _format_validate(r: dict, rows: int | None = None) -> str:
     """The report as text: the NPU linears worst SQNR first (``rows`` of them, or all), then the totals."""
     where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['soc'] else ''}"
@@ -59,9 +64,13 @@ def _format_validate(r: dict, rows: int | None = None) -> str:
     for x in shown:
         steps = f"{x['max_steps']:.2f}" if x["max_steps"] is not None else "-"
         lines.append(f"{x['subgraph']:>8} {x['layer'] if x['layer'] is not None else '-':>5}  "
-                     f"{x['linear'].split('.', 3)[-1]:<28} {x['output_bits']:>4} {steps:>9} "
+                     f"{x['linear'].split('.', 3)[-1]:<28} {_bits(x):>4} {steps:>9} "
                      f"{100 * x['within_2_steps']:>9.2f}% {100 * x['saturated']:>8.3f}% {x['sqnr_db']:>8.1f}")
     inside = [x["max_steps"] for x in r["linears"] if x["max_steps"] is not None]
+    fine = sum(bool(x.get("fine_outputs")) for x in r["linears"])
+    if fine:
+        lines.append(f"8+: {fine} linears with a second, finer 8-bit encoding of some output (steps: of the "
+                     f"encoding the runner took)")
     lines.append(f"{len(r['linears'])} linears: elements within 2 steps >= "
                  f"{100 * min(x['within_2_steps'] for x in r['linears']):.2f} % in every linear; largest difference "
                  f"{max(inside):.2f} steps where the engine's value is inside the output range; "
