@@ -31,6 +31,7 @@ from ..errors import LlmNpuError
 from ..format.regions import FineOutput, RegionSpec, part_channels
 from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
+from ..quantize.sqnr import sqnr_db
 from .encodings import LlmNpuQuantizer
 from .xnnpack_forms import int8_weights_as_rows, mark_as_rows
 
@@ -92,7 +93,7 @@ def fine_outputs(linear: nn.Linear, rows: Tensor, splits: list[list[int]], flavo
         low, high = (float(q) for q in torch.quantile(sample, torch.tensor([1 - FINE_QUANTILE, FINE_QUANTILE],
                                                                              dtype=values.dtype)))
         bulk = values[(values >= low) & (values <= high)]
-        if _sqnr(_fake_quant(bulk, *one, flavour), bulk) < FINE_BELOW_DB:
+        if sqnr_db(_fake_quant(bulk, *one, flavour), bulk) < FINE_BELOW_DB:
             chosen.append((part, encoding_for(low, high, flavour)))
     return chosen
 
@@ -113,11 +114,6 @@ def encoding_for(low: float, high: float, flavour: str) -> tuple[float, int]:
 def _fake_quant(x: Tensor, scale: float, zero: int, flavour: str) -> Tensor:
     qmin, qmax = _qrange(flavour)
     return (torch.clamp(torch.round(x / scale) + zero, qmin, qmax) - zero) * scale
-
-
-def _sqnr(x: Tensor, ref: Tensor) -> float:
-    noise = float((x - ref).pow(2).sum())
-    return float("inf") if noise == 0 else 10 * torch.log10(ref.pow(2).sum() / noise).item()
 
 
 class RegionModule(nn.Module):

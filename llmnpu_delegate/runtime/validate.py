@@ -25,6 +25,7 @@ from torch import Tensor
 from ..errors import LlmNpuError
 from ..format.regions import part_channels
 from ..kernels import QMAX
+from ..quantize.sqnr import sqnr_db  # noqa: F401  (the benchmarks and tests take it from here too)
 from .pte_runner import PteRunner
 
 
@@ -54,11 +55,6 @@ def capture_npu_io(engine, ids: Tensor) -> list[RegionIO]:
         r.rows = r.rows.reshape(-1, r.rows.shape[-1]).clone()
         r.outputs = [o.reshape(-1, o.shape[-1]).clone() for o in r.outputs]
     return captured
-
-
-def sqnr_db(x: Tensor, ref: Tensor) -> float:
-    noise = (x.double() - ref.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
 
 
 def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
