@@ -53,6 +53,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
                          rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+        # Llama-3.2-3B and Llama-3.1-8B (the phone model's validation rows)
+        "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                         rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+        "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                         rope_theta=500_000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
+        # SmolLM2-1.7B and Falcon3-7B are Llama-architecture models
+        "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                             num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192,
+                             rope_theta=130_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+        "falcon3-7b": dict(hidden_size=3072, intermediate_size=23040, num_hidden_layers=28, num_attention_heads=12,
+                           num_key_value_heads=4, head_dim=256, vocab_size=131072, max_position_embeddings=32768,
+                           rope_theta=1000042.0, tie_word_embeddings=False, rms_norm_eps=1e-6),
         "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                            num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
         "tiny-llama": dict(_TINY)}),
@@ -78,6 +92,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                            num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                            rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+        "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+        "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rope_theta=1_000_000.0, tie_word_embeddings=False, rms_norm_eps=1e-6),
         "tiny-qwen3": dict(_TINY, head_dim=32)}),
     # gemma's norms scale by (1 + w), gemma2/3 add norms after attention and MLP and soft-capping:
     # the prefill runs their own modules; the INT8 decoder's fixed block does not

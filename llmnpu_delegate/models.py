@@ -186,6 +186,15 @@ def random_config(shape: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def model_config(spec: str):
+    """The transformers config of ``spec``, without loading weights where there are none to load."""
+    if spec.startswith("random:"):
+        return random_config(spec.split(":", 1)[1])
+    if Path(spec).is_dir():
+        return model_skeleton(spec).config
+    return load_model(spec).model.config
+
+
 def model_skeleton(spec: str) -> nn.Module:
     """The model of ``spec`` on the ``meta`` device: every shape, no weights (what a simulation of
     a 7B model needs on this machine). ``random:<shape>`` or a Hugging Face folder."""

@@ -115,6 +115,20 @@ def test_the_accuracy_budget_stops_pruning_first(tiny):
     assert _kl_with(lm, calib, set(order) | {following}) > limit * (1 - 1e-5)
 
 
+def test_paths_the_budget_lets_go_are_kept_when_losing_them_buys_no_time(tiny):
+    """The prefill shortens only once all but one path go; the accuracy budget stops long before:
+    pruning what it allows would cost accuracy for nothing, so every path is kept."""
+    lm, _ = tiny
+    calib = _calib(tiny)
+    config = QuantConfig(pruning_target=TARGET, pruning_budget=0.5)
+    seconds = _seconds(lm)
+    cost = ShadowCost(TARGET, dict(seconds), lambda kept: 1.0 + (1.0 if len(kept) > 1 else 0.0))
+    plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False, cost=cost)
+    choice = chosen(calib, config)
+    assert choice["pruned"] == [] and choice["rate"] == 0.0 and all(p.shadow for p in plans.values())
+    assert choice["evaluations"] > 0 and choice["makespan_s"] == choice["makespan_all_s"] == 2.0
+
+
 def test_a_choice_is_kept_per_target_and_an_unmade_one_says_where_it_is_made(tiny):
     lm, _ = tiny
     calib = _calib(tiny)

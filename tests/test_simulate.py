@@ -13,7 +13,7 @@ from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.trace import metrics
 from llmnpu_delegate.simulate import cost
 from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device, socs
-from llmnpu_delegate.simulate.fit import fit_roofline, table3_rows
+from llmnpu_delegate.simulate.fit import fit_all, fit_roofline, table3_rows
 from llmnpu_delegate.simulate.phone import carry_over, energy, prepare, simulate_prefill
 
 C = 8   # chunk length of the tiny scenarios
@@ -28,7 +28,7 @@ def tiny():
 
 def toy_device(**overrides) -> Device:
     params = {p: 1.0 for p in PARAMETERS}
-    params.update({"npu.int8_ops_per_s": 1e9, "npu.weight_bytes_per_s": 1e8, "npu.graph_launch_s": 1e-4,
+    params.update({"npu.a16_ops_per_s": 5e8, "npu.a8_speedup": 2.0, "npu.dram_bytes_per_s": 1e8, "npu.graph_launch_s": 1e-4,
                    "npu.io_bytes_per_s": 1e9, "cpu.float_ops_per_s": 1e8, "cpu.memory_bytes_per_s": 1e9,
                    "cpu.op_launch_s": 1e-6, "cpu.float_bytes": 2.0})
     params.update(overrides)
@@ -149,19 +149,23 @@ def test_device_profiles_load_with_a_source_for_every_number(soc):
         assert len(dev.sources[name]) > 20, name
 
 
-def test_the_phone_profile_is_the_fit_of_table_3():
-    """SM8650's NPU and CPU rates are what fit.py gets from Table 3 (and nothing else)."""
-    dev = load_device("SM8650")
-    npu = fit_roofline(table3_rows(dev, "npu_int8_ms"))
-    cpu = fit_roofline(table3_rows(dev, "cpu_int8_ms"))
-    assert dev["npu.int8_ops_per_s"] == pytest.approx(npu["ops_per_s"], rel=0.01)
-    assert dev["npu.weight_bytes_per_s"] == pytest.approx(npu["bytes_per_s"], rel=0.01)
-    assert dev["npu.graph_launch_s"] == pytest.approx(npu["launch_s"], rel=0.01)
-    assert dev["cpu.float_ops_per_s"] == pytest.approx(0.5 * cpu["ops_per_s"], rel=0.01)
-    assert max(abs(e) for e in npu["row_errors"]) < 0.2      # the roofline explains every row within 20 %
-    # the other SoCs are published ratios of this one
-    assert load_device("SM8550")["npu.int8_ops_per_s"] == pytest.approx(dev["npu.int8_ops_per_s"] / 1.98)
-    assert load_device("SM8750")["npu.int8_ops_per_s"] == pytest.approx(dev["npu.int8_ops_per_s"] * 1.45)
+def test_the_device_files_hold_the_fits_of_the_measurements_in_the_repository():
+    """SM8750's fitted NPU and runtime rates are what fit.py gets from data/aihub.csv's training rows,
+    SM8650's paper rates, graph launch and CPU rate what it gets from Table 3; the other SoCs are
+    published ratios of those."""
+    fits = fit_all()
+    assert fits["unidentified"] == []
+    for soc in ("SM8750", "SM8650"):
+        dev = load_device(soc)
+        for name, value in fits[soc].items():
+            assert dev[name] == pytest.approx(value, rel=1e-3), (soc, name)
+    table3 = load_device("SM8650")
+    npu = fit_roofline(table3_rows(table3, "npu_int8_ms"))
+    assert max(abs(e) for e in npu["row_errors"]) < 0.2      # the roofline explains every Table 3 row within 20 %
+    base = load_device("SM8750")
+    assert load_device("SM8650")["npu.a16_ops_per_s"] == pytest.approx(base["npu.a16_ops_per_s"] / 1.45)
+    assert load_device("SM8850")["npu.a16_ops_per_s"] == pytest.approx(base["npu.a16_ops_per_s"] * 1.37)
+    assert load_device("SM8550")["npu.a16_ops_per_s"] == pytest.approx(base["npu.a16_ops_per_s"] / 1.45 / 1.98)
 
 
 def test_a_faster_npu_gives_a_faster_prefill(tiny):
@@ -189,9 +193,11 @@ def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
     assert isinstance(scn.pruning_rate, float) and 0.0 <= scn.pruning_rate <= 1.0
 
 
-def test_a_phone_keeps_the_shadow_paths_its_npu_hides():
-    """On SM8650 the embedded model's shadow work runs beside the NPU's graphs: the device model finds
-    nothing worth pruning, and each path's price is its shadow product's cost in the CPU subgraph."""
+def test_a_phone_keeps_the_shadow_paths_whose_pruning_buys_no_time():
+    """Each path's price is its shadow product's cost in the CPU subgraph. On SM8650 the CPU lane bounds
+    the prefill, so the embedded model's shadow products lengthen it beyond the 1 % allowed; but the
+    paths the accuracy budget lets go buy no time (measured: 42 paths, 0.4085 -> 0.4091 s predicted, the
+    held-apart KL 0.0053 -> 0.0104), so the choice keeps them all."""
     from llmnpu_delegate.models import load_model
     from llmnpu_delegate.partitioner.regions import shadow_delta
     from llmnpu_delegate.prefill import default_calibration
@@ -219,7 +225,8 @@ def test_a_phone_keeps_the_shadow_paths_its_npu_hides():
     config = QuantConfig(pruning_target="SM8650")
     choose_pruning(lm, calib, config, progress=False)
     choice = chosen(calib, config)
-    assert choice["pruned"] == [] and choice["makespan_all_s"] <= 1.01 * choice["makespan_none_s"]
+    assert choice["makespan_all_s"] > (1 + config.shadow_share) * choice["makespan_none_s"]
+    assert choice["evaluations"] > 0 and choice["pruned"] == [] and choice["rate"] == 0.0
 
 
 # ------------------------------------------------------------------ bad input

@@ -19,7 +19,10 @@ predictions and divergences, is cached in the calibration artefact under the tar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -47,10 +50,24 @@ class ShadowCost:
     makespan: Callable[[frozenset], float]
 
 
+# The phone model's device profiles, read as bytes (not imported: simulate/ is a later stage). A SoC's
+# choice is priced by them, so it is kept under their digest and made again when they change.
+_DEVICES = Path(__file__).resolve().parents[1] / "simulate" / "devices"
+
+
+@lru_cache(maxsize=1)
+def _devices_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_DEVICES.glob("*.json")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def target_key(config: QuantConfig) -> str:
-    """Where a choice holds: a SoC by name; the host by its CPU and kernels (an engine profile is theirs)."""
+    """Where a choice holds: a SoC by name and the profiles that price it; the host by its CPU and
+    kernels (an engine profile is theirs)."""
     if config.pruning_target != "host":
-        return config.pruning_target
+        return f"{config.pruning_target}@{_devices_digest()}"
     return f"host:{detect().model}:{int8_path.current()}:{native_ops.library_digest()}"
 
 
@@ -145,6 +162,8 @@ def choose(model: nn.Module, layers: dict, calib: Calibration, config: QuantConf
         limit = kl(0) * (1 + config.pruning_budget)
         if kl(p) > limit:     # accuracy stops first: the most paths within the budget
             p = _bisect(lambda k: kl(k) > limit, 0, p) - 1
+        if p and cost.makespan(frozenset(order[p:])) >= everything:
+            p = 0             # what the budget lets go buys no time: keep every path
     finally:
         for q in layers.values():
             q.pruned = False

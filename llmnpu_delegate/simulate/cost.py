@@ -6,9 +6,11 @@ INT8 weight bytes of the NPU's GEMMs, and for a shadow product the outlier share
 the quantization plan. Float tensors are priced at the device's float width (FP16 on the phone,
 paper Table 4), whatever dtype the graph was traced in.
 
-- NPU graph: ``graph_launch + sum over GEMMs of max(flops / int8 rate, int8 weight bytes / weight
-  bandwidth) + activation bytes in and out / memory bandwidth``: the roofline fitted to Table 3,
-  applied GEMM by GEMM, plus the shared-memory traffic of the graph's inputs and outputs. With
+- NPU graph: ``graph_launch + sum over GEMMs of max(flops / matrix rate, weight bytes / weight
+  bandwidth) + activation bytes in and out / memory bandwidth``: a roofline GEMM by GEMM, plus the
+  shared-memory traffic of the graph's inputs and outputs. The rates are the program's
+  (``gemm_rates``): the device's matrix unit at the program's activation precision and its DRAM,
+  or the paper's Table 3 roofline for the paper's own implementation. With
   ``fine_share`` of the output channels computed a second time for a finer 8-bit encoding
   (``lower/npu_subgraphs.fine_outputs``), the GEMMs' compute and their outputs' traffic grow by
   that share, and the runner's merge reads both copies and writes one on the CPU's memory.
@@ -26,7 +28,10 @@ import torch
 from torch.fx import Node
 
 from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
-from .device import Device
+from .device import Device, matrix_ops_per_s
+from .programs import PROGRAMS, Program
+
+OURS = PROGRAMS["ours"]
 
 # Ops that move no data: views, shape arithmetic, metadata.
 FREE_OPS = {"sym_size", "detach", "detach_", "unsqueeze", "squeeze", "view", "_unsafe_view", "transpose",
@@ -111,15 +116,23 @@ def subgraph_work(sub: Subgraph, past: int, float_bytes: float, outlier_rate: di
     return total
 
 
-def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0) -> float:
+def gemm_rates(device: Device, program: Program) -> tuple[float, float]:
+    """(FLOPs per second, weights streamed per second) of an NPU GEMM of ``program``: its matrix rate
+    and the DRAM bandwidth over its bytes per weight."""
+    if program.rates == "paper":
+        return device["paper.int8_ops_per_s"], device["paper.weight_bytes_per_s"] * 8 / program.weight_bits
+    return matrix_ops_per_s(device, program.activations), device["npu.dram_bytes_per_s"] * 8 / program.weight_bits
+
+
+def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0, program: Program = OURS) -> float:
     fb = device["cpu.float_bytes"]
+    rate, weights_per_s = gemm_rates(device, program)
     t = device["npu.graph_launch_s"]
     io = merge = 0.0
     for node in sub.nodes:
         if is_linear(node):
             k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
-            t += (1 + fine_share) * max(node_flops(node, past) / device["npu.int8_ops_per_s"],
-                                        k * n / device["npu.weight_bytes_per_s"])
+            t += (1 + fine_share) * max(node_flops(node, past) / rate, k * n / weights_per_s)
             out = _val_bytes(node, past, fb)
             io += fine_share * out
             merge += 3 * fine_share * out
@@ -131,21 +144,33 @@ def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.
     return t + io / device["npu.io_bytes_per_s"] + merge / device["cpu.memory_bytes_per_s"]
 
 
+def cpu_node_seconds(node: Node, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
+    w = node_work(node, past, device["cpu.float_bytes"], outlier_rate)
+    if not w.ops:
+        return 0.0
+    return device["cpu.op_launch_s"] + max(w.flops / device["cpu.float_ops_per_s"],
+                                           (w.bytes + w.weight_bytes * device["cpu.float_bytes"])
+                                           / device["cpu.memory_bytes_per_s"])
+
+
 def cpu_seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
-    fb = device["cpu.float_bytes"]
-    t = 0.0
-    for node in sub.nodes:
-        w = node_work(node, past, fb, outlier_rate)
-        if w.ops:
-            t += device["cpu.op_launch_s"] + max(w.flops / device["cpu.float_ops_per_s"],
-                                                (w.bytes + w.weight_bytes * fb) / device["cpu.memory_bytes_per_s"])
-    return t
+    return sum(cpu_node_seconds(node, past, device, outlier_rate) for node in sub.nodes)
+
+
+def cpu_kind(node: Node) -> str:
+    """What a CPU node is, for the lanes' breakdown: attention, shadow, linears or elementwise (norms,
+    RoPE, residual adds, activations, the embedding)."""
+    if node.target in ATTENTION_TARGETS:
+        return "attention"
+    if node.target is shadow_delta:
+        return "shadow"
+    return "linears" if is_linear(node) else "elementwise"
 
 
 def seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float],
-            fine_share: float = 0.0) -> float:
+            fine_share: float = 0.0, program: Program = OURS) -> float:
     """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens (``fine_share``: see
     the module docstring)."""
     if sub.processor == "npu":
-        return npu_seconds(sub, past, device, fine_share)
+        return npu_seconds(sub, past, device, fine_share, program)
     return cpu_seconds(sub, past, device, outlier_rate)

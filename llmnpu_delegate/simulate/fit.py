@@ -1,10 +1,18 @@
-"""Fit a roofline to the paper's INT8 MatMul micro-benchmarks (Table 3), per processor.
+"""The device profiles' fitted numbers, from the measurements in the repository.
 
-``t = launch + max(flops / rate, weight_bytes / bandwidth)``: a fixed cost per call, then either the
-arithmetic or the streaming of the INT8 weights bounds the time. Fitted by least squares on the
-relative error (the rows span 0.9 to 19.6 ms), over a log grid refined around the best point;
-deterministic and dependency-free. Run ``python -m llmnpu_delegate.simulate.fit`` to print the
-values the device file stores.
+Two fits, each by least squares on the relative error, deterministic:
+
+- **The phone's NPU as QNN programs reach it** (``fit_phone``): the parameters of ``FITTED`` on
+  SM8750, so that ``whole_npu.predict`` reproduces the training rows of ``data/aihub.csv``
+  (``measured.py`` says which rows train; the others are never read here). Levenberg-Marquardt on
+  the logarithms of the parameters.
+- **The paper's implementation** (``fit_roofline``): Table 3's INT8 MatMul micro-benchmarks (SM8650),
+  ``t = launch + max(flops / rate, weight_bytes / bandwidth)`` per processor, over a log grid
+  refined around the best point. The NPU column gives the ``paper.*`` rates, the CPU column the
+  CPU's float rate.
+
+``python -m llmnpu_delegate.simulate.fit`` prints both; ``--write`` stores them in the device files
+(what ``tests/test_simulate.py`` checks they hold).
 """
 from __future__ import annotations
 
@@ -13,7 +21,9 @@ import json
 import math
 import sys
 
-from .device import load_device
+import numpy as np
+
+from .device import DEVICES_DIR, Device, load_device
 
 
 def roofline(flops: float, weight_bytes: float, launch: float, rate: float, bandwidth: float) -> float:
@@ -51,15 +61,108 @@ def table3_rows(device, column: str) -> list[tuple[float, float, float]]:
     return [(2.0 * row[0] * row[1] * row[2], float(row[1] * row[2]), row[col] / 1e3) for row in bench["rows"]]
 
 
-def main() -> int:
-    device = load_device("SM8650")
-    out = {}
-    for column in ("npu_int8_ms", "cpu_int8_ms"):
-        fit = fit_roofline(table3_rows(device, column))
-        out[column] = {k: (round(v, 6 - int(math.floor(math.log10(abs(v))))) if isinstance(v, float) else
-                           [round(e, 3) for e in v]) for k, v in fit.items()}
+FIT_SOC = "SM8750"
+# what the AI Hub rows decide, with a starting point of the right order of magnitude
+# a parameter that reaches 10^4 times its start either way is one the rows cannot decide
+SPAN = math.log(1e4)
+FITTED = {"npu.a16_ops_per_s": 1e13, "npu.fp16_ops_per_s": 3e12, "npu.vector_elems_per_s": 1e10,
+          "cpu.kv_update_bytes_per_s": 1e10}
+
+
+def levenberg_marquardt(residuals, x0: np.ndarray, span: float, iterations: int = 200) -> np.ndarray:
+    """Minimise ``|residuals(x)|^2`` from ``x0`` within ``x0 +- span`` (numerical Jacobian,
+    multiplicative damping)."""
+    lo, hi = np.asarray(x0, dtype=float) - span, np.asarray(x0, dtype=float) + span
+    x, lam = np.asarray(x0, dtype=float), 1e-2
+    r = residuals(x)
+    cost = float(r @ r)
+    for _ in range(iterations):
+        jac = np.empty((len(r), len(x)))
+        for j in range(len(x)):
+            dx = np.zeros_like(x)
+            dx[j] = 1e-6
+            jac[:, j] = (residuals(x + dx) - r) / 1e-6
+        a, g = jac.T @ jac, jac.T @ r
+        while lam < 1e12:
+            step = np.clip(x + np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-9), -g), lo, hi) - x
+            r2 = residuals(x + step)
+            if float(r2 @ r2) < cost:
+                break
+            lam *= 10
+        else:
+            return x
+        improvement = cost - float(r2 @ r2)
+        x, r, cost, lam = x + step, r2, float(r2 @ r2), max(lam / 10, 1e-9)
+        if improvement < 1e-12:
+            break
+    return x
+
+
+def fit_phone(rows, device: Device) -> dict:
+    """The values of ``FITTED`` that make ``device`` predict ``rows`` (``measured.Measurement``s) best,
+    and each row's relative error."""
+    from .measured import predict_row
+
+    names = list(FITTED)
+
+    def candidate(logs):
+        return device.with_params({n: float(math.exp(v)) for n, v in zip(names, logs)})
+
+    def residuals(logs):
+        dev = candidate(logs)
+        return np.array([predict_row(m, dev)["tok_s"] / m.prefill_tok_s - 1 for m in rows])
+
+    start = np.log([FITTED[n] for n in names])
+    best = levenberg_marquardt(residuals, start, SPAN)
+    return {"params": {n: float(math.exp(v)) for n, v in zip(names, best)},
+            "row_errors": [float(e) for e in residuals(best)],
+            "unidentified": [n for n, v, s in zip(names, best, start) if abs(v - s) > SPAN - 1e-6]}
+
+
+def fit_all() -> dict:
+    """Both fits from the files in the repository: {"SM8750": {param: value}, "SM8650": {...}, errors}."""
+    from .measured import measurements
+
+    rows = [m for m in measurements() if m.training]
+    phone = fit_phone(rows, load_device(FIT_SOC))
+    table3 = load_device("SM8650")
+    npu = fit_roofline(table3_rows(table3, "npu_int8_ms"))
+    cpu = fit_roofline(table3_rows(table3, "cpu_int8_ms"))
+    return {FIT_SOC: phone["params"], "unidentified": phone["unidentified"],
+            "SM8650": {"paper.int8_ops_per_s": npu["ops_per_s"], "paper.weight_bytes_per_s": npu["bytes_per_s"],
+                       "npu.graph_launch_s": npu["launch_s"], "cpu.float_ops_per_s": 0.5 * cpu["ops_per_s"]},
+            "errors": {"aihub": dict(zip((m.label for m in rows), phone["row_errors"])),
+                       "table3_npu": npu["row_errors"], "table3_cpu": cpu["row_errors"]}}
+
+
+def _round(v: float) -> float:
+    return round(v, 4 - int(math.floor(math.log10(abs(v)))))
+
+
+def write(fits: dict) -> None:
+    """Store the fitted values in the device files (each parameter keeps its source)."""
+    if fits["unidentified"]:
+        raise SystemExit(f"not written: the training rows do not decide {', '.join(fits['unidentified'])}")
+    for soc in (FIT_SOC, "SM8650"):
+        path = DEVICES_DIR / f"{soc}.json"
+        doc = json.loads(path.read_text())
+        for name, value in fits[soc].items():
+            doc["params"][name]["value"] = _round(value)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    fits = fit_all()
+    out = {k: (d if k == "unidentified" else {n: _round(v) for n, v in d.items()} if k != "errors" else
+               {n: ({m: round(e, 3) for m, e in v.items()} if isinstance(v, dict) else [round(e, 3) for e in v])
+                for n, v in d.items()}) for k, d in fits.items()}
     json.dump(out, sys.stdout, indent=1)
     print()
+    if "--write" in argv:
+        write(fits)
     return 0
 
 

@@ -38,6 +38,7 @@ from ..runtime.trace import metrics, step_label, write_timeline, write_trace
 from ..text import read_text, tokenize
 from . import cost
 from .device import Device, load_device
+from .programs import Program
 
 QUANT_MODES = ("w8a8-shadow", "w8a8")   # the NPU runs INT8 graphs; float linears are not simulated
 
@@ -187,18 +188,40 @@ def _scenario(net: nn.Module, model: str, chunk: int, rates: dict[str, float], s
     return Scenario(model, partition, program, chunk, max_context(net.config), rates, source, rate)
 
 
-def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0, fine_share: float = 0.0) -> dict:
+def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0, fine_share: float = 0.0,
+               program: Program = cost.OURS) -> dict:
     """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones
     (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys).
     ``fine_share``: of the NPU outputs computed twice (``cost.npu_seconds``)."""
     costs: dict = {}
     for j, step in enumerate(scn.program.steps):
         if step.static:
-            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate, fine_share)
+            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate, fine_share, program)
         else:
             for i in range(chunks):
-                costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate, fine_share)
+                costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate, fine_share,
+                                             program)
     return costs
+
+
+def lane_seconds(scn: Scenario, device: Device, chunks: int, past: int = 0, fine_share: float = 0.0,
+                 program: Program = cost.OURS) -> dict:
+    """What each processor's busy time is made of over the prompt's tasks (``format.tasks``: a chunk
+    runs only the steps its successors need): the NPU's graph launches and its GEMMs with their
+    traffic, the CPU's time per op kind (``cost.cpu_kind``)."""
+    npu = {"launch": 0.0, "linears": 0.0}
+    cpu: dict[str, float] = {}
+    for task in build_tasks(scn.program, chunks):
+        sub = scn.program.steps[task.step].sub
+        p = 0 if scn.program.steps[task.step].static else past + task.chunk * scn.chunk
+        if sub.processor == "npu":
+            npu["launch"] += device["npu.graph_launch_s"]
+            npu["linears"] += cost.npu_seconds(sub, p, device, fine_share, program) - device["npu.graph_launch_s"]
+            continue
+        for node in sub.nodes:
+            if t := cost.cpu_node_seconds(node, p, device, scn.outlier_rate):
+                cpu[cost.cpu_kind(node)] = cpu.get(cost.cpu_kind(node), 0.0) + t
+    return {"npu": npu, "cpu": cpu}
 
 
 def energy(stats: RunStats, device: Device) -> dict:
@@ -213,13 +236,18 @@ def energy(stats: RunStats, device: Device) -> dict:
 
 
 def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES,
-                     trace_dir: Path | None = None, past: int = 0, fine_share: float = 0.0) -> dict:
+                     trace_dir: Path | None = None, past: int = 0, fine_share: float = 0.0,
+                     program: Program = cost.OURS, device: Device | None = None) -> dict:
     """Predicted prefill of a ``prompt_len``-token prompt on ``soc``, per policy; with ``past``, the
     prompt continues a conversation whose first ``past`` tokens' K/V are kept (a later turn: its
     chunks start at position ``past``, mid-chunk or not, and only the last one is padded).
     ``fine_share``: the share of NPU outputs computed a second time for a finer encoding (what
-    ``llmnpu export`` reports as ``fine_npu_share``)."""
-    device = load_device(soc)
+    ``llmnpu export`` reports as ``fine_npu_share``). ``program``: one of the paper's split (``ours``,
+    or ``paper`` at the paper's own rates); ``device``: ``soc``'s profile with parameters changed (an
+    assumption's range)."""
+    if program.placement != "linears":
+        raise LlmNpuError(f"program {program.name} runs everything on the NPU: predict it with whole_npu.predict")
+    device = device or load_device(soc)
     if not 0.0 <= fine_share <= 1.0:
         raise LlmNpuError(f"the share of NPU outputs with a second encoding must be in [0, 1], got {fine_share}")
     if not isinstance(past, int) or past < 0:
@@ -233,11 +261,13 @@ def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES
     for p in policies:
         check_policy(p)
     chunks = math.ceil(prompt_len / scn.chunk)
-    costs = step_costs(scn, device, chunks, past, fine_share)
-    out = {"model": scn.model, "soc": soc, "device": device.name, "prompt_len": prompt_len, "past": past,
+    costs = step_costs(scn, device, chunks, past, fine_share, program)
+    out = {"model": scn.model, "soc": soc, "device": device.name, "program": program.name,
+           "prompt_len": prompt_len, "past": past,
            "chunk": scn.chunk, "fine_share": fine_share,
            "chunks": chunks, "pruning_rate": scn.pruning_rate, "shadowed_linears": scn.shadowed,
-           "plan_source": scn.plan_source, "subgraphs": len(scn.program.steps), "policies": {}}
+           "plan_source": scn.plan_source, "subgraphs": len(scn.program.steps),
+           "lanes": lane_seconds(scn, device, chunks, past, fine_share, program), "policies": {}}
     names = {i: step_label(s.sub) for i, s in enumerate(scn.program.steps)}
     for policy in policies:
         tasks = build_tasks(scn.program, chunks)

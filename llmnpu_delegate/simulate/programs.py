@@ -1,0 +1,78 @@
+"""The programs a phone can run for a prefill: ours, and the ones users would pick instead.
+
+A ``Program`` says what runs where and at which precision; the device profile says how fast each
+piece goes. Two kinds of program are priced:
+
+- ``placement="linears"``: the paper's split, which ``llmnpu export`` writes today. INT8 linears
+  run as NPU graphs, attention, norms, RoPE and the shadow products run in float on the CPU, both
+  lanes overlapped by the scheduler (``phone.simulate_prefill`` on the partitioned FX graph).
+- ``placement="all"``: every op of a chunk on the NPU, one graph per split of the model, chunks
+  back to back (``whole_npu.py``), the form of Qualcomm's Genie and ExecuTorch's Qualcomm llama.
+
+``rates`` names which NPU rates the program reaches: ``"qnn"``, the device's (fitted on programs
+built by Qualcomm's QNN toolchain, which our ``.pte`` methods are too), or ``"paper"``, the paper's
+2024 implementation (its Table 3 micro-benchmarks, used to check the model on its figures).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LlmNpuError
+
+ACTIVATIONS = ("a8", "a16", "fp16")     # the NPU matrix unit's activation operand
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    description: str
+    placement: str              # "linears" (the paper's split) or "all" (everything on the NPU)
+    activations: str            # one of ACTIVATIONS
+    weight_bits: float          # bits per weight streamed from DRAM (with block scales)
+    kv_bits: int                # bits per cached key or value
+    chunk: int                  # rows per chunk graph
+    window: str                 # "fixed": each chunk attends over the whole context (masked);
+                                # "growing": over the tokens before it only
+    head_rows: str              # "all": logits for every row of a chunk; "last": for the last token
+    graphs_per_chunk: int       # graph executes per chunk (whole-NPU programs: the model's splits)
+    kv_update: bool             # the runtime writes each chunk's K/V into its window between chunks
+    padded: bool = True         # static graphs pad the last chunk; dynamic ones run the rows left
+    rates: str = "qnn"          # "qnn" or "paper"
+
+    def __post_init__(self):
+        if self.placement not in ("linears", "all"):
+            raise LlmNpuError(f"program {self.name}: placement must be 'linears' or 'all'")
+        if self.activations not in ACTIVATIONS:
+            raise LlmNpuError(f"program {self.name}: activations must be one of {', '.join(ACTIVATIONS)}")
+        if self.window not in ("fixed", "growing") or self.head_rows not in ("all", "last"):
+            raise LlmNpuError(f"program {self.name}: window must be fixed/growing, head_rows all/last")
+        if self.rates not in ("qnn", "paper"):
+            raise LlmNpuError(f"program {self.name}: rates must be 'qnn' or 'paper'")
+
+
+PROGRAMS: dict[str, Program] = {p.name: p for p in (
+    Program("ours", "llmnpu export's .pte: W8A8 linears on the NPU (one graph per NPU subgraph), attention, "
+                    "norms, RoPE and shadow products in fp16 on the CPU, overlapped out of order",
+            placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
+            head_rows="last", graphs_per_chunk=0, kv_update=False),
+    Program("paper", "the paper's 2024 implementation (mllm on QNN): our partition priced at its Table 3 rates",
+            placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
+            head_rows="last", graphs_per_chunk=0, kv_update=False, rates="paper"),
+    Program("genie", "Qualcomm Genie / ExecuTorch's Qualcomm llama: everything on the NPU, w4a16, 128-row "
+                     "chunks against a fixed K/V window of the context, logits for every row",
+            placement="all", activations="a16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
+            head_rows="all", graphs_per_chunk=4, kv_update=True),
+    Program("genie-fp16", "as genie with fp16 activations (AI Hub's 'w4' precision)",
+            placement="all", activations="fp16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
+            head_rows="all", graphs_per_chunk=4, kv_update=True),
+    Program("llamacpp-hexagon", "llama.cpp's Hexagon backend: q4_0 weights, fp16 matrix operands on the NPU, "
+                                "512-row batches against the tokens before them, f16 K/V cache",
+            placement="all", activations="fp16", weight_bits=4.5, kv_bits=16, chunk=512, window="growing",
+            head_rows="last", graphs_per_chunk=1, kv_update=False, padded=False),
+)}
+
+
+def get_program(name: str) -> Program:
+    if name not in PROGRAMS:
+        raise LlmNpuError(f"unknown program '{name}': choose one of {', '.join(PROGRAMS)}")
+    return PROGRAMS[name]
