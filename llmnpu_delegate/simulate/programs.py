@@ -15,7 +15,7 @@ built by Qualcomm's QNN toolchain, which our ``.pte`` methods are too), or ``"pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import LlmNpuError
 
@@ -50,21 +50,21 @@ class Program:
             raise LlmNpuError(f"program {self.name}: rates must be 'qnn' or 'paper'")
 
 
+_OURS = Program("ours", "llmnpu export's .pte: W8A8 linears on the NPU (one graph per NPU subgraph), attention, "
+                        "norms, RoPE and shadow products in fp16 on the CPU, overlapped out of order",
+                placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
+                head_rows="last", graphs_per_chunk=0, kv_update=False)
+_GENIE = Program("genie", "Qualcomm Genie / ExecuTorch's Qualcomm llama: everything on the NPU, w4a16, 128-row "
+                          "chunks against a fixed K/V window of the context, logits for every row",
+                 placement="all", activations="a16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
+                 head_rows="all", graphs_per_chunk=4, kv_update=True)
 PROGRAMS: dict[str, Program] = {p.name: p for p in (
-    Program("ours", "llmnpu export's .pte: W8A8 linears on the NPU (one graph per NPU subgraph), attention, "
-                    "norms, RoPE and shadow products in fp16 on the CPU, overlapped out of order",
-            placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
-            head_rows="last", graphs_per_chunk=0, kv_update=False),
-    Program("paper", "the paper's 2024 implementation (mllm on QNN): our partition priced at its Table 3 rates",
-            placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
-            head_rows="last", graphs_per_chunk=0, kv_update=False, rates="paper"),
-    Program("genie", "Qualcomm Genie / ExecuTorch's Qualcomm llama: everything on the NPU, w4a16, 128-row "
-                     "chunks against a fixed K/V window of the context, logits for every row",
-            placement="all", activations="a16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
-            head_rows="all", graphs_per_chunk=4, kv_update=True),
-    Program("genie-fp16", "as genie with fp16 activations (AI Hub's 'w4' precision)",
-            placement="all", activations="fp16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
-            head_rows="all", graphs_per_chunk=4, kv_update=True),
+    _OURS,
+    replace(_OURS, name="paper", rates="paper",
+            description="the paper's 2024 implementation (mllm on QNN): our partition priced at its Table 3 rates"),
+    _GENIE,
+    replace(_GENIE, name="genie-fp16", activations="fp16",
+            description="as genie with fp16 activations (AI Hub's 'w4' precision)"),
     Program("llamacpp-hexagon", "llama.cpp's Hexagon backend: q4_0 weights, fp16 matrix operands on the NPU, "
                                 "512-row batches against the tokens before them, f16 K/V cache",
             placement="all", activations="fp16", weight_bits=4.5, kv_bits=16, chunk=512, window="growing",
