@@ -1,6 +1,7 @@
 """``llmnpu simulate``."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..errors import LlmNpuError
@@ -23,12 +24,14 @@ ASSUMPTION_PROBE = ("random:qwen3-1.7b", "SM8750", 1024)
 
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict phone prefill speed, bubbles and energy (discrete-event model)",
-                       description="Simulate the chunked prefill on a Snapdragon SoC: the real partition, shadow "
-                                   "plan and scheduler, each subgraph priced by a device profile fitted to the "
-                                   "paper's micro-benchmarks. Nothing runs on a phone.")
+                       description="Simulate the chunked prefill on a Snapdragon SoC: our program (the real partition, "
+                                   "shadow plan and scheduler) or a program users pick instead, priced by a device "
+                                   "profile calibrated on published phone measurements. Nothing runs on a phone. "
+                                   "--quant, --pruning-rate, --norms, --fine-share, --policies, --past, --sweep "
+                                   "and --trace-dir are of our program's schedule.")
     p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default), a Hugging Face folder, or random:<shape> (shapes only; the "
-                        f"paper's models: {', '.join(s for s in RANDOM_SHAPES if not s.startswith('tiny'))})")
+                   help="smollm2-135m (default), a Hugging Face folder, or random:<shape> (shapes only, real ones: "
+                        f"{', '.join(s for s in RANDOM_SHAPES if not s.startswith('tiny'))})")
     p.add_argument("--soc", default="SM8650", help=f"device profile: {', '.join(socs())} (default SM8650)")
     p.add_argument("--program", default="ours", choices=list(PROGRAMS),
                    help="the program the phone runs: " + "; ".join(f"{n}: {p.description}" for n, p in PROGRAMS.items())
@@ -40,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--past", type=int, default=0,
                    help="tokens before the prompt whose K/V are kept (a later turn of a conversation: the prompt "
                         "is its new tokens only; default 0)")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"chunk length (default: the program's, {DEFAULT_CHUNK} for ours, 128 for genie)")
     p.add_argument("--quant", choices=list(SIM_QUANT), default="w8a8-shadow", help="default w8a8-shadow")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
     p.add_argument("--norms", choices=["cpu", "npu"], default="cpu", help="where norms run (default cpu)")
@@ -62,17 +66,24 @@ def add_parser(sub) -> None:
 def cmd_simulate(args) -> dict:
     load_device(args.soc)   # an unknown SoC fails before any model is loaded
     args.program = get_program(args.program)
+    if args.chunk is not None and args.chunk < 1:
+        raise LlmNpuError(f"--chunk must be a positive number of rows, got {args.chunk}")
+    if args.program.placement == "all" and args.chunk:
+        args.program = dataclasses.replace(args.program, chunk=args.chunk)
+    args.chunk = args.chunk or (args.program.chunk if args.program.placement == "linears" else DEFAULT_CHUNK)
     if args.past and (args.validate or args.sweep):
         raise LlmNpuError("--past predicts one later turn: drop it with --validate or --sweep")
     if args.validate:
-        result = {"measured": validation(), "paper": validate("SM8650", args.chunk, args.prompt_len, progress=not args.no_progress),
-                  "assumptions": _assumption_ranges(not args.no_progress)}
+        progress = not args.no_progress
+        result = {"measured": validation(), "paper": validate("SM8650", args.chunk, args.prompt_len, progress=progress),
+                  "assumptions": _assumption_ranges(progress)}
         args.text = "\n\n".join((_format_measured(result["measured"]), format_validation(result["paper"]),
                                  _format_assumptions(result["assumptions"])))
         return result
     if args.program.placement == "all":
         if args.sweep or args.past:
-            raise LlmNpuError(f"--sweep and --past simulate our program's schedule: drop them with --program {args.program.name}")
+            raise LlmNpuError(f"--sweep and --past simulate our program's schedule: drop them with --program "
+                              f"{args.program.name}")
         return _whole_npu(args)
 
     if args.sweep:

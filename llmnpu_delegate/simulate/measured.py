@@ -35,7 +35,7 @@ class Measurement:
     precision: str
     runtime: str
     context: int
-    prompt_tokens: int | None   # None: a long prompt, predicted as one that fills the context
+    prompt_tokens: int | None   # the measured prompt (None: one that fills the context)
     graphs: int | None          # graph executes per chunk (the export's splits); None: the program's
     prefill_tok_s: float
 

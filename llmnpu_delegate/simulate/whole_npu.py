@@ -12,8 +12,8 @@ of the model (hidden ``h``, FFN ``I``, ``H`` query and ``G`` K/V heads of ``d``)
 
 plus the LM head over ``C`` rows (or one), a fixed cost per graph execute, and, for a runtime that
 writes each chunk's K/V into its fixed window between chunks (``kv_update``), that window's bytes
-through the CPU. The matrix rate is the device's for the program's activation precision. A program of static
-graphs pads its last chunk to ``C`` rows; a dynamic one (llama.cpp) runs the rows left.
+through the CPU. The matrix rate is the device's for the program's activation precision. A program
+of static graphs pads its last chunk to ``C`` rows; a dynamic one (llama.cpp) runs the rows left.
 """
 from __future__ import annotations
 
