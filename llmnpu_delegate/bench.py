@@ -28,7 +28,8 @@ from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
 from .prefill import Prefiller
 from .run import TokenClock
 from .runtime.allocator import tune_malloc, tuned
-from .runtime.executor import POLICIES, Workers
+from .runtime.executor import Workers
+from .runtime.schedule import POLICIES
 from .runtime.trace import metrics, step_label, write_timeline, write_trace
 from .text import read_text, tokenize
 

@@ -47,7 +47,8 @@ from .quantize import (
     quantizable_linears,
 )
 from .runtime.allocator import give_back, tune_malloc
-from .runtime.executor import COST_POLICIES, Executor, RunStats, Workers, assign_costs, check_policy, simulate
+from .runtime.executor import Executor, Workers
+from .runtime.schedule import COST_POLICIES, RunStats, assign_costs, check_policy, simulate
 from .runtime.profile import Profile
 from .runtime.program import ChunkProgram, program_digest, same_subgraphs
 from .runtime.prefix_cache import PrefixCache

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from llmnpu_delegate.runtime.executor import Record, RunStats
+from llmnpu_delegate.runtime.schedule import Record, RunStats
 from llmnpu_delegate.runtime.trace import (
     chrome_trace,
     metrics,

@@ -16,7 +16,8 @@ from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
-from llmnpu_delegate.runtime.executor import POLICIES, Scheduler, TaskError, Workers
+from llmnpu_delegate.runtime.executor import TaskError, Workers
+from llmnpu_delegate.runtime.schedule import POLICIES, Scheduler
 from llmnpu_delegate.runtime.program import ChunkProgram, Step, program_digest
 
 
@@ -298,7 +299,7 @@ def test_profile_is_keyed_on_the_kernels_that_run(engine, monkeypatch):
 
 
 def test_profile_takes_each_tasks_median_over_runs(engine):
-    from llmnpu_delegate.runtime.executor import Record
+    from llmnpu_delegate.runtime.schedule import Record
     from llmnpu_delegate.runtime.profile import Profile
 
     program = engine.program
@@ -317,7 +318,7 @@ def test_profile_gives_alike_npu_subgraphs_one_cost(engine):
     """The same NPU region of every layer does the same work: the profile gives them the median of
     their times, so that ooo's cheapest-first rule does not order them by measurement noise. CPU
     subgraphs keep their own times (a shadow path's work differs by layer)."""
-    from llmnpu_delegate.runtime.executor import Record
+    from llmnpu_delegate.runtime.schedule import Record
     from llmnpu_delegate.runtime.profile import Profile
 
     program = engine.program
@@ -447,7 +448,8 @@ def _raised(fn, *args):
 def test_kept_schedulers_follow_the_costs_and_start_afresh(engine):
     """A prompt shape keeps its scheduler per policy and costs: other costs get a scheduler ranked on
     them, the same costs again get the kept one back at its starting state."""
-    from llmnpu_delegate.runtime.executor import Executor, Scheduler, assign_costs
+    from llmnpu_delegate.runtime.executor import Executor
+    from llmnpu_delegate.runtime.schedule import Scheduler, assign_costs
 
     shape = Executor(engine.program, engine.executor.workers)._shape(3)
     a = engine.profile.costs(3)
@@ -462,9 +464,9 @@ def test_kept_schedulers_follow_the_costs_and_start_afresh(engine):
     while first.pick("npu") or first.pick("cpu"):     # spend its ready tasks: state a run leaves behind
         pass
     second = shape.scheduler("ooo", b)
-    assert second is not first and second.rank == fresh(b).rank != fresh(a).rank
+    assert second is not first and second.rule.ties == fresh(b).rule.ties != fresh(a).rule.ties
     again = shape.scheduler("ooo", a)
-    assert again is first and again.rank == fresh(a).rank
+    assert again is first and again.rule.ties == fresh(a).rule.ties
     start = fresh(a)
     assert (again.missing, again.ready, again.left, again.running) == (start.missing, start.ready, start.left, 0)
 

@@ -15,7 +15,7 @@ import torch
 
 from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.format.tasks import expand
-from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
+from llmnpu_delegate.runtime.schedule import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
 from llmnpu_delegate.runtime.profile import Profile
 from llmnpu_delegate.runtime.pte_runner import PteRunner
@@ -241,7 +241,7 @@ def test_the_cold_rows_portable_loops_give_the_same_bits(program, tmp_path, monk
 
 
 def test_the_native_policies_decide_exactly_like_the_python_ones(program):
-    """On simulated time (each task takes its profiled cost) the C++ scheduler and runtime/executor.py's
+    """On simulated time (each task takes its profiled cost) the C++ scheduler and runtime/schedule.py's
     pick the same task at the same moment, for every policy; the sidecar's task table expands alike."""
     pte, _ = program
     meta = json.loads(sidecar_path(pte).read_text())

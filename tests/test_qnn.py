@@ -168,7 +168,7 @@ def test_a_timeline_draws_after_the_sdk_is_activated(tmp_path):
     ft2font) segfaulted. A fresh process: the libraries load once per process."""
     script = ("import sys\n"
               "from llmnpu_delegate.qnn import sdk\n"
-              "from llmnpu_delegate.runtime.executor import Record, RunStats\n"
+              "from llmnpu_delegate.runtime.schedule import Record, RunStats\n"
               "from llmnpu_delegate.runtime.trace import write_timeline\n"
               "sdk.activate()\n"
               "stats = RunStats(records=[Record(0, 0, 0, 'npu', 0.0, 1e-3), Record(1, 0, 1, 'cpu', 1e-3, 2e-3)],"

@@ -9,7 +9,7 @@ from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.format.tasks import expand
 from llmnpu_delegate.runtime import executor
-from llmnpu_delegate.runtime.executor import POLICIES, assign_costs, simulate
+from llmnpu_delegate.runtime.schedule import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.trace import metrics
 from llmnpu_delegate.simulate import cost
 from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device, socs
@@ -114,7 +114,7 @@ def test_ooo_schedule_matches_the_hand_worked_one():
 
 
 def test_the_policies_run_unchanged_under_simulated_time(tiny, monkeypatch):
-    """simulate_prefill drives runtime.executor's Scheduler (the threaded executor's object), never a copy."""
+    """simulate_prefill drives runtime.schedule's Scheduler (the threaded executor's object), never a copy."""
     calls = {p: 0 for p in POLICIES}
     real = executor.Scheduler.pick
 

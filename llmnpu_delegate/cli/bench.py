@@ -8,7 +8,7 @@ from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
 from ..models import load_model
 from ..prefill import DEFAULT_CHUNK, QUANT_MODES
 from ..run import prompt_ids
-from ..runtime.executor import POLICIES
+from ..runtime.schedule import POLICIES
 from .common import add_output_args, machine_line, read_prompt
 
 

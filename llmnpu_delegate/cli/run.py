@@ -9,7 +9,7 @@ from ..hf import LlmNpuForCausalLM
 from ..models import load_model
 from ..prefill import DEFAULT_CHUNK, QUANT_MODES
 from ..run import format_summary, run, run_pte
-from ..runtime.executor import POLICIES
+from ..runtime.schedule import POLICIES
 from .common import pruning_rate, read_prompt
 
 

@@ -8,7 +8,7 @@ from ..errors import LlmNpuError
 from ..evaluate import SWEEP_PRUNING_RATES
 from ..models import RANDOM_SHAPES, model_config
 from ..prefill import DEFAULT_CHUNK
-from ..runtime.executor import POLICIES
+from ..runtime.schedule import POLICIES
 from ..simulate.device import ASSUMPTIONS, load_device, socs
 from ..simulate.measured import validation
 from ..simulate.paper import format_validation, validate

@@ -1,17 +1,5 @@
-"""Two workers, ``npu`` and ``cpu``, each running one task at a time on its own thread, and the
-policy that picks their next task.
-
-- ``inorder``: chunk after chunk, subgraph after subgraph; one task at a time in all.
-- ``overlap``: each processor takes its own tasks in program order; the two processors overlap,
-  but nothing is reordered.
-- ``ooo``: the paper's heuristic (section 3.4). Among the ready tasks of a processor, a CPU task
-  scores the total profiled NPU time of the tasks it makes ready, an NPU task scores minus its own
-  time; the highest score runs. The NPU is the critical path: feed it first. The paper leaves ties
-  open, and they are common (the same subgraph of two chunks scores alike): the task with the
-  longer chain of profiled work after it wins, then the earlier chunk.
-- ``cp``: list scheduling by critical path (HEFT's upward rank): among the ready tasks of a
-  processor, the one with the longest chain of profiled work from its start to the end of the
-  prompt runs first. Needs the profile, like ``ooo``.
+"""Two workers, ``npu`` and ``cpu``, each running one task at a time on its own thread, handed their
+next task by a scheduling policy.
 
 Values live in one environment per chunk and are dropped as soon as their last consumer has run.
 A task that raises stops both workers; the caller gets a ``TaskError`` naming the task.
@@ -35,7 +23,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,24 +32,13 @@ from ..errors import LlmNpuError
 from ..format.tasks import Task, build_tasks, past_name
 from ..kernels import int8_path, native_ops
 from .program import ChunkProgram
+from .schedule import (
+    COST_POLICIES, POLICIES, PROCESSORS, Record, RunStats, Scheduler, assign_costs, cannot_finish, check_policy,
+)
 
-POLICIES = ("inorder", "overlap", "ooo", "cp")
-COST_POLICIES = ("ooo", "cp")    # policies that read the profiled task costs
-PROCESSORS = ("npu", "cpu")
-
-
-def check_policy(policy: str) -> str:
-    """``policy`` if it is one of ``POLICIES``, else an LlmNpuError naming them."""
-    if policy not in POLICIES:
-        raise LlmNpuError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
-    return policy
 _RUN_LOCK = threading.Lock()
 SPIN_S = 2e-3      # how long an idle worker spins for the next hand-off before it blocks (see _Wakeup)
 HELP_S = 1.0       # ... and a worker that helps the other's kernels meanwhile (Workers.help)
-
-
-def _cannot_finish(policy: str) -> LlmNpuError:
-    return LlmNpuError(f"the {policy} schedule cannot finish: tasks wait for one that never runs (a broken task graph)")
 
 
 class TaskError(LlmNpuError):
@@ -70,28 +47,6 @@ class TaskError(LlmNpuError):
     def __init__(self, message: str, task: Task):
         super().__init__(message)
         self.task = task
-
-
-@dataclass
-class Record:
-    task: int
-    chunk: int
-    step: int
-    processor: str
-    start: float
-    end: float
-
-
-@dataclass
-class RunStats:
-    records: list[Record] = field(default_factory=list)
-    decisions: int = 0
-    decision_s: float = 0.0     # time spent choosing tasks (under the scheduler lock)
-    waits_spun: int = 0         # an idle worker's waits for a hand-off that spinning caught
-    waits_blocked: int = 0      # ... and those that slept on the condition
-    pieces_lent: int = 0        # pieces of one lane's kernels the other, waiting, ran (Workers.help)
-    wall_s: float = 0.0
-    policy: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,134 +134,6 @@ class _Wakeup:
                 return
         self.blocked += 1
         self.cond.wait()     # every notify happens under the lock: none is missed between the two
-
-
-class Scheduler:
-    """A policy over one task graph with fixed costs. What depends on the graph and the costs alone is
-    computed here, once (~1 ms for 1,100 tasks); ``reset`` starts a run, so a runner keeps a
-    scheduler per prompt shape and pays only the reset."""
-
-    def __init__(self, tasks: list[Task], policy: str):
-        self.tasks, self.policy = tasks, check_policy(policy)
-        self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].key)     # program order
-        self.queues = {p: [i for i in self.order if tasks[i].processor == p] for p in PROCESSORS}
-        self.rank = self._upward_rank() if policy in COST_POLICIES else None     # cp, ooo's ties
-        if self.rank is not None:   # cp's key and ooo's ties; built once: a decision sits between two NPU tasks
-            self._ties = [(self.rank[t.id], -t.chunk, -t.step) for t in tasks]
-        if policy == "ooo":
-            self._npu_users = [[(u, tasks[u].cost) for u in t.users if tasks[u].processor == "npu"] for t in tasks]
-            # an NPU task's score is its own cost: fixed, so its whole key is built here
-            self._npu_keys = [(-t.cost, *self._ties[t.id]) for t in tasks]
-        self._missing = [len(t.deps) for t in tasks]
-        self._sources = {p: {t.id for t in tasks if not t.deps and t.processor == p} for p in PROCESSORS}
-        self.reset()
-
-    def reset(self) -> None:
-        """Back to the start of a run: nothing finished, the tasks without dependencies ready."""
-        self.missing = list(self._missing)
-        self.left = len(self.tasks)      # tasks not finished
-        self.running = 0
-        self.ready = {p: set(ids) for p, ids in self._sources.items()}
-        self.cursor = 0                                                          # inorder
-        self.heads = {p: 0 for p in PROCESSORS}                                  # overlap
-
-    def pick(self, processor: str) -> Task | None:
-        ready = self.ready[processor]
-        if not ready:
-            return None
-        if self.policy == "inorder":
-            if self.running or self.cursor >= len(self.order):
-                return None
-            nxt = self.order[self.cursor]
-            if nxt not in ready:
-                return None
-            self.cursor += 1
-            choice = nxt
-        elif self.policy == "overlap":
-            queue, head = self.queues[processor], self.heads[processor]
-            if head >= len(queue) or queue[head] not in ready:
-                return None
-            self.heads[processor] += 1
-            choice = queue[head]
-        elif self.policy == "cp":
-            choice = max(ready, key=self._ties.__getitem__)
-        elif processor == "npu":
-            choice = max(ready, key=self._npu_keys.__getitem__)
-        else:
-            choice = max(ready, key=self._score)
-        ready.discard(choice)
-        self.running += 1
-        return self.tasks[choice]
-
-    def _upward_rank(self) -> list[float]:
-        """Each task's cost plus the longest chain of costs after it (tasks come in a topological order)."""
-        rank = [0.0] * len(self.tasks)
-        for t in reversed(self.tasks):
-            rank[t.id] = t.cost + max((rank[u] for u in t.users), default=0.0)
-        return rank
-
-    def _score(self, i: int) -> tuple:
-        """A CPU task's key: the NPU work it makes ready (its NPU users that wait for it alone)."""
-        missing = self.missing
-        return (sum(cost for u, cost in self._npu_users[i] if missing[u] == 1), *self._ties[i])
-
-    def finish(self, t: Task) -> None:
-        self.left -= 1
-        self.running -= 1
-        for u in t.users:
-            self.missing[u] -= 1
-            if self.missing[u] == 0:
-                self.ready[self.tasks[u].processor].add(u)
-
-    @property
-    def finished(self) -> bool:
-        return self.left == 0
-
-    def stuck(self) -> bool:
-        """Nothing runs and no processor may start anything: the remaining tasks wait forever."""
-        if self.running or self.finished:
-            return False
-        if self.policy == "inorder":
-            nxt = self.order[self.cursor]
-            return nxt not in self.ready[self.tasks[nxt].processor]
-        if self.policy == "overlap":
-            return not any(self.heads[p] < len(self.queues[p]) and self.queues[p][self.heads[p]] in self.ready[p]
-                           for p in PROCESSORS)
-        return not any(self.ready.values())
-
-
-def assign_costs(tasks: list[Task], costs: dict | None) -> None:
-    """Each task's profiled cost from ``Profile.costs``: per (step, chunk) for dynamic steps, per step else."""
-    for t in tasks:
-        t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0)) if costs else 0.0
-
-
-def simulate(tasks: list[Task], policy: str) -> RunStats:
-    """The policy driven by simulated time instead of threads: each task takes its ``cost``. When a
-    processor is idle it asks the scheduler (npu first); the earliest finish (npu first on a tie)
-    is handled next. Deterministic, so another implementation of the policies (the native runner's
-    ``--dry-run``) must decide exactly alike."""
-    sched = Scheduler(tasks, policy)
-    stats = RunStats(policy=policy)
-    busy: dict[str, tuple[float, Task, float] | None] = {p: None for p in PROCESSORS}
-    now = 0.0
-    while not sched.finished:
-        for p in PROCESSORS:
-            if busy[p] is None:
-                stats.decisions += 1
-                t = sched.pick(p)
-                if t is not None:
-                    busy[p] = (now + t.cost, t, now)
-        running = [p for p in PROCESSORS if busy[p] is not None]
-        if not running:   # sched.stuck(): nothing runs, nothing may start
-            raise _cannot_finish(policy)
-        p = min(running, key=lambda q: busy[q][0])
-        now, t, start = busy[p]
-        busy[p] = None
-        sched.finish(t)
-        stats.records.append(Record(t.id, t.chunk, t.step, p, start, now))
-    stats.wall_s = now
-    return stats
 
 
 class _Shape:
@@ -508,7 +335,7 @@ class _Run:
             if task is not None:
                 return task
             if sched.stuck():
-                self.error.append((None, _cannot_finish(sched.policy)))
+                self.error.append((None, cannot_finish(sched.policy)))
                 wakeup.notify()
                 return None
             # nothing ready here: the NPU worker runs a task or is about to pick one

@@ -31,7 +31,8 @@ from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
 from . import program_ops
-from .executor import COST_POLICIES, PROCESSORS, Executor, Workers, check_policy
+from .executor import Executor, Workers
+from .schedule import COST_POLICIES, PROCESSORS, check_policy
 from .profile import Profile
 from .program import ChunkProgram, Step
 from .prefix_cache import PrefixCache

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..paths import atomic_path
-from .executor import PROCESSORS, Record, RunStats
+from .schedule import PROCESSORS, Record, RunStats
 
 
 def metrics(stats: RunStats) -> dict:

@@ -9,7 +9,7 @@ decision and outlier share of the embedded model's layer at the same relative de
 q/k/v, and so on): random weights have no outliers of their own.
 
 ``simulate_prefill`` builds the task graph of a prompt with ``format.tasks`` and drives the very
-``Scheduler`` the threaded executor uses through ``runtime.executor.simulate``, each task taking the
+``Scheduler`` the threaded executor uses through ``runtime.schedule.simulate``, each task taking the
 cost model's time. Energy integrates each processor's busy and idle power over the timeline.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..partitioner.regions import Partition, partition_graph, shadow_paths
 from ..prefill import DEFAULT_CHUNK, PRUNING_PROMPT, default_calibration, quant_config
 from ..prefill import choose_pruning as choose_host_pruning
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quantizable_linears
-from ..runtime.executor import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
+from ..runtime.schedule import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
 from ..runtime.program import ChunkProgram, Step
 from ..runtime.trace import metrics, step_label, write_timeline, write_trace
 from ..text import read_text, tokenize

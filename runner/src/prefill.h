@@ -1,5 +1,5 @@
 // Prefill: a prompt's chunks through the program's methods on two worker threads, `npu` and `cpu`,
-// in the order a policy picks (runtime/executor.py is the reference).
+// in the order a policy picks (runtime/schedule.py is the reference).
 #pragma once
 #include <optional>
 #include <utility>

@@ -1,5 +1,5 @@
 // The prefill's task graph and the policies that order it: a port of format/tasks.py `expand`
-// and runtime/executor.py `Scheduler` / `simulate`. The dependency rules are not restated here:
+// and runtime/schedule.py `Scheduler` / `simulate`. The dependency rules are not restated here:
 // they arrive as data (the sidecar's task table). The policies must decide exactly as the Python
 // ones do; tests/test_native.py checks that on simulated time (--dry-run against `simulate`).
 #pragma once
@@ -62,7 +62,7 @@ struct Record {
   double start, end;   // seconds from the run's start
 };
 
-// The policy on simulated time: each task takes its cost (runtime/executor.py `simulate`).
+// The policy on simulated time: each task takes its cost (runtime/schedule.py `simulate`).
 std::vector<Record> simulate(const std::vector<Task>& tasks, Policy policy);
 
 }  // namespace llmnpu
