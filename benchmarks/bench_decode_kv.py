@@ -36,7 +36,7 @@ def main() -> None:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from llmnpu_delegate.capture import attention_implementation, export_chunk_step, kv_shape
+    from llmnpu_delegate.chunk_step import attention_implementation, export_chunk_step, kv_shape
     from llmnpu_delegate.kernels.attention import decompositions
     from llmnpu_delegate.lower.decode import export_decode
     from llmnpu_delegate.models import load_model

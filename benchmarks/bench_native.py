@@ -43,7 +43,8 @@ def hf_decode_tok_s(model, ids: torch.Tensor, n: int) -> float:
 
 def bench_program(pte: Path, prompt_len: int, new_tokens: int, repeats: int, trace_dir: Path | None) -> dict:
     from llmnpu_delegate.bench import prompt_ids
-    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.quantize import quant_config
+    from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.runtime.native import run_native
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.trace import metrics, read_trace, write_timeline

@@ -21,13 +21,12 @@ import time
 
 import torch
 
-from llmnpu_delegate import load_model
+from llmnpu_delegate import kernels as K, load_model
 from llmnpu_delegate.families import family_of
 from llmnpu_delegate.hf import fill_cache
-from llmnpu_delegate.prefill import default_calibration
+from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
 from llmnpu_delegate.quantize.decode_outliers import outlier_linears
-from llmnpu_delegate import kernels as K
 from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
 

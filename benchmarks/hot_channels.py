@@ -20,10 +20,12 @@ import torch
 
 from llmnpu_delegate.evaluate import eval_windows
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import choose_pruning, default_calibration, quant_config
+from llmnpu_delegate.prepare import default_calibration
+from llmnpu_delegate.quantize import quant_config
 from llmnpu_delegate.quantize.apply import plan_linears
 from llmnpu_delegate.quantize.calibrate import quantizable_linears
 from llmnpu_delegate.quantize.shadow import dense_channels, hot_channels
+from llmnpu_delegate.runtime.engine import choose_host_pruning
 from llmnpu_delegate.text import read_text, tokenize
 
 COVERAGES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
@@ -62,7 +64,7 @@ def main() -> None:
     lm = load_model()
     calib = default_calibration(lm, progress=False)
     config = quant_config("w8a8-shadow", None)
-    choose_pruning(lm, calib, config, progress=False)
+    choose_host_pruning(lm, calib, config, progress=False)
     plans = plan_linears(lm.model, calib, config, lm.fingerprint, progress=False)
     shadowed = {n: p for n, p in plans.items() if p.shadow}
     linears = quantizable_linears(lm.model)

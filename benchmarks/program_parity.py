@@ -24,8 +24,9 @@ def main() -> None:
     from transformers import DynamicCache
 
     from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+    from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.decode import DecodeCache
-    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import sqnr_db
     from llmnpu_delegate.text import CHAT_QUESTIONS, read_text, tokenize

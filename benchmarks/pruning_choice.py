@@ -15,9 +15,10 @@ import subprocess
 import time
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.prefill import Prefiller, choose_pruning, default_calibration
+from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig
 from llmnpu_delegate.quantize.auto import chosen
+from llmnpu_delegate.runtime.engine import Prefiller, choose_host_pruning
 from llmnpu_delegate.simulate.phone import choose_pruning as choose_for_soc
 from llmnpu_delegate.text import read_text, tokenize
 
@@ -34,7 +35,7 @@ lm = load_model(args.model)
 t = time.perf_counter()
 calib = default_calibration(lm, progress=False)
 print(f"calibration {time.perf_counter() - t:.1f} s")
-for config, choose in ((QuantConfig(), choose_pruning), (QuantConfig(pruning_target=args.soc), choose_for_soc)):
+for config, choose in ((QuantConfig(), choose_host_pruning), (QuantConfig(pruning_target=args.soc), choose_for_soc)):
     t = time.perf_counter()
     choose(lm, calib, config, False)
     choice = chosen(calib, config)

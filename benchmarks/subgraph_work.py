@@ -15,7 +15,7 @@ import torch
 
 from llmnpu_delegate import load_model
 from llmnpu_delegate.bench import prompt_ids
-from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.runtime.engine import Prefiller
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="smollm2-135m")

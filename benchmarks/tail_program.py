@@ -19,7 +19,7 @@ import torch
 from llmnpu_delegate.bench_turns import FORMS, workload
 from llmnpu_delegate.kernels import int8_path
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.text import read_text, tokenize
 
 

@@ -28,8 +28,9 @@ from llmnpu_delegate import load_model
 from llmnpu_delegate.lower.encodings import LlmNpuQuantizer
 from llmnpu_delegate.lower.shadow import add_shadow_paths
 from llmnpu_delegate.partitioner.executorch import LlmNpuPartitioner
-from llmnpu_delegate.prefill import Prefiller, default_calibration
+from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, plan_linears, quantizable_linears
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ import torch
 
 from llmnpu_delegate import load_model
 from llmnpu_delegate.compile import compile_options
-from llmnpu_delegate.prefill import default_calibration
+from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_
 
 ap = argparse.ArgumentParser()

@@ -25,9 +25,9 @@ from .errors import LlmNpuError
 from .hf import LlmNpuForCausalLM
 from .kernels import int8_path
 from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
-from .prefill import Prefiller
 from .run import TokenClock
 from .runtime.allocator import tune_malloc, tuned
+from .runtime.engine import Prefiller
 from .runtime.executor import Workers
 from .runtime.schedule import POLICIES
 from .runtime.trace import metrics, step_label, write_timeline, write_trace

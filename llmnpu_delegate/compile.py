@@ -28,12 +28,12 @@ from torch import fx, nn
 
 from . import backends
 from .errors import LlmNpuError
-from .models import LoadedModel
-from .models import fingerprint as model_fingerprint
+from .models import LoadedModel, fingerprint as model_fingerprint
 from .partitioner.regions import is_linear, linear_names, partition_graph
-from .prefill import choose_pruning, default_calibration, quant_config
-from .quantize import Calibration, QuantConfig, plan_linears, quantizable_linears
+from .prepare import default_calibration
+from .quantize import Calibration, QuantConfig, plan_linears, quant_config, quantizable_linears
 from .quantize.apply import LinearPlan
+from .runtime.engine import choose_host_pruning
 from .runtime.program import build_steps
 
 NAME = "llmnpu"
@@ -77,7 +77,7 @@ def compile_options(model: LoadedModel | nn.Module, quant: QuantConfig | str | N
     if config is None:
         return {**common, "plans": None, "weights": "channel"}
     calib = calibration if calibration is not None else default_calibration(lm, progress)
-    choose_pruning(model, calib, config, progress)
+    choose_host_pruning(model, calib, config, progress)
     plans = plan_linears(module, calib, config, fp, progress)
     return {**common, "plans": plans, "weights": config.weights}
 

@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
 from .models import LoadedModel
-from .prefill import choose_pruning
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
+from .runtime.engine import choose_host_pruning
 from .text import calibration_ids
 
 # Mode name -> config (None: the float model). The first three are the baselines.
@@ -63,10 +63,10 @@ def perplexity(model: nn.Module, windows: Tensor, desc: str = "eval", progress: 
 def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: bool = True):
     """(a copy of the model quantized with ``config``, its QuantReport); ``calib`` defaults to the
     cached calibration on the shipped calibration text. An automatic pruning is the engine's choice
-    on this machine (``prefill.choose_pruning``)."""
+    on this machine (``runtime.engine.choose_host_pruning``)."""
     if calib is None:
         calib = load_or_calibrate(lm.model, calibration_ids(lm), lm.fingerprint, CalibConfig(), progress=progress)
-    choose_pruning(lm, calib, config, progress)
+    choose_host_pruning(lm, calib, config, progress)
     model = copy.deepcopy(lm.model)
     return model, quantize_(model, calib, config, lm.fingerprint, progress)
 

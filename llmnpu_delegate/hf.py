@@ -26,11 +26,12 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import backends
+from .chunk_step import DEFAULT_CHUNK
 from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
-from .prefill import DEFAULT_CHUNK, Prefiller, quant_config
-from .quantize import Calibration, QuantConfig
+from .quantize import Calibration, QuantConfig, quant_config
 from .runtime.decode import DecodeCache, Int8Decoder, unsupported
+from .runtime.engine import Prefiller
 from .runtime.prefix_cache import PrefixCache
 
 DECODE_MODES = ("auto", "int8", "fp32")

@@ -15,16 +15,15 @@ import subprocess
 import pytest
 import torch
 from conftest import inject_outliers
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.cpu_int8 import CpuInt8Engine
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.paths import load_checked, save_checked
-from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, Calibration, QuantConfig, calibrate, load_or_calibrate, plan_linears
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.profile import Profile
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

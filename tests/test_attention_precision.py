@@ -12,8 +12,8 @@ from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.kernels import int8_path, native_ops
 from llmnpu_delegate.kernels.attention import _attend, causal_mask, chunk_attention_bf16, resolve_precision
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.runtime.engine import Prefiller
 
 
 def _cpu_has_avx512_bf16() -> bool:

@@ -9,7 +9,15 @@ import torch
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.quantize import CalibConfig, QuantConfig, QuantLinear, ShadowCost, calibrate, plan_linears, quantize_
+from llmnpu_delegate.quantize import (
+    CalibConfig,
+    QuantConfig,
+    QuantLinear,
+    ShadowCost,
+    calibrate,
+    plan_linears,
+    quantize_,
+)
 from llmnpu_delegate.quantize.auto import chosen, divergence, log_probs
 from llmnpu_delegate.quantize.calibrate import calibration_samples, held_apart_windows
 from llmnpu_delegate.quantize.importance import importance_key
@@ -158,12 +166,12 @@ def test_auto_needs_held_apart_text_when_it_must_prune_and_bad_settings_are_refu
 def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
     """The host's cost: every shadowed linear timed; the kept paths never shorten the predicted
     prefill, and with none kept what remains is the rest of the engine's work."""
-    from llmnpu_delegate.prefill import Prefiller
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, _ = tiny
     calib = _calib(tiny)
     engine = Prefiller(lm, 64, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False)
-    cost = engine.shadow_cost(prompt_len=256)
+    cost = engine.shadow_prices(prompt_len=256)
     assert set(cost.seconds) == set(engine.program.shadow) and all(s > 0 for s in cost.seconds.values())
     everything, nothing = cost.makespan(frozenset(cost.seconds)), cost.makespan(frozenset())
     assert 0 < nothing <= everything

@@ -15,8 +15,8 @@ from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.cli import build_parser
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.runtime.engine import Prefiller
 
 STUB = "stub-npu"
 QUANT = QuantConfig(outliers="shadow", pruning_rate=0.5)

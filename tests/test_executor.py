@@ -8,17 +8,16 @@ import threading
 import pytest
 import torch
 from conftest import inject_outliers, on_int64
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.executor import TaskError, Workers
-from llmnpu_delegate.runtime.schedule import POLICIES, Scheduler
 from llmnpu_delegate.runtime.program import ChunkProgram, Step, program_digest
+from llmnpu_delegate.runtime.schedule import POLICIES, Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +298,8 @@ def test_profile_is_keyed_on_the_kernels_that_run(engine, monkeypatch):
 
 
 def test_profile_takes_each_tasks_median_over_runs(engine):
-    from llmnpu_delegate.runtime.schedule import Record
     from llmnpu_delegate.runtime.profile import Profile
+    from llmnpu_delegate.runtime.schedule import Record
 
     program = engine.program
     static = next(i for i, s in enumerate(program.steps) if s.static)
@@ -318,8 +317,8 @@ def test_profile_gives_alike_npu_subgraphs_one_cost(engine):
     """The same NPU region of every layer does the same work: the profile gives them the median of
     their times, so that ooo's cheapest-first rule does not order them by measurement noise. CPU
     subgraphs keep their own times (a shadow path's work differs by layer)."""
-    from llmnpu_delegate.runtime.schedule import Record
     from llmnpu_delegate.runtime.profile import Profile
+    from llmnpu_delegate.runtime.schedule import Record
 
     program = engine.program
     static = [i for i, s in enumerate(program.steps) if s.static]
@@ -340,7 +339,7 @@ def test_chunks_before_the_last_skip_the_last_layers_attention_product(engine, m
     """Only the last chunk's logits are read, so the other chunks run the last layer's attention up to
     its K/V. The outputs must equal, bit for bit, those of the partition that does not cut it."""
     import llmnpu_delegate.partitioner.regions as regions
-    from llmnpu_delegate.prefill import plan_and_partition
+    from llmnpu_delegate.prepare import plan_and_partition
     from llmnpu_delegate.runtime.executor import Executor
 
     program = engine.program
@@ -398,7 +397,7 @@ def test_one_engine_called_from_two_threads(engine):
 def test_prefill_function_follows_an_edited_model():
     """prefill() keeps an engine per model: editing a weight in place must give a new one (a new
     fingerprint, so a new calibration and INT8 weights), not the old model's INT8 weights."""
-    from llmnpu_delegate.prefill import prefill
+    from llmnpu_delegate.runtime.engine import prefill
 
     lm = load_model("random:tiny-llama")
     ids = torch.randint(0, 1000, (20,))

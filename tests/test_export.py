@@ -10,16 +10,15 @@ import struct
 import pytest
 import torch
 from conftest import inject_outliers
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from test_artefacts import BYTES, damage_bytes, mutated, structure
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import Prefiller, quant_config
-from llmnpu_delegate.quantize import CalibConfig, calibrate, importance
+from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
 

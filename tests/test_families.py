@@ -62,7 +62,7 @@ def qwen3():
 
 
 def test_qwen3_q_k_norms_run_on_the_cpu_and_the_projections_on_the_npu(qwen3):
-    from llmnpu_delegate.prefill import plan_and_partition
+    from llmnpu_delegate.prepare import plan_and_partition
 
     lm, _ = qwen3
     _, partition = plan_and_partition(lm.model, lm, lm.fingerprint, CHUNK, None)
@@ -76,8 +76,8 @@ def test_qwen3_q_k_norms_run_on_the_cpu_and_the_projections_on_the_npu(qwen3):
 
 def test_qwen3_w8a8_prefill_chunked_equals_unchunked_within_a_tenth_of_the_quantization_error(qwen3):
     from llmnpu_delegate.backends.graph_cache import GraphCache
-    from llmnpu_delegate.prefill import Prefiller
     from llmnpu_delegate.quantize import QuantConfig
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, calib = qwen3
     ids = torch.randint(0, 1000, (3 * CHUNK + 5,), generator=torch.Generator().manual_seed(2))
@@ -105,7 +105,8 @@ def test_qwen3_through_torch_compile_equals_eager(qwen3):
 @pytest.fixture(scope="module")
 def qwen3_program(qwen3, tmp_path_factory):
     from llmnpu_delegate.lower.pte import export_pte
-    from llmnpu_delegate.prefill import Prefiller, quant_config
+    from llmnpu_delegate.quantize import quant_config
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, calib = qwen3
     engine = Prefiller(lm, CHUNK, quant=quant_config("w8a8-shadow", 0.5), calibration=calib, progress=False,

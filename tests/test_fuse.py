@@ -12,7 +12,7 @@ from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.kernels import native_ops
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.partitioner.regions import subgraph_module
-from llmnpu_delegate.prefill import Prefiller
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.fuse import _bf16_attention, _bf16_weight_head, fuse_cpu_subgraph
 from llmnpu_delegate.runtime.program import _private_inputs
 

@@ -83,7 +83,7 @@ def test_quantized_scores_follow_the_engine():
 
     from llmnpu_delegate.backends.graph_cache import GraphCache
     from llmnpu_delegate.models import load_model
-    from llmnpu_delegate.prefill import Prefiller
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     lm = load_model("random:tiny-llama")
     inject_outliers(lm.model)

@@ -8,7 +8,7 @@ from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.families import tiny_shapes
 from llmnpu_delegate.hf import LlmNpuForCausalLM
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.prefill import quant_config
+from llmnpu_delegate.quantize import quant_config
 
 FAMILIES = [f"random:{shape}" for shape in tiny_shapes()]     # one per declared family (families.py)
 

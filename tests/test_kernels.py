@@ -1,8 +1,7 @@
 """Parity of the custom ops against plain float/integer references, and their export contract."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.kernels.ops import int8_linear_reference
@@ -221,8 +220,8 @@ def test_attention_subgraph_runs_in_executorch_as_the_engine_does(spec, kept):
 
     from llmnpu_delegate.lower.cpu_subgraphs import export_cpu_subgraph
     from llmnpu_delegate.models import load_model
-    from llmnpu_delegate.prefill import Prefiller
     from llmnpu_delegate.runtime import program_ops
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     program_ops.load()
 

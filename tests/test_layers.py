@@ -17,16 +17,20 @@ STAGES = {
     "errors": 0, "paths": 1,
     "kernels": 2, "qnn": 2, "text": 2,
     "format": 3,                                   # the program format: lower/ writes it, runtime/ reads it
-    "families": 4, "models": 4, "capture": 4,      # the model
+    "families": 4, "models": 4, "chunk_step": 4,   # the model, and its chunk step captured by torch.export
     "quantize": 5,
     "partitioner": 6,
-    "backends": 7, "lower": 7,                     # an NPU backend lowers a region; lower/ exports a program
-    "runtime": 8,                                  # executor, schedules, runners of a program
-    "prefill": 9,                                  # the engine: all of the above for one model
-    "compile": 10, "hf": 10, "run": 10, "chat": 10, "bench_turns": 10, "bench": 10, "evaluate": 10, "simulate": 10, "info": 10,
+    "prepare": 7,                                  # calibration, plan and partitioned step of one model
+    "backends": 8, "lower": 8,                     # an NPU backend lowers a region; lower/ exports a program
+    "runtime": 9,                                  # schedules, executor, the chunk runner and its two builders
+    "compile": 10, "hf": 10, "evaluate": 10, "simulate": 10,
+    "generation": 10, "conversation": 10, "measure": 10, "host_report": 10,
     "harness": 10,                                 # lm-eval's model over evaluate and hf
     "cli": 11,                                     # the doors, and the CLI over them
     "__init__": 4,                                 # the package itself: its version, errors, load_model
+    "capture": 4, "prefill": 9,                    # deprecated re-exports of chunk_step and runtime.engine
+    # top-level names the next step renames (run, chat, bench, bench_turns, info)
+    "run": 10, "chat": 10, "bench": 10, "bench_turns": 10, "info": 10,
 }
 
 

@@ -15,10 +15,10 @@ import torch
 
 from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.format.tasks import expand
-from llmnpu_delegate.runtime.schedule import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.native import _REPO_BUILD, find_runner, run_native
 from llmnpu_delegate.runtime.profile import Profile
 from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.schedule import POLICIES, assign_costs, simulate
 
 ASAN_BUILD = _REPO_BUILD.parents[1] / "build-asan" / _REPO_BUILD.name
 ARM64_BUILD = _REPO_BUILD.parents[1] / "build-arm64" / _REPO_BUILD.name
@@ -37,7 +37,8 @@ def program(tmp_path_factory):
     """A cpu-int8 program of the embedded model's first 2 blocks (chunk 64, INT8 decode) and a prompt
     of 2-3 chunks whose last chunk is padded."""
     from llmnpu_delegate.lower.pte import export_pte
-    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.quantize import quant_config
+    from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.text import read_text, tokenize
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=2, progress=False)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from llmnpu_delegate.capture import example_inputs, export_chunk_step
+from llmnpu_delegate.chunk_step import example_inputs, export_chunk_step
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.partitioner import partition_graph
 from llmnpu_delegate.partitioner.report import memory_report

@@ -5,8 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import assert_within_quant_effect, inject_outliers, on_int64
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
@@ -14,8 +13,8 @@ from llmnpu_delegate.families import tiny_shapes
 from llmnpu_delegate.format.tasks import build_tasks
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.paths import load_checked, save_checked
-from llmnpu_delegate.prefill import Prefiller, prefill
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, quantize_
+from llmnpu_delegate.runtime.engine import Prefiller, prefill
 
 FAMILIES = tiny_shapes()     # one per declared family (families.py)
 QUANT = QuantConfig(pruning_rate=0.5)   # half the linears keep a shadow path, half are pruned
@@ -162,7 +161,7 @@ def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
 
 
 def test_tail_lengths_and_a_partition_that_differs(llama, monkeypatch, caplog):
-    from llmnpu_delegate import prefill as prefill_module
+    from llmnpu_delegate.runtime import engine as prefill_module
     from llmnpu_delegate.runtime.prompt import chunk_rows
 
     assert chunk_rows(700, 256, 64) == [256, 256, 256] and chunk_rows(316, 256, 64) == [256, 64]

@@ -11,8 +11,8 @@ from test_prefill import llama, llama_calib  # noqa: F401 - fixtures: tiny-llama
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.hf import LlmNpuForCausalLM
-from llmnpu_delegate.prefill import Prefiller
 from llmnpu_delegate.quantize import QuantConfig
+from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.prefix_cache import PrefixCache, common_prefix
 
 CHUNK = 8
@@ -145,7 +145,7 @@ def test_bad_pasts_are_refused_in_one_line(engines, tmp_path):
     with pytest.raises(LlmNpuError, match="one P for every layer"):
         engine(_prompt(5), past=(head.past_k, [v[:, :, :3] for v in head.past_v]))
     with pytest.raises(LlmNpuError, match="after a past of 10, more than the context"):
-        engine(torch.zeros(engine.max_context - 5, dtype=torch.long), past=(head.past_k, head.past_v))
+        engine(torch.zeros(engine.context - 5, dtype=torch.long), past=(head.past_k, head.past_v))
     with pytest.raises(LlmNpuError, match="bytes >= 0"):
         PrefixCache(max_bytes=-1)
     blocker = tmp_path / "file"

@@ -8,7 +8,7 @@ from executorch.extension.pybindings.portable_lib import _load_for_executorch_fr
 from torch import fx, nn
 
 from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
-from llmnpu_delegate.capture import kv_shape
+from llmnpu_delegate.chunk_step import kv_shape
 from llmnpu_delegate.format import kv as kv_format
 from llmnpu_delegate.format.rows import ColdRows, write_cold_rows
 from llmnpu_delegate.lower import decode as program_decode
@@ -226,7 +226,7 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     """Real activation outliers (down_proj inputs up to ~4,000x their p99.5): the dynamically quantized
     decode step, with the calibrated outlier channels of the outlier-heavy linears through float rows
     (19.9 dB without), against the float model's own decode step."""
-    from llmnpu_delegate.prefill import default_calibration
+    from llmnpu_delegate.prepare import default_calibration
     from llmnpu_delegate.quantize.decode_outliers import HOT_INPUTS, hot_inputs
 
     hot = hot_inputs(default_calibration(smollm2, False), 99.5)
@@ -283,7 +283,8 @@ def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_p
     greedy tokens against the wrapper's (same model, calibration and settings; HF float decode)."""
     from llmnpu_delegate.hf import LlmNpuForCausalLM
     from llmnpu_delegate.lower.pte import export_pte
-    from llmnpu_delegate.prefill import export_engine, quant_config
+    from llmnpu_delegate.quantize import quant_config
+    from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.text import read_text, tokenize
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=4, progress=False)

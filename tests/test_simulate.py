@@ -186,7 +186,7 @@ def test_a_plan_is_carried_over_by_depth_and_role():
 def test_an_automatic_pruning_rate_is_reported_as_the_rate_it_picked():
     """A random-weight model takes the embedded model's plan, and with it the rate that plan was
     chosen at for the SoC (the embedded calibration is cached by the tests before this file)."""
-    from llmnpu_delegate.prefill import quant_config
+    from llmnpu_delegate.quantize import quant_config
 
     assert quant_config("w8a8-shadow", None).pruning_rate == "auto"
     scn = prepare("random:tiny-llama", C, progress=False)
@@ -200,16 +200,16 @@ def test_a_phone_keeps_the_shadow_paths_whose_pruning_buys_no_time():
     held-apart KL 0.0053 -> 0.0104), so the choice keeps them all."""
     from llmnpu_delegate.models import load_model
     from llmnpu_delegate.partitioner.regions import shadow_delta
-    from llmnpu_delegate.prefill import default_calibration
+    from llmnpu_delegate.prepare import default_calibration
     from llmnpu_delegate.quantize import QuantConfig
     from llmnpu_delegate.quantize.auto import chosen
     from llmnpu_delegate.simulate import cost as costs
-    from llmnpu_delegate.simulate.phone import choose_pruning, shadow_cost
     from llmnpu_delegate.simulate.device import load_device
+    from llmnpu_delegate.simulate.phone import choose_pruning, soc_shadow_prices
 
     scn = prepare("random:tiny-llama", C, pruning_rate=0.0, progress=False,
                   plan={"model.layers.0.mlp.down_proj": 0.02, "model.layers.1.self_attn.q_proj": 0.01})
-    cost = shadow_cost(scn, "SM8650", prompt_len=4 * C)
+    cost = soc_shadow_prices(scn, "SM8650", prompt_len=4 * C)
     device = load_device("SM8650")
     for sub in scn.partition.subgraphs:
         for node in sub.nodes:

@@ -70,7 +70,7 @@ def _assert_every_linear_is_int64_arithmetic(quantized, model, ids):
 def test_chunked_prefill_on_the_embedded_model(smollm2):
     """Real text, real outliers, chunk 256: float equals HF; W8A8 + shadow equals the unchunked quantized
     model and predicts the float model's next token."""
-    from llmnpu_delegate.prefill import Prefiller
+    from llmnpu_delegate.runtime.engine import Prefiller
 
     ids = tokenize(smollm2, read_text(None, "eval"))[:600]
     with torch.no_grad():

@@ -4,7 +4,7 @@ import operator
 import torch
 from torch import nn
 
-from llmnpu_delegate.capture import kv_shape
+from llmnpu_delegate.chunk_step import kv_shape
 from llmnpu_delegate.lower import decode as program_decode
 from llmnpu_delegate.lower.xnnpack_forms import for_xnnpack, mark_as_rows
 from llmnpu_delegate.models import load_model

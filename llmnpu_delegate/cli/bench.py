@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from ..bench import bench, bench_e2e
 from ..bench_turns import bench_turns, format_turns
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
 from ..models import load_model
-from ..prefill import DEFAULT_CHUNK, QUANT_MODES
+from ..quantize import QUANT_MODES
 from ..run import prompt_ids
 from ..runtime.schedule import POLICIES
 from .common import add_output_args, machine_line, read_prompt

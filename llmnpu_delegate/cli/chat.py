@@ -9,8 +9,9 @@ import torch
 from .. import backends
 from ..chat import (COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
                     read_turns)
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
-from ..prefill import DEFAULT_CHUNK, QUANT_MODES
+from ..quantize import QUANT_MODES
 from ..runtime.prefix_cache import DEFAULT_BYTES, PrefixCache
 from ..runtime.sampling import check_sampling
 from .common import pruning_rate

@@ -5,10 +5,11 @@ import dataclasses
 
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
+from ..chunk_step import DEFAULT_CHUNK
 from ..lower.npu_subgraphs import FINE_BELOW_DB, check_output_bits
 from ..lower.pte import DEFAULT_CONTEXT, export_pte
-from ..prefill import DEFAULT_CHUNK, QUANT_MODES, export_engine, quant_config
-from ..quantize import auto
+from ..quantize import QUANT_MODES, auto, quant_config
+from ..runtime.engine import export_engine
 from ..simulate.phone import choose_pruning
 from ..text import calibration_ids
 from .common import add_output_args, pruning_rate

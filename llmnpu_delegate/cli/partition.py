@@ -1,9 +1,11 @@
 """``llmnpu partition``."""
 from __future__ import annotations
 
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..partitioner.report import format_summary, partition_summary
-from ..prefill import DEFAULT_CHUNK, QUANT_MODES, default_calibration, plan_and_partition, resolve_quant
+from ..prepare import default_calibration, plan_and_partition
+from ..quantize import QUANT_MODES, resolve_quant
 from .common import add_model_args, setup
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from .. import backends
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..hf import LlmNpuForCausalLM
 from ..models import load_model
-from ..prefill import DEFAULT_CHUNK, QUANT_MODES
+from ..quantize import QUANT_MODES
 from ..run import format_summary, run, run_pte
 from ..runtime.schedule import POLICIES
 from .common import pruning_rate, read_prompt

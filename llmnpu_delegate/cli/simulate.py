@@ -4,16 +4,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..evaluate import SWEEP_PRUNING_RATES
 from ..models import RANDOM_SHAPES, model_config
-from ..prefill import DEFAULT_CHUNK
 from ..runtime.schedule import POLICIES
 from ..simulate.device import ASSUMPTIONS, load_device, socs
 from ..simulate.measured import validation
 from ..simulate.paper import format_validation, validate
-from ..simulate.phone import QUANT_MODES as SIM_QUANT
-from ..simulate.phone import prepare, simulate_prefill, sweep
+from ..simulate.phone import QUANT_MODES as SIM_QUANT, prepare, simulate_prefill, sweep
 from ..simulate.programs import PROGRAMS, get_program
 from ..simulate.whole_npu import predict
 from .common import add_output_args, pruning_rate

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ..errors import LlmNpuError
-from ..prefill import export_engine
-from ..simulate.phone import choose_pruning
 from ..quantize import QuantConfig
+from ..runtime.engine import export_engine
 from ..runtime.pte_runner import PteRunner
 from ..runtime.validate import validate_pte
+from ..simulate.phone import choose_pruning
 from ..text import read_text, tokenize
 from .common import add_output_args
 

@@ -26,10 +26,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..evaluate import DEFAULT_MODE, MODES, quantized_model
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
-from ..prefill import DEFAULT_CHUNK
 
 
 @register_model("llmnpu")

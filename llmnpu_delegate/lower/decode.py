@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..capture import attention_implementation
+from ..chunk_step import attention_implementation
 from ..errors import LlmNpuError
 from ..families import family_of
 from ..format.kv import empty_cache

@@ -74,8 +74,8 @@ def _check_args(engine, target: str, soc: str, context: int) -> None:
     if engine.plans is None:
         raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
                           "(w8a8-shadow or w8a8), not fp32")
-    if not isinstance(context, int) or not engine.chunk_len <= context <= engine.max_context:
-        raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.max_context} "
+    if not isinstance(context, int) or not engine.chunk_len <= context <= engine.context:
+        raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.context} "
                           f"(chunk length .. the model's context), got {context!r}")
     backend.check_target(soc)
 
@@ -174,7 +174,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     """
     from tqdm.auto import tqdm
 
-    context = context or min(DEFAULT_CONTEXT, engine.max_context)
+    context = context or min(DEFAULT_CONTEXT, engine.context)
     _check_export_args(engine, target, soc, context, shadow, decode, calib_ids)
     output_bits = backends.get(target).output_bits[0] if output_bits is None else output_bits
     check_output_bits(output_bits, target)
@@ -261,7 +261,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
             "output_bits": output_bits,
             "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
-            "shadow": shadow_cost(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
+            "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
             "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
             "seconds": round(time.perf_counter() - t0, 1),
@@ -418,7 +418,7 @@ def _write_tokenizer(tokenizer, folder: Path) -> dict:
             "chat_template": getattr(tokenizer, "chat_template", None)}
 
 
-def shadow_cost(engine, form: str) -> dict:
+def shadow_branch_work(engine, form: str) -> dict:
     """Float work and float weight bytes of the shadow branches per chunk: ``dense`` (the whole linear
     on the residue) and the program's own ``form``. Cold products (data-dependent, from the rows file)
     are not counted here: the runner counts them (``PteRunner.cold_rows``)."""

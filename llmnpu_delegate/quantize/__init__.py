@@ -8,5 +8,5 @@ from .calibrate import (  # noqa: F401
     load_or_calibrate,
     quantizable_linears,
 )
-from .config import CalibConfig, QuantConfig  # noqa: F401
+from .config import QUANT_MODES, CalibConfig, QuantConfig, quant_config, resolve_quant  # noqa: F401
 from .linear import QuantLinear, quantize_weight  # noqa: F401

@@ -3,7 +3,7 @@
 A shadow path is worth pruning only where its work reaches the critical path of the prefill: on the
 NPU pipeline it mostly hides behind the NPU's graphs. So the choice is made with a schedule: a
 ``ShadowCost`` predicts the prefill's time for any set of kept shadow paths (from this machine's
-engine profile, ``prefill.py``, or a phone SoC's device model, ``simulate/phone.py``). If keeping
+engine profile, ``runtime/engine.py``, or a phone SoC's device model, ``simulate/phone.py``). If keeping
 every path lengthens the predicted prefill by at most ``QuantConfig.shadow_share`` over keeping
 none, nothing is pruned and no importance profile is needed. Otherwise paths go in order of time
 saved per unit of accuracy lost (``seconds / importance``), until the kept ones add at most that
@@ -177,7 +177,7 @@ def pruned_layers(calib: Calibration, config: QuantConfig) -> set[str]:
     choice = chosen(calib, config)
     if choice is None:
         raise LlmNpuError(f"the automatic pruning for {config.pruning_target} is not chosen yet: it is chosen with "
-                          f"the engine on this machine (Prefiller, or prefill.choose_pruning) or, for a phone SoC, "
+                          f"the engine on this machine (Prefiller, or runtime.engine.choose_host_pruning) or, for a phone SoC, "
                           f"with its device model (llmnpu simulate / llmnpu export --soc); or give a pruning rate "
                           f"in [0, 1]")
     return set(choice["pruned"])

@@ -1,7 +1,7 @@
 """Typed, versioned configs of the preparation stage. Both round-trip through plain dicts (JSON)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import LlmNpuError
 
@@ -121,3 +121,32 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
         return _from_dict(cls, d)
+
+
+# Named quantization modes (the engine's, the eval harness's and the CLI's names); a QuantConfig works too.
+QUANT_MODES: dict[str, QuantConfig | None] = {
+    "fp32": None,
+    "w8a8": QuantConfig(outliers="none"),
+    "w8a8-shadow": QuantConfig(outliers="shadow"),
+}
+
+
+def resolve_quant(quant) -> QuantConfig | None:
+    """A named mode's config (None for the float reference), or ``quant`` itself if it is a QuantConfig."""
+    if quant is None or isinstance(quant, QuantConfig):
+        return quant
+    if quant not in QUANT_MODES:
+        raise LlmNpuError(f"unknown quantization '{quant}': use one of {', '.join(QUANT_MODES)} or a QuantConfig")
+    return QUANT_MODES[quant]
+
+
+def quant_config(quant: QuantConfig | str | None, pruning_rate: float | None = None,
+                 clip_percentile: float | None = None) -> QuantConfig | None:
+    """A named mode (``w8a8-shadow``, ``w8a8``, ``fp32``) or a QuantConfig, with the shadow knobs applied."""
+    config = resolve_quant(quant)
+    knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile)) if v is not None}
+    if not knobs:
+        return config
+    if config is None or config.outliers != "shadow":
+        raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow outlier mode (quant='w8a8-shadow')")
+    return replace(config, **knobs)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..capture import KVShape
+from ..chunk_step import KVShape
 from ..errors import LlmNpuError
 from ..format.kv import empty_cache, fill_cache, write_slot
 from ..format.regions import FineOutput, RegionSpec
@@ -31,13 +31,13 @@ from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
 from . import program_ops
-from .executor import Executor, Workers
-from .schedule import COST_POLICIES, PROCESSORS, check_policy
+from .chunk_runner import ChunkRunner
+from .executor import Workers
+from .prefix_cache import PrefixCache
 from .profile import Profile
 from .program import ChunkProgram, Step
-from .prefix_cache import PrefixCache
-from .prompt import check_past, check_prompt, chunk_feeds, gather
 from .sampling import check_sampling, next_token
+from .schedule import PROCESSORS, check_policy
 
 
 def _check_arity(program, entry: dict) -> None:
@@ -111,25 +111,30 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else None
 
 
-class PteRunner:
+class PteRunner(ChunkRunner):
     """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``.
     With a ``prefix_cache``, a prompt that starts like an earlier one prefills only the rest (as the
     engine's ``Prefiller``; entries are keyed by the program's checksums)."""
 
+    learns_profile = False      # the program's profile is the sidecar's (times on a simulator mean nothing)
+    contiguous_past = True      # ExecuTorch takes contiguous inputs only
+
     def __init__(self, pte: str | Path, policy: str = "ooo", workers: Workers | None = None,
                  prefix_cache: PrefixCache | None = None):
         check_policy(policy)
-        self.prefix_cache = prefix_cache
         self.meta = meta = load_sidecar(pte)
         try:
-            self._build(Path(pte), meta, workers)
+            program, kv, profile = self._build(Path(pte), meta)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             # the checksum passed: a sidecar of a well-formed but inconsistent export
             raise LlmNpuError(f"sidecar of {pte} is inconsistent ({type(e).__name__}: {e}): export the program "
                               f"again") from None
-        self.policy = policy
+        super().__init__(program, kv, meta["context"], meta["model"]["vocab_size"], policy, workers,
+                         profile=profile, prefix_cache=prefix_cache,
+                         kv_key=f"pte:{meta['pte_sha256']}:{meta['sidecar_sha256']}")
 
-    def _build(self, pte: Path, meta: dict, workers: Workers | None) -> None:
+    def _build(self, pte: Path, meta: dict) -> tuple[ChunkProgram, KVShape, Profile | None]:
+        """The sidecar's subgraph table as a chunk program whose steps call the program's methods."""
         from executorch.runtime import Runtime
 
         backends.get(meta["target"]).prepare_runtime()
@@ -156,34 +161,9 @@ class PteRunner:
             steps.append(Step(sub, fn))
         self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
         m = meta["model"]
-        self.chunk_len, self.context, self.vocab = meta["chunk_len"], meta["context"], m["vocab_size"]
-        self.kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
-        self.program = ChunkProgram(steps, meta["graph"]["outputs"], self.chunk_len, self.kv.layers)
-        self.executor = Executor(self.program, workers)
-        self.profile = Profile.from_dict(meta["profile"], self.program) if meta["profile"] else None
-        self.kv_key = f"pte:{meta['pte_sha256']}:{meta['sidecar_sha256']}"
-
-    @torch.inference_mode()
-    def __call__(self, input_ids, policy: str | None = None, past=None):
-        """Prefill a prompt; ``past`` and the prefix cache as for ``Prefiller.__call__``."""
-        policy = check_policy(policy or self.policy)
-        if past is not None:
-            past = check_past(past, self.kv)
-            return self._run(check_prompt(input_ids, self.context, self.vocab, past[0][0].shape[2]), policy, past)
-        ids = check_prompt(input_ids, self.context, self.vocab)
-        if self.prefix_cache is None:
-            return self._run(ids, policy)
-        return self.prefix_cache.prefill(self.kv_key, ids, lambda x, p: self._run(x, policy, p))
-
-    def _run(self, ids, policy: str, past=None):
-        reused = past[0][0].shape[2] if past is not None else 0
-        if past is not None:        # ExecuTorch takes contiguous inputs only (a cached prefix is a slice)
-            past = tuple([t.contiguous() for t in ts] for ts in past)
-        feeds = chunk_feeds(ids, self.chunk_len, self.kv, past)
-        costs = self.profile.costs(len(feeds), reused / self.chunk_len) if self.profile else None
-        out, stats = self.executor.run(feeds, policy if costs or policy not in COST_POLICIES else "inorder", costs)
-        self.last_run = stats
-        return gather(self.program, out, reused + ids.numel(), feeds, stats, reused)
+        kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
+        program = ChunkProgram(steps, meta["graph"]["outputs"], meta["chunk_len"], kv.layers)
+        return program, kv, Profile.from_dict(meta["profile"], program) if meta["profile"] else None
 
     # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
@@ -211,7 +191,8 @@ class PteRunner:
         check_sampling(temperature, top_p)
         if max_new_tokens < 1:
             raise LlmNpuError(f"max new tokens must be at least 1, got {max_new_tokens}")
-        ids = check_prompt(input_ids, self.context, self.vocab)
+        ids = self.check_prompt(input_ids)
+        policy = check_policy(policy or self.policy)
         if ids.numel() + max_new_tokens - 1 > self.context:
             raise LlmNpuError(f"prompt of {ids.numel()} tokens + {max_new_tokens} new ones needs "
                               f"{ids.numel() + max_new_tokens - 1} K/V slots, past the program's context of "
@@ -219,7 +200,7 @@ class PteRunner:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         fetched = self.cold.fetched
         start = time.perf_counter()
-        pre = self(ids, policy)
+        pre = self.prefill_checked(ids, policy)
         prefill_s = time.perf_counter() - start
         token = next_token(pre.logits, temperature, top_p, gen)
         first = time.perf_counter()

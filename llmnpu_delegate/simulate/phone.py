@@ -22,18 +22,18 @@ from pathlib import Path
 
 from torch import nn
 
-from ..capture import export_chunk_step, kv_shape, max_context
+from ..chunk_step import DEFAULT_CHUNK, export_chunk_step, kv_shape, max_context
 from ..errors import LlmNpuError
 from ..evaluate import eval_windows, run_quantized
 from ..families import FAMILIES
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
 from ..partitioner.regions import Partition, partition_graph, shadow_paths
-from ..prefill import DEFAULT_CHUNK, PRUNING_PROMPT, default_calibration, quant_config
-from ..prefill import choose_pruning as choose_host_pruning
-from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quantizable_linears
-from ..runtime.schedule import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
+from ..prepare import default_calibration
+from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quant_config, quantizable_linears
+from ..runtime.engine import PRUNING_PROMPT, choose_host_pruning
 from ..runtime.program import ChunkProgram, Step
+from ..runtime.schedule import POLICIES, PROCESSORS, RunStats, assign_costs, check_policy, simulate
 from ..runtime.trace import metrics, step_label, write_timeline, write_trace
 from ..text import read_text, tokenize
 from . import cost
@@ -108,7 +108,7 @@ def model_plan(lm, quant: QuantConfig, progress: bool) -> tuple[dict[str, float]
     return rates, auto.resolve(quant, calib).pruning_rate
 
 
-def shadow_cost(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
+def soc_shadow_prices(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
     """What each shadow path of ``scn`` (planned with every path) costs the predicted ``ooo`` prefill of a
     ``prompt_len``-token prompt on ``soc``: the automatic pruning's prices for a phone."""
     device = load_device(soc)
@@ -130,10 +130,10 @@ def shadow_cost(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT) -> Sh
 
 
 def choose_pruning(lm, calib: Calibration, quant: QuantConfig | None, progress: bool = True) -> None:
-    """Make the automatic pruning choice of ``quant`` for its phone SoC (``pruning_target``), unless
-    it is made (cached in ``calib``): ``lm`` planned with every shadow path and partitioned at the
-    default chunk length, its paths priced by the SoC's device model. The host's choice is the
-    engine's (``prefill.choose_pruning``), made from here too."""
+    """Make the automatic pruning choice of ``quant`` for whichever target it names, unless it is made
+    (cached in ``calib``). For a phone SoC: ``lm`` planned with every shadow path and partitioned at
+    the default chunk length, its paths priced by the SoC's device model (``soc_shadow_prices``).
+    For ``host``: the engine's own choice (``runtime.engine.choose_host_pruning``)."""
     if quant is None or not auto.needs_choice(calib, quant):
         return
     if quant.pruning_target == "host":
@@ -143,7 +143,7 @@ def choose_pruning(lm, calib: Calibration, quant: QuantConfig | None, progress: 
     rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
     scn = _scenario(lm.model, str(lm.fingerprint), min(DEFAULT_CHUNK, max_context(lm.model.config)), rates,
                     "unpruned", 0.0, "cpu")
-    plan_linears(lm.model, calib, quant, lm.fingerprint, progress, shadow_cost(scn, quant.pruning_target))
+    plan_linears(lm.model, calib, quant, lm.fingerprint, progress, soc_shadow_prices(scn, quant.pruning_target))
 
 
 def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,

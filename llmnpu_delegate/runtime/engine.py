@@ -1,0 +1,343 @@
+"""The engine: a model's chunk program built here, from the float model, and served by ``ChunkRunner``.
+
+``Prefiller`` prepares once (``prepare.py``: calibration plan, ``torch.export`` of one chunk step,
+partition; then the compilation of the static NPU subgraphs through the graph cache) and then serves
+prompts of any length: the last chunk is padded at its end, which needs no extra mask (a padded
+position comes after every real one, so causal masking already hides it) and its K/V are cut off
+afterwards. A last part of at most a quarter chunk runs on a tail program of that many rows instead
+(the step captured at that length, with the same NPU regions): a later turn of a conversation is
+mostly such a part. The (chunk, subgraph) tasks run on two workers under a scheduling policy
+(``schedule.py``); every policy gives the same outputs, bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+import statistics
+import threading
+import time
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from .. import backends
+from .. import kernels as K
+from ..backends.graph_cache import GraphCache, entry_key
+from ..chunk_step import DEFAULT_CHUNK, max_context
+from ..chunk_step import kv_shape as kv_shape_of
+from ..errors import LlmNpuError
+from ..format.tasks import build_tasks
+from ..kernels import int8_path, native_ops
+from ..kernels.attention import resolve_precision
+from ..models import LoadedModel
+from ..models import fingerprint as model_fingerprint
+from ..models import keep_first_blocks, load_model
+from ..partitioner.regions import shadow_paths
+from ..prepare import default_calibration, partition_step, plan_and_partition
+from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
+from .allocator import give_back, tune_malloc
+from .chunk_runner import ChunkRunner
+from .executor import Workers
+from .prefix_cache import PrefixCache
+from .profile import Profile
+from .program import ChunkProgram, program_digest, same_subgraphs
+from .prompt import PrefillResult, chunk_feeds
+from .schedule import COST_POLICIES, assign_costs, check_policy, simulate
+
+log = logging.getLogger(__name__)
+
+TAIL_MIN = 16         # rows: a shorter tail program saves less than its build and graphs cost
+PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
+PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
+
+
+def check_tail(tail_len, chunk_len: int) -> int | None:
+    """The tail program's rows for ``Prefiller(tail_len=...)``, or None for no tail program."""
+    if tail_len == "auto":
+        return chunk_len // 4 if chunk_len // 4 >= TAIL_MIN else None
+    if tail_len is None or tail_len == 0:
+        return None
+    if isinstance(tail_len, bool) or not isinstance(tail_len, int) or not 0 < tail_len < chunk_len:
+        raise LlmNpuError(f"tail_len must be 'auto', None or an integer in 1..{chunk_len - 1} (below the chunk "
+                          f"length), got {tail_len!r}")
+    return tail_len
+
+
+class Prefiller(ChunkRunner):
+    """A prepared chunked-prefill engine for one model, chunk length, backend and quantization.
+
+    Args:
+        model: a ``LoadedModel`` (``load_model(...)``) or a transformers causal LM.
+        chunk_len: tokens per chunk graph (the paper's default: 256).
+        backend: an NPU backend whose engine runs here (``backends.names(engine=True)``): ``"cpu-int8"``,
+            the INT8 stand-in NPU.
+        quant: ``"w8a8-shadow"`` (default), ``"w8a8"``, ``"fp32"`` (the float reference) or a QuantConfig.
+        calibration: a Calibration; by default the cached one on the shipped calibration text.
+        norms: where norms run (``"cpu"``; ``"npu"`` is refused by ``cpu-int8``).
+        cache: the graph cache (default: on disk under the cache folder).
+        policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
+        workers: threads and cores of the two workers (default: half the cores each).
+        attention: precision of the float side's attention and LM head, ``"auto"`` (bf16 operands
+            with fp32 accumulation and softmax, and the head's weights in bf16, for the quantized
+            modes where the native kernels run; fp32 for the float reference), ``"fp32"`` or ``"bf16"``.
+        prefix_cache: a ``PrefixCache``: a prompt that starts like an earlier one (under this engine's
+            ``kv_key``) prefills only the tokens after the cached part, and every prompt is kept.
+        tail_len: rows of a second, shorter chunk program for a prompt's last few tokens (a later
+            turn's 50 new tokens run as 64 rows, not as a padded chunk of 256): ``"auto"``
+            (a quarter of ``chunk_len``, when that is at least ``TAIL_MIN`` rows), an int below
+            ``chunk_len``, or None (every chunk padded to ``chunk_len``).
+    """
+
+    def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
+                 quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
+                 norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
+                 policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
+                 prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto"):
+        lm = model if isinstance(model, LoadedModel) else None
+        self.model = lm.model if lm else model
+        self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
+        config = self.model.config
+        context = max_context(config)
+        if not isinstance(chunk_len, int) or not 0 < chunk_len <= context:
+            raise LlmNpuError(f"chunk length must be an integer in 1..{context} (the model's context), "
+                              f"got {chunk_len!r}")
+        npu = backends.get(backend, engine=True)
+        check_policy(policy)
+        tail_len = check_tail(tail_len, chunk_len)
+        self.backend_name = backend
+        self.quant = resolve_quant(quant)
+        self.attention = resolve_precision(attention, self.quant is not None)
+        self.timings: dict[str, float] = {}
+        npu.check_norms(norms)       # before the slow steps
+        tune_malloc()
+
+        if self.quant is not None and calibration is None:
+            calibration = default_calibration(lm, progress)
+        self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
+        choose_host_pruning(model, calibration, self.quant, progress, attention)
+        self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
+                                                        calibration, norms, progress, self.timings)
+
+        t = time.perf_counter()
+        self.cache = cache if cache is not None else GraphCache()
+        weights = self.quant.weights if self.quant else "channel"
+        self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
+        program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv_shape_of(config).layers, progress,
+                                     self.attention)
+        self.timings["compile_s"] = time.perf_counter() - t
+        tail = self._build_tail(program, tail_len, norms) if tail_len else None
+        super().__init__(program, kv_shape_of(config), context, config.vocab_size, policy, workers, tail,
+                         prefix_cache=prefix_cache)
+        if self.plans is not None:
+            # Compile the activation quantizer (its torch form, used without the native kernels)
+            # here, not inside the first timed task.
+            with torch.inference_mode():
+                K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
+        self.profile = Profile.load(self._profile_path(), self.program)
+        self.kv_key = self._kv_key()
+        self._warm_up(profile=policy in COST_POLICIES and self.profile is None)
+
+    def _warm_up(self, profile: bool) -> None:
+        """Run a prompt in order before any real one: kernels make their first-call setup here (it
+        tripled the first prompt's time). With ``profile``, every subgraph is then timed on a
+        two-chunk prompt, so that the first real prompt already runs out of order; timing the first
+        run instead would record that setup as the costs of the tasks that paid it. The profile takes
+        each task's median of ``PROFILE_RUNS`` runs: one run on a busy machine skewed every later
+        schedule of the model (the profile is stored)."""
+        t = time.perf_counter()
+        ids = self._profile_ids()
+        with torch.inference_mode():
+            self.executor.run(self.feeds(ids[:self.chunk_len]), "inorder")
+            if self.tail is not None:
+                self.executor.run(chunk_feeds(ids[:self.tail_len], self.chunk_len, self.kv, None, self.tail_len),
+                                  "inorder")
+            if profile:
+                records = []
+                for _ in range(PROFILE_RUNS):
+                    records += self.executor.run(self.feeds(ids), "inorder")[1].records
+                self.profile = Profile.from_records(records, self.program, self.chunk_len)
+                self.profiled(self.profile)
+        self.timings["warmup_s"] = time.perf_counter() - t
+
+    def _profile_ids(self) -> Tensor:
+        """Two chunks of real text when the calibration holds them apart (outliers follow the text),
+        else random ids."""
+        n = min(2 * self.chunk_len, self.context)
+        held = self.calibration.held_ids if self.calibration is not None else None
+        probe = held.flatten() if held is not None else None
+        if probe is not None and probe.numel() >= n:
+            return probe[:n]
+        return torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+    def shadow_prices(self, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
+        """What each shadow path costs this engine's prefill of a ``prompt_len``-token prompt, for the
+        automatic pruning: every subgraph and shadow path timed in order (``PROFILE_RUNS`` runs of two
+        chunks), and the prefill predicted by the ``ooo`` scheduler without the pruned paths: their
+        time leaves the subgraph that holds them, and a subgraph left with no path does not run.
+        Each task also pays the executor's own handling, measured in the same runs (wall time not
+        spent inside a task); a task that does not run saves it."""
+        shadows = self.program.shadow
+        for m in shadows.values():
+            m.calls, m.seconds = 0, 0.0
+        feeds, records, handling = self.feeds(self._profile_ids()), [], []
+        with torch.inference_mode():
+            for _ in range(PROFILE_RUNS):
+                stats = self.executor.run(feeds, "inorder")[1]
+                records += stats.records
+                inside = sum(r.end - r.start for r in stats.records)
+                handling.append(max(stats.wall_s - inside, 0.0) / max(len(stats.records), 1))
+        per_task = statistics.median(handling)
+        base = Profile.from_records(records, self.program, self.chunk_len)
+        seconds = {name: m.seconds / max(m.calls, 1) for name, m in shadows.items()}
+        paths = {j: set(shadow_paths(step.sub.nodes)) for j, step in enumerate(self.program.steps)}
+        chunks = math.ceil(min(prompt_len, self.context) / self.chunk_len)
+        costs = base.costs(chunks)
+
+        def makespan(kept: frozenset) -> float:
+            c = {}
+            for key, t in costs.items():
+                step = key[0] if isinstance(key, tuple) else key
+                if paths[step] and not paths[step] & kept:
+                    c[key] = 0.0            # a shadow subgraph with every path pruned is not run
+                else:
+                    c[key] = max(t - sum(seconds[n] for n in paths[step] - kept), 0.0) + per_task
+            tasks = build_tasks(self.program, chunks)
+            assign_costs(tasks, c)
+            return simulate(tasks, "ooo").wall_s
+
+        return ShadowCost("host", seconds, makespan)
+
+    def _build_tail(self, program: ChunkProgram, tail_len: int, norms: str) -> ChunkProgram | None:
+        """The tail program: the chunk step captured and partitioned at ``tail_len`` rows, run with
+        this engine's NPU regions and shadow paths. None, with a warning, if the step is cut
+        otherwise at that length (then short last chunks run padded, as without a tail)."""
+        t = time.perf_counter()
+        partition = partition_step(self.model, tail_len, self.plans, norms)
+        if not same_subgraphs(self.partition, partition):
+            log.warning("the chunk step of %d rows is partitioned unlike that of %d: no tail program, "
+                        "short last chunks run padded to %d rows", tail_len, program.chunk_len, program.chunk_len)
+            return None
+        tail = program.tail(partition, self.backend, tail_len)
+        self.timings["tail_s"] = time.perf_counter() - t
+        return tail
+
+    def release_runtime(self) -> None:
+        """Let go of what running prompts needs: the compiled steps with their INT8 weights, shadow
+        rows and mapped rows files, and the graph cache's copies in memory. For a caller that reads
+        only the plans, partition, subgraphs and float model from here on (``llmnpu export`` once it
+        has run its examples). The engine runs no prompt after."""
+        for step in self.program.steps + (self.tail.steps if self.tail else []):
+            step.fn = None
+        self.program.shadow = {}
+        self.cache.forget()
+        self.released = True
+        gc.collect()
+        give_back()
+
+    def profiled(self, profile: Profile) -> None:
+        profile.save(self._profile_path())
+
+    def _plan_fields(self) -> list:
+        return sorted((n, p.act_scale, p.shadow) for n, p in (self.plans or {}).items())
+
+    def _kv_key(self) -> str:
+        """What a prompt's K/V depend on: an entry of the prefix cache made under another key (model,
+        quantization plan, program, attention precision) is never used here."""
+        return "prefill:" + entry_key({"kv": 1, "backend": self.backend_name, "model": self.fingerprint,
+                                       "chunk_len": self.chunk_len, "plan": self._plan_fields(),
+                                       "quant": repr(self.quant), "program": program_digest(self.program),
+                                       "tail": program_digest(self.tail) if self.tail else None,
+                                       "attention": self.attention})
+
+    def _profile_path(self):
+        key = entry_key({"profile": 3, "backend": self.backend_name, "model": self.fingerprint,
+                         "chunk_len": self.chunk_len, "plan": self._plan_fields(),
+                         "threads": self.executor.workers.threads,
+                         "program": program_digest(self.program), "kernels": native_ops.library_digest(),
+                         "int8_kernel": int8_path.current(), "attention": self.attention})
+        return self.cache.root / f"profile-{key}.json"
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def compilations(self) -> int:
+        return self.cache.stats.compilations
+
+    def counters(self) -> dict:
+        return self.cache.stats.to_dict()
+
+
+def choose_host_pruning(model: LoadedModel | nn.Module, calibration: Calibration, quant: QuantConfig | None,
+                        progress: bool = True, attention: str = "auto") -> None:
+    """Make the automatic pruning choice of ``quant`` for this machine's engine, unless it is made
+    (it is cached in ``calibration``): the engine is built with every shadow path, its paths are
+    priced by ``Prefiller.shadow_prices`` at the default chunk length (and the caller's ``attention``),
+    and ``quantize/auto.py`` chooses. A phone SoC's choice comes from its device model instead
+    (``simulate/phone.py``)."""
+    if quant is None or not auto.needs_choice(calibration, quant):
+        return
+    if quant.pruning_target != "host":
+        auto.pruned_layers(calibration, quant)      # says where that choice is made
+    base = model.model if isinstance(model, LoadedModel) else model
+    fingerprint = model.fingerprint if isinstance(model, LoadedModel) else model_fingerprint(base)
+    chunk = min(DEFAULT_CHUNK, max_context(base.config))
+    unpruned = Prefiller(model, chunk, quant=dataclasses.replace(quant, pruning_rate=0.0), calibration=calibration,
+                         progress=progress, attention=attention, tail_len=None)
+    cost = unpruned.shadow_prices()
+    unpruned.release_runtime()
+    plan_linears(base, calibration, quant, fingerprint, progress, cost)
+
+
+_prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_prepared_lock = threading.Lock()
+
+
+def _weights_state(model: nn.Module) -> tuple:
+    """Changes when a weight is replaced or edited in place (tensor version counters), at no cost."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
+            quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
+            progress: bool = True) -> PrefillResult:
+    """Chunked prefill of one prompt: last-token logits and the KV cache.
+
+    The prepared engine is kept for the model (per chunk length, backend and quantization), so later
+    prompts of any length reuse every compiled graph. Editing the model's weights gives a new engine.
+    Thread-safe: concurrent first calls prepare one engine.
+    """
+    base = model.model if isinstance(model, LoadedModel) else model
+    state = _weights_state(base)
+    key = (chunk_len, backend, repr(resolve_quant(quant)), id(calibration), state)
+    with _prepared_lock:
+        engines = _prepared.setdefault(base, {})
+        if key not in engines:
+            stale = [k for k in engines if k[-1] != state]
+            for k in stale:
+                del engines[k]
+            if stale and isinstance(model, LoadedModel):      # edited since its fingerprint was taken
+                model = dataclasses.replace(model, fingerprint=model_fingerprint(base))
+            engines[key] = Prefiller(model, chunk_len, backend, quant, calibration, progress=progress)
+        engine = engines[key]
+    return engine(input_ids)
+
+
+def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True,
+                  choose=choose_host_pruning):
+    """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
+    ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
+    (planned on the whole model first, so pruning ranks every layer as in the full model). ``choose``
+    makes an automatic pruning choice (``simulate.phone.choose_pruning`` for any target, a phone SoC's included)."""
+    if quant is None:
+        raise LlmNpuError("export writes INT8 NPU subgraphs: use quant w8a8-shadow or w8a8, not fp32")
+    lm = load_model(spec)
+    calib = default_calibration(lm, progress)
+    choose(lm, calib, quant, progress)
+    if blocks is not None:
+        plan_linears(lm.model, calib, quant, lm.fingerprint, progress)
+        keep_first_blocks(lm, blocks)
+    # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
+    return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32",
+                         tail_len=None)
