@@ -1,4 +1,4 @@
-"""How the decode method carries K/V: what one step copies and costs (``lower/decode.py`` chose (a)).
+"""How the decode method carries K/V: what one step copies and costs (``lower/decode_method.py`` chose (a)).
 
 (a) static cache of ``context`` slots, method inputs outside the memory plan: read in place, the new
     token's K/V returned (the program's layout);
@@ -38,7 +38,7 @@ def main() -> None:
 
     from llmnpu_delegate.chunk_step import attention_implementation, export_chunk_step, kv_shape
     from llmnpu_delegate.kernels.attention import decompositions
-    from llmnpu_delegate.lower.decode import export_decode
+    from llmnpu_delegate.lower.decode_method import export_decode
     from llmnpu_delegate.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -91,7 +91,7 @@ def prompt_ids(pte: Path, prompt_file: Path) -> list[int]:
     """The demo's prompt ids: ``llmnpu run --chat``'s own tokenization."""
     from transformers import AutoTokenizer
 
-    from llmnpu_delegate.run import prompt_ids as chat_ids
+    from llmnpu_delegate.generation import prompt_ids as chat_ids
 
     tok = AutoTokenizer.from_pretrained(str(pte.with_suffix(".tokenizer")))
     return chat_ids(tok, str(pte), prompt_file.read_text(), chat=True).reshape(-1).tolist()

@@ -42,7 +42,7 @@ def hf_decode_tok_s(model, ids: torch.Tensor, n: int) -> float:
 
 
 def bench_program(pte: Path, prompt_len: int, new_tokens: int, repeats: int, trace_dir: Path | None) -> dict:
-    from llmnpu_delegate.bench import prompt_ids
+    from llmnpu_delegate.measure.speed import prompt_ids
     from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.runtime.native import run_native

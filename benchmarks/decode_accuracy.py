@@ -1,4 +1,4 @@
-"""How close INT8 decode (``runtime/decode.Int8Decoder``) stays to float decode, and what it costs, per
+"""How close INT8 decode (``runtime/hf_decoder.Int8Decoder``) stays to float decode, and what it costs, per
 number of per-token outliers taken out of the INT8 activation.
 
     .venv/bin/python benchmarks/decode_accuracy.py [--outliers 0 2 4 8 16] [--windows 3] [--policies]
@@ -27,7 +27,7 @@ from llmnpu_delegate.hf import fill_cache
 from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
 from llmnpu_delegate.quantize.decode_outliers import outlier_linears
-from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear, _stack
+from llmnpu_delegate.runtime.hf_decoder import DecodeCache, Int8Decoder, _Linear, _stack
 from llmnpu_delegate.text import read_text, tokenize
 
 ap = argparse.ArgumentParser()

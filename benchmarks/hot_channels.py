@@ -24,7 +24,7 @@ from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import quant_config
 from llmnpu_delegate.quantize.apply import plan_linears
 from llmnpu_delegate.quantize.calibrate import quantizable_linears
-from llmnpu_delegate.quantize.shadow import dense_channels, hot_channels
+from llmnpu_delegate.quantize.shadow_rows import dense_channels, hot_channels
 from llmnpu_delegate.runtime.engine import choose_host_pruning
 from llmnpu_delegate.text import read_text, tokenize
 

@@ -25,7 +25,7 @@ def main() -> None:
 
     from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
     from llmnpu_delegate.quantize import quant_config
-    from llmnpu_delegate.runtime.decode import DecodeCache
+    from llmnpu_delegate.runtime.hf_decoder import DecodeCache
     from llmnpu_delegate.runtime.engine import export_engine
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import sqnr_db

@@ -14,7 +14,7 @@ import time
 import torch
 
 from llmnpu_delegate import load_model
-from llmnpu_delegate.bench import prompt_ids
+from llmnpu_delegate.measure.speed import prompt_ids
 from llmnpu_delegate.runtime.engine import Prefiller
 
 ap = argparse.ArgumentParser()

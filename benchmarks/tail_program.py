@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from llmnpu_delegate.bench_turns import FORMS, workload
+from llmnpu_delegate.measure.turns import FORMS, workload
 from llmnpu_delegate.kernels import int8_path
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.runtime.engine import Prefiller

@@ -26,7 +26,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from llmnpu_delegate import load_model
 from llmnpu_delegate.lower.encodings import LlmNpuQuantizer
-from llmnpu_delegate.lower.shadow import add_shadow_paths
+from llmnpu_delegate.lower.shadow_branches import add_shadow_paths
 from llmnpu_delegate.partitioner.executorch import LlmNpuPartitioner
 from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, plan_linears, quantizable_linears

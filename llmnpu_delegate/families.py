@@ -3,7 +3,7 @@
 A family names its ``transformers`` ``model_type``, the linears of a decoder block by role (the
 attention's input projections, its output, the MLP's input and output projections), its two block
 norms and what else its attention does (per-head q/k norms before RoPE), and which of the project's
-paths run it. Loading (``models``), the INT8 decoder (``runtime/decode.py``), the phone simulator's
+paths run it. Loading (``models``), the INT8 decoder (``runtime/hf_decoder.py``), the phone simulator's
 roles (``simulate/phone.py``) and the tests read it from here; capture, the partitioner and export
 read the model's own modules, so they need nothing per family.
 
@@ -26,7 +26,7 @@ class Family:
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
     qk_norm: tuple[str, str] | None = None            # per-head RMSNorm of q and k before RoPE
     engine: bool = True                               # prefill, export and the runners run it
-    int8_decode: bool = True                          # ``runtime/decode.Int8Decoder`` runs it
+    int8_decode: bool = True                          # ``runtime/hf_decoder.Int8Decoder`` runs it
     # ``random:<name>`` shapes: config kwargs; ``tiny-*`` ones serve the tests, the others are the
     # published configs of real models (speed work and ``llmnpu simulate``)
     shapes: dict = field(default_factory=dict, compare=False)

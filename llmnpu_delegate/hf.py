@@ -2,7 +2,7 @@
 
 The prompt runs through the NPU path (chunk graphs, shadow outliers, out-of-order executor) and the
 tokens after it are decoded on the CPU from the KV cache the prefill produced: the paper's split.
-Decode is ``runtime/decode.Int8Decoder`` (INT8 linears with per-token dynamic scales, the K/V in a
+Decode is ``runtime/hf_decoder.Int8Decoder`` (INT8 linears with per-token dynamic scales, the K/V in a
 static cache written in place) for the llama-style families, or the model's own float ``transformers``
 forward (``decode="fp32"``, and the families the INT8 decoder does not cover).
 
@@ -30,7 +30,7 @@ from .chunk_step import DEFAULT_CHUNK
 from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
 from .quantize import Calibration, QuantConfig, quant_config
-from .runtime.decode import DecodeCache, Int8Decoder, unsupported
+from .runtime.hf_decoder import DecodeCache, Int8Decoder, unsupported
 from .runtime.engine import Prefiller
 from .runtime.prefix_cache import PrefixCache
 
@@ -68,7 +68,7 @@ def _route_forward(model: nn.Module):
     return forward
 
 
-def fill_cache(cache, result, start: int = 0) -> None:
+def extend_hf_cache(cache, result, start: int = 0) -> None:
     """Put a prefill's K/V from token ``start`` on into a transformers cache that holds the tokens
     before it (its layers crop sliding windows as HF does)."""
     for layer, (k, v) in enumerate(zip(result.past_k, result.past_v)):
@@ -98,7 +98,7 @@ class LlmNpuForCausalLM:
         chunk_len, backend, quant, calibration, policy: as for ``Prefiller``.
         pruning_rate, clip_percentile: the shadow outlier knobs (default "auto": quantize/auto.py, and the
             99.5th percentile).
-        decode: ``"int8"`` (``runtime/decode.Int8Decoder``), ``"fp32"`` (the model's own float forward,
+        decode: ``"int8"`` (``runtime/hf_decoder.Int8Decoder``), ``"fp32"`` (the model's own float forward,
             token for token Hugging Face's decode) or ``"auto"`` (default: INT8 where the family allows
             it and the prefill is quantized, else fp32).
         prefix_cache: ``True`` (default: an in-memory ``PrefixCache`` of the default budget), ``False``
@@ -240,9 +240,9 @@ class LlmNpuForCausalLM:
         if self.decoder is not None:      # the decoder's static cache, sized for the whole generation
             cache = DecodeCache(self.model.config, max(generation_config.max_length, result.tokens + 1))
             model_kwargs["past_key_values"] = cache
-            fill_cache(cache, result)
+            extend_hf_cache(cache, result)
         else:
-            fill_cache(cache, result, past_len)
+            extend_hf_cache(cache, result, past_len)
         self.last_prefill = {"tokens": result.tokens, "chunks": result.chunks, "rows": result.rows,
                              "cached_tokens": result.reused,
                              "prefill_s": time.perf_counter() - t, "outlier_share": result.outlier_share}
@@ -283,14 +283,14 @@ def greedy_agreement(wrapper: LlmNpuForCausalLM, prompts: list[torch.Tensor], ma
         first += int(got[0] == ref[0])
         result = wrapper.engine(ids)
         cache = DynamicCache(config=model.config)
-        fill_cache(cache, result)
+        extend_hf_cache(cache, result)
         pred = [result.logits.argmax().reshape(1)]
         if len(ref) > 1:
             float_steps = model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
             pred.append(float_steps)
             if wrapper.decoder is not None:
                 static = DecodeCache(model.config, result.tokens + len(ref))
-                fill_cache(static, result)
+                extend_hf_cache(static, result)
                 int8_steps = torch.stack([wrapper.decoder.step(t.reshape(1, 1), static)[0].argmax() for t in ref[:-1]])
                 decode_same += int((int8_steps == float_steps).sum())
                 decode_steps += len(ref) - 1

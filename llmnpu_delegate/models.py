@@ -285,7 +285,7 @@ def _shared_tokenizer(vocab_size: int):
         return None
     from transformers import AutoTokenizer
 
-    cached = cache_dir() / "tokenizers" / "smollm2-135m"
+    cached = cache_dir() / "tokenizers" / DEFAULT_MODEL
     if not (cached / "tokenizer_config.json").exists():
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
         with atomic_path(cached) as tmp:

@@ -10,7 +10,6 @@ import copy
 import json
 import logging
 import shutil
-import subprocess
 
 import pytest
 import torch

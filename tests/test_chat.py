@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from llmnpu_delegate.chat import Conversation, Reply, chat_loop, read_turns
+from llmnpu_delegate.conversation import Conversation, Reply, chat_loop, read_turns
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
@@ -36,7 +36,7 @@ def test_chat_on_the_embedded_model_prefills_only_what_is_new(tmp_path, capsys):
     assert again["cached_tokens"] == one["prompt_tokens"] - 1 and again["tokens"] == one["tokens"]
     # another process (a new prefix cache on the same folder) resumes the saved conversation from the
     # K/V on disk, and answers as one that prefills the whole history
-    from llmnpu_delegate.chat import WrapperResponder
+    from llmnpu_delegate.conversation import WrapperResponder
     from llmnpu_delegate.hf import LlmNpuForCausalLM
     from llmnpu_delegate.runtime.prefix_cache import PrefixCache
 

@@ -1,4 +1,4 @@
-"""INT8 decode (runtime/decode.py): the kernel against integer arithmetic, the decode loop against
+"""INT8 decode (runtime/hf_decoder.py): the kernel against integer arithmetic, the decode loop against
 Hugging Face's own decode step, the per-token outlier path against its definition, and the wrapper's
 use of it (static cache written in place, generate's arguments, clear refusals)."""
 import pytest
@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.families import tiny_shapes
-from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+from llmnpu_delegate.hf import LlmNpuForCausalLM, extend_hf_cache
 from llmnpu_delegate.kernels.native_ops import native_available
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.quantize.linear import quantize_weight
-from llmnpu_delegate.runtime.decode import DecodeCache, Int8Decoder, _Linear
+from llmnpu_delegate.runtime.hf_decoder import DecodeCache, Int8Decoder, _Linear
 
 
 def _sqnr(ref, got):
@@ -79,19 +79,19 @@ def test_float_decode_loop_equals_hf_decode_steps(spec):
         ref = lm.model(ids[:, 40:], past_key_values=out.past_key_values).logits[0]
     dec = Int8Decoder(lm.model, "fp32")
     cache = DecodeCache(lm.model.config, 64)
-    fill_cache(cache, pre)
+    extend_hf_cache(cache, pre)
     buffer = cache.layers[0].keys.data_ptr()
     got = torch.stack([dec.step(ids[:, 40 + i:41 + i], cache)[0] for i in range(5)])
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert int(cache.get_seq_length()) == 45 and cache.layers[0].keys.data_ptr() == buffer
     int8 = Int8Decoder(lm.model, "int8")
     cache = DecodeCache(lm.model.config, 64)
-    fill_cache(cache, pre)
+    extend_hf_cache(cache, pre)
     q = torch.stack([int8.step(ids[:, 40 + i:41 + i], cache)[0] for i in range(5)])
     assert 15 < _sqnr(ref, q) < 60                   # quantized, and close to float
     with pytest.raises(LlmNpuError, match="full"):
         small = DecodeCache(lm.model.config, 40)
-        fill_cache(small, pre)
+        extend_hf_cache(small, pre)
         int8.step(ids[:, 40:41], small)
 
 
@@ -110,7 +110,7 @@ def test_wrapper_decodes_in_int8_through_generate():
     # reference: the same prefill (float here), then the decoder by hand
     res = int8.engine(ids)
     cache = DecodeCache(lm.model.config, 36)
-    fill_cache(cache, res)
+    extend_hf_cache(cache, res)
     tokens = [int(res.logits.argmax())]
     for _ in range(5):
         tokens.append(int(step(torch.tensor([[tokens[-1]]]), cache).argmax()))

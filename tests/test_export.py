@@ -15,11 +15,13 @@ from test_artefacts import BYTES, damage_bytes, mutated, structure
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
+from llmnpu_delegate.lower.export_config import ExportConfig
 from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
 from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.sampling import Sampling
 from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
 
 CHUNK = 32
@@ -51,8 +53,9 @@ def engine():
 def exported(engine, tmp_path_factory):
     out = tmp_path_factory.mktemp("pte") / "tiny.pte"
     calib_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
-    summary = export_pte(engine, out, calib_ids, target="cpu-int8", context=4 * CHUNK,
-                         model={"spec": "random:tiny-llama"}, progress=False, decode="fp32",
+    summary = export_pte(engine, out, calib_ids,
+                         ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
+                         model={"spec": "random:tiny-llama"}, progress=False,
                          tokenizer=load_model("random:tiny-llama").tokenizer, workers=2)
     return out, summary
 
@@ -70,6 +73,10 @@ def test_one_method_per_subgraph_and_a_sidecar_with_what_a_runner_needs(engine, 
     assert [e["outputs"] for e in meta["subgraphs"]] == [s.sub.outputs for s in steps]
     assert summary["npu_methods"] == sum(s.sub.kind == "npu" for s in steps) > 0
     assert meta["chunk_len"] == CHUNK and meta["context"] == 4 * CHUNK
+    # the export's config, recorded as given: a program says how it was made
+    config = ExportConfig.from_dict(meta["export"])
+    assert config == ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32")
+    assert (config.context_for(10**6), config.bits) == (meta["context"], 32)
     plans = engine.plans
     assert set(meta["linears"]) == set(plans)
     for name, lin in meta["linears"].items():
@@ -154,8 +161,9 @@ def test_workers_write_the_program_one_process_writes(engine, exported, tmp_path
     out, summary = exported
     assert summary["workers"] == 2
     alone = export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,),
-                       generator=torch.Generator().manual_seed(2)), target="cpu-int8", context=4 * CHUNK,
-                       model={"spec": "random:tiny-llama"}, progress=False, decode="fp32",
+                       generator=torch.Generator().manual_seed(2)),
+                       ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
+                       model={"spec": "random:tiny-llama"}, progress=False,
                        tokenizer=load_model("random:tiny-llama").tokenizer, workers=1)
     assert alone["workers"] == 1
     assert (tmp_path / "tiny.pte").read_bytes() == out.read_bytes()
@@ -176,8 +184,8 @@ def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
                 if isinstance(m, LoweredBackendModule) and m.original_module is not None}
 
     before = holding()
-    export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,)), target="cpu-int8",
-               context=4 * CHUNK, progress=False, decode="int8", workers=1)
+    export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,)),
+               ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="int8"), progress=False, workers=1)
     assert holding() - before == set()
 
 
@@ -197,8 +205,8 @@ def test_calibration_rows_wait_on_disk_for_their_job(engine, exported, tmp_path,
     monkeypatch.setattr(pte, "run_jobs", spy)
     out = tmp_path / "tiny.pte"
     export_pte(engine, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
-               target="cpu-int8", context=4 * CHUNK, model={"spec": "random:tiny-llama"}, progress=False,
-               decode="fp32", workers=1)
+               ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
+               model={"spec": "random:tiny-llama"}, progress=False, workers=1)
     npu = [i for i, step in enumerate(engine.program.steps) if step.sub.kind == "npu"]
     assert sorted(handed) == npu and all(isinstance(f, str) for f in handed.values())
     assert not any(os.path.exists(f) for f in handed.values())
@@ -217,8 +225,8 @@ def test_a_released_engine_exports_the_same_program_and_runs_no_prompt(exported,
     steps = [weakref.ref(step.fn) for step in eng.program.steps]
     out = tmp_path / "tiny.pte"
     export_pte(eng, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
-               target="cpu-int8", context=4 * CHUNK, model={"spec": "random:tiny-llama"}, progress=False,
-               decode="fp32", workers=1, release_engine=True)
+               ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
+               model={"spec": "random:tiny-llama"}, progress=False, workers=1, release_engine=True)
     assert out.read_bytes() == exported[0].read_bytes()
     assert all(step.fn is None for step in eng.program.steps) and not eng.program.shadow
     gc.collect()
@@ -241,7 +249,7 @@ def test_program_key_sees_computation_not_names():
     """Same ops, shapes and constants: one key, whatever the inputs and weights are called. A different
     constant, scalar or shape: another key (a key blind to them would share a layer's norm with
     another's)."""
-    from llmnpu_delegate.lower.same_program import program_key
+    from llmnpu_delegate.lower.shared_methods import program_key
 
     x = (torch.randn(4, 8), torch.randn(4, 8))
     w = torch.randn(8)
@@ -278,7 +286,7 @@ def test_program_key_is_blind_to_how_an_export_numbers_its_symbols():
     with still counts: it sizes the method's planned memory."""
     from torch.export import Dim
 
-    from llmnpu_delegate.lower.same_program import program_key
+    from llmnpu_delegate.lower.shared_methods import program_key
 
     x, past = torch.randn(4, 8), torch.randn(6, 8)
 
@@ -343,15 +351,22 @@ def test_bad_artefacts_and_prompts_are_refused(exported, tmp_path):
 def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
     ids = torch.randint(0, 1000, (3 * CHUNK,))
     with pytest.raises(LlmNpuError, match="unknown backend 'gpu': use one of cpu-int8, qnn"):
-        export_pte(engine, tmp_path / "a.pte", ids, target="gpu")
+        export_pte(engine, tmp_path / "a.pte", ids, ExportConfig(target="gpu"))
+    for bad, match in (({"shadow": "half"}, "unknown shadow branch form"), ({"decode": "int4"}, "unknown decode mode"),
+                       ({"output_bits": 16}, "not 16"), ({"context": 2.5}, "context must be an integer"),
+                       ({"soc": "SM1234"}, "SM1234")):
+        with pytest.raises(LlmNpuError, match=match):
+            ExportConfig(**{"target": "qnn", **bad})
+    with pytest.raises(LlmNpuError, match="unknown fields"):
+        ExportConfig.from_dict({"target": "cpu-int8", "bits": 8})
     with pytest.raises(LlmNpuError, match="context must be an integer"):
-        export_pte(engine, tmp_path / "a.pte", ids, target="cpu-int8", context=CHUNK - 1)
+        export_pte(engine, tmp_path / "a.pte", ids, ExportConfig(target="cpu-int8", context=CHUNK - 1))
     with pytest.raises(LlmNpuError, match="at least 96 calibration tokens"):
-        export_pte(engine, tmp_path / "a.pte", ids[:50], target="cpu-int8")
+        export_pte(engine, tmp_path / "a.pte", ids[:50], ExportConfig(target="cpu-int8"))
     with pytest.raises(LlmNpuError, match="not fp32"):
-        export_pte(tiny_engine(quant=None), tmp_path / "a.pte", ids, target="cpu-int8")
+        export_pte(tiny_engine(quant=None), tmp_path / "a.pte", ids, ExportConfig(target="cpu-int8"))
     with pytest.raises(LlmNpuError, match="workers must be a positive number"):
-        export_pte(engine, tmp_path / "a.pte", ids, target="cpu-int8", workers=0)
+        export_pte(engine, tmp_path / "a.pte", ids, ExportConfig(target="cpu-int8"), workers=0)
     assert not any(tmp_path.iterdir())
 
 
@@ -492,7 +507,7 @@ def test_float_outputs_are_the_integer_product_of_our_codes():
 
 def test_dense_shadow_paths_add_back_what_clipping_removed():
     """add_shadow_paths on an exported graph: y + linear(x - clamp(x), W), computed independently."""
-    from llmnpu_delegate.lower.shadow import add_shadow_paths
+    from llmnpu_delegate.lower.shadow_branches import add_shadow_paths
     from llmnpu_delegate.quantize.apply import LinearPlan
 
     class Block(torch.nn.Module):
@@ -555,7 +570,7 @@ def test_run_pte_generates_from_the_program_alone(exported, tmp_path, capsys, mo
     for _ in range(5):
         tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
     assert tokens == s["tokens"]
-    sampled = [runner.generate(ids, 6, temperature=0.8, top_p=0.9, seed=3).tokens for _ in range(2)]
+    sampled = [runner.generate(ids, 6, Sampling(0.8, 0.9, 3)).tokens for _ in range(2)]
     assert sampled[0] == sampled[1]
 
 

@@ -104,6 +104,7 @@ def test_qwen3_through_torch_compile_equals_eager(qwen3):
 
 @pytest.fixture(scope="module")
 def qwen3_program(qwen3, tmp_path_factory):
+    from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.engine import Prefiller
@@ -113,8 +114,8 @@ def qwen3_program(qwen3, tmp_path_factory):
                        attention="fp32")
     out = tmp_path_factory.mktemp("qwen3") / "qwen3.pte"
     calib_ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(4))
-    export_pte(engine, out, calib_ids, target="cpu-int8", context=4 * CHUNK, model={"spec": QWEN3},
-               progress=False, decode="int8", tokenizer=lm.tokenizer)
+    export_pte(engine, out, calib_ids, ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="int8"),
+               model={"spec": QWEN3}, progress=False, tokenizer=lm.tokenizer)
     return engine, out
 
 

@@ -15,7 +15,7 @@ from llmnpu_delegate.errors import LlmNpuError  # noqa: E402
 from llmnpu_delegate.evaluate import perplexity  # noqa: E402
 from llmnpu_delegate.harness.lm import LlmNpuLM  # noqa: E402
 from llmnpu_delegate.harness.suite import run_tasks  # noqa: E402
-from llmnpu_delegate.harness.tasks import TASKS, sentences, task_dir  # noqa: E402
+from llmnpu_delegate.harness.offline_tasks import TASKS, sentences, task_dir  # noqa: E402
 from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate  # noqa: E402
 from llmnpu_delegate.text import read_text, tokenize  # noqa: E402
 

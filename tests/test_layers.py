@@ -29,8 +29,6 @@ STAGES = {
     "cli": 11,                                     # the doors, and the CLI over them
     "__init__": 4,                                 # the package itself: its version, errors, load_model
     "capture": 4, "prefill": 9,                    # deprecated re-exports of chunk_step and runtime.engine
-    # top-level names the next step renames (run, chat, bench, bench_turns, info)
-    "run": 10, "chat": 10, "bench": 10, "bench_turns": 10, "info": 10,
 }
 
 

@@ -36,6 +36,7 @@ PROMPT = ("The committee met on Tuesday to review the budget for the coming year
 def program(tmp_path_factory):
     """A cpu-int8 program of the embedded model's first 2 blocks (chunk 64, INT8 decode) and a prompt
     of 2-3 chunks whose last chunk is padded."""
+    from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.engine import export_engine
@@ -43,7 +44,7 @@ def program(tmp_path_factory):
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=2, progress=False)
     out = tmp_path_factory.mktemp("native") / "smol.pte"
-    export_pte(engine, out, tokenize(lm, read_text(None, "calib")), target="cpu-int8", context=256,
+    export_pte(engine, out, tokenize(lm, read_text(None, "calib")), ExportConfig(target="cpu-int8", context=256),
                model={"spec": "smollm2-135m", "blocks": 2}, progress=False, tokenizer=lm.tokenizer)
     ids = lm.tokenizer(PROMPT, return_tensors="pt").input_ids[0]
     assert 64 < ids.numel() < 192 and ids.numel() % 64, ids.numel()
@@ -192,7 +193,7 @@ def test_second_output_encodings_are_merged_as_the_python_runner_merges_them(fin
     """Each NPU method returns every output twice (coarse and fine encodings); both runners take the
     fine value where it did not saturate, element by element: the same bits. Without the fine
     values the logits move, so the test sees the merge."""
-    from llmnpu_delegate.format.regions import FineOutput
+    from llmnpu_delegate.format.npu_io import FineOutput
 
     runner = PteRunner(fine_program)
     assert all(lin["fine_outputs"] for lin in runner.meta["linears"].values())
@@ -389,7 +390,7 @@ def test_missing_binary_is_named_with_how_to_build_it(monkeypatch, tmp_path):
 def test_the_program_stores_the_table_in_float16_and_the_int8_head_once(program):
     """The INT8-decode program keeps no float32 copy of the embedding table: both lookups read one
     float16 table, and the prefill's head and the decode's are one INT8 weight in XNNPACK's named data
-    (``lower/table.py``)."""
+    (``lower/embedding_head.py``)."""
     from executorch.exir._serialize._program import deserialize_pte_binary
     from executorch.exir.scalar_type import ScalarType
 

@@ -11,11 +11,11 @@ from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
 from llmnpu_delegate.chunk_step import kv_shape
 from llmnpu_delegate.format import kv as kv_format
 from llmnpu_delegate.format.rows import ColdRows, write_cold_rows
-from llmnpu_delegate.lower import decode as program_decode
+from llmnpu_delegate.lower import decode_method as program_decode
 from llmnpu_delegate.lower.cpu_subgraphs import cold_channels, shadow_branches
 from llmnpu_delegate.partitioner.regions import shadow_delta
 from llmnpu_delegate.quantize.apply import LinearPlan
-from llmnpu_delegate.quantize.shadow import dense_channels, shadow_rows
+from llmnpu_delegate.quantize.shadow_rows import dense_channels, shadow_rows
 from llmnpu_delegate.runtime import program_ops
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.validate import sqnr_db
@@ -282,6 +282,7 @@ def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_p
     """A cpu-int8 program of the embedded model's first 4 blocks, fp32 decode, 2 chunks of prompt: its
     greedy tokens against the wrapper's (same model, calibration and settings; HF float decode)."""
     from llmnpu_delegate.hf import LlmNpuForCausalLM
+    from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.engine import export_engine
@@ -289,8 +290,9 @@ def test_generation_from_the_pte_follows_the_wrapper_on_the_embedded_model(tmp_p
 
     lm, engine = export_engine("smollm2-135m", 64, quant_config("w8a8-shadow", None), blocks=4, progress=False)
     out = tmp_path / "smol.pte"
-    export_pte(engine, out, tokenize(lm, read_text(None, "calib")), target="cpu-int8", context=256,
-               model={"spec": "smollm2-135m", "blocks": 4}, progress=False, decode="fp32", tokenizer=lm.tokenizer)
+    export_pte(engine, out, tokenize(lm, read_text(None, "calib")),
+               ExportConfig(target="cpu-int8", context=256, decode="fp32"),
+               model={"spec": "smollm2-135m", "blocks": 4}, progress=False, tokenizer=lm.tokenizer)
     runner = PteRunner(out)
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)["input_ids"][0]
@@ -316,9 +318,9 @@ def test_hot_input_channels_go_through_float_rows_and_the_rest_through_int8():
     each against a direct computation. A token whose outlier sits in a hot channel: far closer to the
     float linear than the same linear quantized whole."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from test_table import _int8_per_channel, _int8_per_token
+    from test_embedding_head import _int8_per_channel, _int8_per_token
 
-    from llmnpu_delegate.lower.table import quantize_dynamic
+    from llmnpu_delegate.lower.embedding_head import quantize_dynamic
 
     torch.manual_seed(5)
 

@@ -139,7 +139,7 @@ def test_the_shadow_operators_give_the_aten_ops_bits():
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    from llmnpu_delegate.lower import shadow  # noqa: F401  (registers the ops)
+    from llmnpu_delegate.lower import shadow_branches  # noqa: F401  (registers the ops)
 
     program_ops.load()
     clip = 2.5

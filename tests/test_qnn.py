@@ -105,6 +105,7 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""
     from test_export import CHUNK
 
+    from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import validate_pte
@@ -113,9 +114,10 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     # output encodings observed on the very rows compared: rounding alone is left. The float decode
     # keeps the float head, as the engine's prefill has it: the NPU methods are what is compared here
     # (with the INT8 decode's INT8 head the last check reads 14.8 vs 18.8 dB on this random model; that
-    # head is tested against its own arithmetic in test_table.py)
-    summary = export_pte(engine, tmp_path / "tiny.pte", ids, target="qnn", soc="SM8650", context=4 * CHUNK,
-                         progress=False, decode="fp32")
+    # head is tested against its own arithmetic in test_embedding_head.py)
+    summary = export_pte(engine, tmp_path / "tiny.pte", ids,
+                         ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32"),
+                         progress=False)
     assert summary["npu_methods"] >= 8 and summary["pte_bytes"] > 0 and summary["soc"] == "SM8650"
     runner = PteRunner(tmp_path / "tiny.pte")
     report = validate_pte(tmp_path / "tiny.pte", engine, ids, runner=runner)

@@ -24,7 +24,7 @@ from llmnpu_delegate.quantize import (
     quantize_weight,
 )
 from llmnpu_delegate.quantize.importance import layers_to_prune
-from llmnpu_delegate.quantize.shadow import hot_channels, rows_files, shadow_rows
+from llmnpu_delegate.quantize.shadow_rows import hot_channels, rows_files, shadow_rows
 
 TINY = [s for s in RANDOM_SHAPES if s.startswith("tiny-")]
 
@@ -371,5 +371,5 @@ def test_quantize_modes_build_what_they_claim():
                     torch.testing.assert_close(q(x), ref + (0 if lin.bias is None else lin.bias), rtol=1e-4, atol=1e-4)
             else:
                 assert torch.all(q.weight_scale == q.weight_scale[0])
-                from llmnpu_delegate.quantize.shadow import hot_channels
+                from llmnpu_delegate.quantize.shadow_rows import hot_channels
                 assert torch.equal(q.shadow.hot, hot_channels(st.channel_outliers[99.5], 0.8))

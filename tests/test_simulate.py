@@ -12,7 +12,7 @@ from llmnpu_delegate.runtime import executor
 from llmnpu_delegate.runtime.schedule import POLICIES, assign_costs, simulate
 from llmnpu_delegate.runtime.trace import metrics
 from llmnpu_delegate.simulate import cost
-from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device, socs
+from llmnpu_delegate.simulate.device import PARAMETERS, Device, load_device
 from llmnpu_delegate.simulate.fit import fit_all, fit_roofline, table3_rows
 from llmnpu_delegate.simulate.phone import carry_over, energy, prepare, simulate_prefill
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from llmnpu_delegate.chunk_step import kv_shape
-from llmnpu_delegate.lower import decode as program_decode
+from llmnpu_delegate.lower import decode_method as program_decode
 from llmnpu_delegate.lower.xnnpack_forms import for_xnnpack, mark_as_rows
 from llmnpu_delegate.models import load_model
 
@@ -77,7 +77,7 @@ def test_int8_weights_as_w_transposed_rows_give_the_same_bits():
     give the bits of the plain linears, all inside XNNPACK, and the program then holds each weight's
     codes as W^T rows (what the shadow path reads) and not as W."""
     from llmnpu_delegate.kernels.ops import quantize_weight
-    from llmnpu_delegate.lower import table
+    from llmnpu_delegate.lower import embedding_head as table
 
     model = _TwoLinears().eval()
     x = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(1))

@@ -23,7 +23,7 @@ from ..format.rows import RowStore
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
-from ..quantize.shadow import shadow_rows
+from ..quantize.shadow_rows import shadow_rows
 from .graph_cache import GraphCache
 from .registry import register
 

@@ -21,7 +21,7 @@ import torch
 
 from ..paths import cache_dir, load_checked, save_checked
 
-FORMAT = 3    # 2: a checked file (header with a checksum); 3: weight codes round(w * (1 / scale))
+FORMAT = 3    # of a cached entry's layout; another is compiled again (CHANGELOG.md: what changed)
 KIND = "graph-cache-entry"
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """``llmnpu bench``."""
 from __future__ import annotations
 
-from ..bench import bench, bench_e2e
-from ..bench_turns import bench_turns, format_turns
+from ..measure.speed import bench, bench_e2e
+from ..measure.turns import bench_turns, format_turns
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
-from ..models import load_model
+from ..models import DEFAULT_MODEL, load_model
 from ..quantize import QUANT_MODES
-from ..run import prompt_ids
+from ..generation import prompt_ids
 from ..runtime.schedule import POLICIES
 from .common import add_output_args, machine_line, read_prompt
 
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="prefill speed of each scheduling policy against HF eager fp32 and llama.cpp",
                        description="Time the chunked prefill (two workers: INT8 'npu', float 'cpu') under each "
                                    "policy, interleaved with the baselines, in one process; medians of --repeats.")
-    p.add_argument("--model", default="smollm2-135m", help="model spec (default smollm2-135m)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model spec (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),

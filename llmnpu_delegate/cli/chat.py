@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 
 from .. import backends
-from ..chat import (COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
-                    read_turns)
 from ..chunk_step import DEFAULT_CHUNK
+from ..conversation import (COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
+                            read_turns)
 from ..errors import LlmNpuError
+from ..models import DEFAULT_MODEL
 from ..quantize import QUANT_MODES
 from ..runtime.prefix_cache import DEFAULT_BYTES, PrefixCache
-from ..runtime.sampling import check_sampling
-from .common import pruning_rate
+from .common import pruning_rate, sampling_of
 
 
 def add_parser(sub) -> None:
@@ -65,7 +65,7 @@ def cmd_chat(args) -> dict:
         raise LlmNpuError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.kv_cache_mb is not None and args.kv_cache_mb < 0:
         raise LlmNpuError(f"--kv-cache-mb must be >= 0, got {args.kv_cache_mb}")
-    check_sampling(args.temperature, args.top_p)
+    sampling = sampling_of(args)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
@@ -73,11 +73,11 @@ def cmd_chat(args) -> dict:
     cache = PrefixCache((DEFAULT_BYTES >> 20 if args.kv_cache_mb is None else args.kv_cache_mb) << 20,
                         args.kv_cache_dir)
     if args.pte is not None:
-        responder = _pte_responder(args, cache)
+        responder = _pte_responder(args, cache, sampling)
     elif args.native:
         raise LlmNpuError("--native runs an exported program: give it with --pte FILE (llmnpu export writes one)")
     else:
-        responder = _wrapper_responder(args, cache)
+        responder = _wrapper_responder(args, cache, sampling)
     conv = Conversation(responder, args.system)
     lines = read_turns(args.turns) if args.turns is not None else interactive_lines()
     interactive = args.turns is None and sys.stdin.isatty()
@@ -94,23 +94,21 @@ def cmd_chat(args) -> dict:
     return {"turns": records, "cache": cache.stats.to_dict()}
 
 
-def _wrapper_responder(args, cache: PrefixCache) -> WrapperResponder:
+def _wrapper_responder(args, cache: PrefixCache, sampling) -> WrapperResponder:
     from ..hf import LlmNpuForCausalLM
     from ..models import load_model
 
-    wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
+    wrapper = LlmNpuForCausalLM(load_model(args.model or DEFAULT_MODEL), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
                                 pruning_rate=args.pruning_rate, decode=args.decode, prefix_cache=cache,
                                 progress=not args.no_progress)
-    sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-                if args.temperature is not None else {"do_sample": False})
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    return WrapperResponder(wrapper, args.max_new_tokens, sampling)
+    return WrapperResponder(wrapper, args.max_new_tokens, sampling.generate_kwargs())
 
 
-def _pte_responder(args, cache: PrefixCache):
-    from ..run import load_program_tokenizer
+def _pte_responder(args, cache: PrefixCache, sampling):
+    from ..format.sidecar import load_program_tokenizer
     from ..runtime.pte_runner import PteRunner
 
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) is not None]
@@ -119,7 +117,7 @@ def _pte_responder(args, cache: PrefixCache):
         raise LlmNpuError(f"--pte runs the exported program alone, which fixes the model and its settings: "
                           f"drop {', '.join(given)}")
     if args.native:
-        from ..chat import NativeResponder
+        from ..conversation import NativeResponder
         from ..format.sidecar import load_sidecar
         from ..runtime.native import NativeSession
 
@@ -128,8 +126,8 @@ def _pte_responder(args, cache: PrefixCache):
                               "--kv-cache-dir and --kv-cache-mb")
         meta = load_sidecar(args.pte)
         tok = load_program_tokenizer(meta, Path(args.pte))
-        session = NativeSession(args.pte, meta, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        session = NativeSession(args.pte, meta, sampling=sampling)
         return NativeResponder(session, meta["context"], tok, args.max_new_tokens)
     runner = PteRunner(args.pte, prefix_cache=cache)
     tok = load_program_tokenizer(runner.meta, runner.pte)
-    return PteResponder(runner, tok, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    return PteResponder(runner, tok, args.max_new_tokens, sampling)

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from ..errors import LlmNpuError
-from ..models import load_model
+from ..models import DEFAULT_MODEL, load_model
 from ..quantize import CalibConfig
+from ..runtime.sampling import Sampling
 
 
 def quiet_third_party_logs() -> None:
@@ -23,8 +24,8 @@ def quiet_third_party_logs() -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (default), a Hugging Face folder, a .gguf file or random:<shape>")
     p.add_argument("--calib-text-file", default=None,
                    help="calibration text (default: the shipped news text, disjoint from the evaluation text)")
     p.add_argument("--calib-samples", type=int, default=8, help="calibration sequences (default 8)")
@@ -63,6 +64,14 @@ def pruning_rate(value: str):
         return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1], got '{value}'") from None
+
+
+def sampling_of(args) -> Sampling:
+    """``--temperature``, ``--top-p`` and ``--seed`` as one ``Sampling``; a bad value's error names its flag."""
+    try:
+        return Sampling(args.temperature, args.top_p, args.seed)
+    except LlmNpuError as e:
+        raise LlmNpuError(f"--{e}") from None
 
 
 def read_prompt(args) -> str:

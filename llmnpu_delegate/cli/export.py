@@ -6,8 +6,10 @@ import dataclasses
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
 from ..chunk_step import DEFAULT_CHUNK
-from ..lower.npu_subgraphs import FINE_BELOW_DB, check_output_bits
-from ..lower.pte import DEFAULT_CONTEXT, export_pte
+from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
+from ..lower.npu_subgraphs import FINE_BELOW_DB
+from ..lower.pte import export_pte
+from ..models import DEFAULT_MODEL
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_pruning
@@ -22,8 +24,8 @@ def add_parser(sub) -> None:
                                    "XNNPACK INT8 for cpu-int8), a float method per CPU subgraph (portable kernels; "
                                    "attention with a symbolic past up to --context), and a sidecar JSON with what "
                                    "a runner needs (names, scales, thresholds, hot channels, pruned layers, profile).")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default), a Hugging Face folder, a .gguf file or random:<shape>")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (default), a Hugging Face folder, a .gguf file or random:<shape>")
     p.add_argument("--backend", choices=list(backends.names()), default="qnn",
                    help="NPU backend the NPU methods are lowered for (default qnn)")
     p.add_argument("--soc", default=DEFAULT_SOC, help=f"Snapdragon SoC for qnn (default {DEFAULT_SOC}, 8 Gen 3)")
@@ -61,21 +63,18 @@ def add_parser(sub) -> None:
 
 def cmd_export(args) -> dict:
     quant = quant_config(args.quant, args.pruning_rate)
+    # checked before the model is loaded and planned
+    config = ExportConfig(args.backend, args.soc, args.context, args.shadow_branch, args.decode,
+                          None if args.output_bits == "auto" else int(args.output_bits), args.fine_outputs == "auto")
     backend = backends.get(args.backend)
-    backend.check_target(args.soc)       # before the model is loaded and planned
-    if args.output_bits != "auto":
-        check_output_bits(int(args.output_bits), args.backend)
     if backend.uses_soc and auto.is_auto(quant):    # pruned for the phone's schedule, not this machine's
         quant = dataclasses.replace(quant, pruning_target=args.soc)
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress,
                                choose=choose_pruning)
     calib_ids = calibration_ids(lm, None)
-    summary = export_pte(engine, args.out, calib_ids, target=args.backend, soc=args.soc, context=args.context,
-                         model={"spec": args.model, "blocks": args.blocks}, progress=not args.no_progress,
-                         shadow=args.shadow_branch, decode=args.decode, tokenizer=lm.tokenizer,
-                         workers=args.workers, release_engine=True,
-                         output_bits=None if args.output_bits == "auto" else int(args.output_bits),
-                         fine=args.fine_outputs == "auto")
+    summary = export_pte(engine, args.out, calib_ids, config, model={"spec": args.model, "blocks": args.blocks},
+                         tokenizer=lm.tokenizer, workers=args.workers, progress=not args.no_progress,
+                         release_engine=True)
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())

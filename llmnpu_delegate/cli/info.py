@@ -1,7 +1,7 @@
 """``llmnpu info``."""
 from __future__ import annotations
 
-from ..info import format_info, info
+from ..host_report import format_info, info
 from .common import add_output_args
 
 

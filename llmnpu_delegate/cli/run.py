@@ -6,12 +6,12 @@ import torch
 from .. import backends
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
+from ..generation import format_summary, run, run_pte
 from ..hf import LlmNpuForCausalLM
-from ..models import load_model
+from ..models import DEFAULT_MODEL, load_model
 from ..quantize import QUANT_MODES
-from ..run import format_summary, run, run_pte
 from ..runtime.schedule import POLICIES
-from .common import pruning_rate, read_prompt
+from .common import pruning_rate, read_prompt, sampling_of
 
 
 def add_parser(sub) -> None:
@@ -62,26 +62,23 @@ def cmd_run(args) -> dict:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    if args.temperature is not None and args.temperature <= 0:
-        raise LlmNpuError(f"--temperature must be positive (omit it for greedy decoding), got {args.temperature}")
+    sampling = sampling_of(args)
     if args.native and args.pte is None:
         raise LlmNpuError("--native runs an exported program: give it with --pte FILE (llmnpu export writes one)")
     if args.pte is not None:
         if args.decode != "auto":
             raise LlmNpuError("--decode chooses the wrapper's decoder; an exported program decodes with its own "
                               "method (set at export: llmnpu export --decode)")
-        return _run_pte(args, prompt)
+        return _run_pte(args, prompt, sampling)
 
-    wrapper = LlmNpuForCausalLM(load_model(args.model or "smollm2-135m"), chunk_len=args.chunk or DEFAULT_CHUNK,
+    wrapper = LlmNpuForCausalLM(load_model(args.model or DEFAULT_MODEL), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
                                 pruning_rate=args.pruning_rate, policy=args.policy, decode=args.decode,
                                 prefix_cache=False, progress=not args.no_progress)   # one prompt: nothing to reuse
-    sampling = ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-                if args.temperature is not None else {"do_sample": False})
     if args.seed is not None:
         torch.manual_seed(args.seed)
     summary = run(wrapper, prompt, args.max_new_tokens, args.chat, stream=not args.json, trace_dir=args.trace,
-                  **sampling)
+                  **sampling.generate_kwargs())
     args.text = format_summary(summary)
     return summary
 
@@ -89,13 +86,13 @@ def cmd_run(args) -> dict:
 _MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
 
 
-def _run_pte(args, prompt: str) -> dict:
+def _run_pte(args, prompt: str, sampling) -> dict:
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_OPTIONS if getattr(args, k) is not None]
     if given:
         raise LlmNpuError(f"--pte runs the exported program alone, which fixes the model and its settings: "
                           f"drop {', '.join(given)}")
     summary = run_pte(args.pte, prompt, args.max_new_tokens, args.chat, stream=not args.json,
-                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, policy=args.policy,
+                      sampling=sampling, policy=args.policy,
                       native=args.native, trace_dir=args.trace)
     args.text = format_summary(summary)
     return summary

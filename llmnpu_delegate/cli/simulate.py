@@ -7,7 +7,7 @@ import math
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..evaluate import SWEEP_PRUNING_RATES
-from ..models import RANDOM_SHAPES, model_config
+from ..models import DEFAULT_MODEL, RANDOM_SHAPES, model_config
 from ..runtime.schedule import POLICIES
 from ..simulate.device import ASSUMPTIONS, load_device, socs
 from ..simulate.measured import validation
@@ -28,8 +28,8 @@ def add_parser(sub) -> None:
                                    "profile calibrated on published phone measurements. Nothing runs on a phone. "
                                    "--quant, --pruning-rate, --norms, --fine-share, --policies, --past, --sweep "
                                    "and --trace-dir are of our program's schedule.")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default), a Hugging Face folder, or random:<shape> (shapes only, real ones: "
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (default), a Hugging Face folder, or random:<shape> (shapes only, real ones: "
                         f"{', '.join(s for s in RANDOM_SHAPES if not s.startswith('tiny'))})")
     p.add_argument("--soc", default="SM8650", help=f"device profile: {', '.join(socs())} (default SM8650)")
     p.add_argument("--program", default="ours", choices=list(PROGRAMS),

@@ -4,19 +4,30 @@ A static cache of ``context`` slots per layer that the ``decode`` method only re
 ``[1, KVH, d, context]`` (transposed, so ``q @ K`` needs no copy) and V as ``[1, KVH, context, d]``,
 method inputs outside ExecuTorch's memory plan, so the runtime reads the runner's memory in place.
 The runner writes a prefill's K/V into slots ``0..T-1`` once, then each step's new row at its
-position (``lower/decode.py`` says why this layout).
+position (``lower/decode_method.py`` says why this layout).
 
 This is the one K/V layout of the program format, read by both runners (Python and C++). The HF
-door keeps transformers' own ``[1, KVH, T, d]`` caches (``runtime/decode.DecodeCache`` is a
+door keeps transformers' own ``[1, KVH, T, d]`` caches (``runtime/hf_decoder.DecodeCache`` is a
 ``StaticCache``), because that is what ``generate``'s callers hold and pass back; prefill K/V reach
-the program's layout through ``fill_cache`` only.
+the program's layout through ``write_prefill`` only.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 METHOD = "decode"
+
+
+@dataclass
+class KVCache:
+    """The decode method's static cache: per layer K [1, KVH, d, T] (transposed) and V [1, KVH, T, d];
+    ``length`` slots are filled."""
+    k: list[Tensor]
+    v: list[Tensor]
+    length: int = 0
 
 
 def empty_cache(kv, context: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -25,7 +36,7 @@ def empty_cache(kv, context: int) -> tuple[list[Tensor], list[Tensor]]:
             [torch.zeros(1, kv.kv_heads, context, kv.head_dim) for _ in range(kv.layers)])
 
 
-def fill_cache(k_cache: list[Tensor], v_cache: list[Tensor], past_k: list[Tensor], past_v: list[Tensor]) -> int:
+def write_prefill(k_cache: list[Tensor], v_cache: list[Tensor], past_k: list[Tensor], past_v: list[Tensor]) -> int:
     """Write a prefill's per-layer K/V [1, KVH, T, d] into slots 0..T-1; returns T."""
     t = past_k[0].shape[2]
     for k_all, v_all, k, v in zip(k_cache, v_cache, past_k, past_v):

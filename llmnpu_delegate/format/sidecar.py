@@ -17,16 +17,7 @@ from .rows import ROW_DTYPES
 from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
-# 2: sparse shadow branches with a cold rows file, the decode method, the tokenizer;
-# 3: the task dependency table (``format/tasks.py``), which the native runner expands;
-# 4: ``sidecar_sha256``, a checksum of the sidecar's own content (an altered scale is caught)
-# 5: the decode's INT8 linears take calibrated input channels through float rows (``decode.hot_inputs``)
-#    instead of keeping whole linears float; the embedding table in float16, one INT8 LM head
-# 6: an NPU linear's output has ``bits``: 8 (requantized, with its encoding) or 32 (float; the
-#    decode's INT8 linears then carry the same zero columns)
-# 7: a shadowed linear's cold rows may be the program's own W^T rows (``"rows_in": "program"``)
-# 8: the program's own CPU operators (runner/ops/): attention (`llmnpu::chunk_attention`) and the
-#    shadow branches' two passes over their input (`llmnpu::shadow_hits`, `llmnpu::shadow_gather`)
+# The layout's version: both runners refuse any other. CHANGELOG.md says what each version changed.
 VERSION = 9
 
 NUM = "number"
@@ -35,7 +26,7 @@ INTS, STRS, NUMS = [int], [str], [NUM]
 # A dict of fields (a trailing "?" marks an optional one), {str: T} a map, [T] a list, a tuple alternatives.
 SCHEMA = {
     "format": str, "version": int, "pte": str, "pte_sha256": str, "pte_bytes": int,
-    "target": str, "soc": (str, None), "chunk_len": int, "context": int, "quant": {str: ANY},
+    "target": str, "soc": (str, None), "chunk_len": int, "context": int, "quant": {str: ANY}, "export?": {str: ANY},
     "model": {"fingerprint": str, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int, "spec?": str},
     "graph": {"inputs": STRS, "outputs": STRS},
     "subgraphs": [{"index": int, "method": str, "kind": str, "processor": str, "layer": (int, None), "static": bool,
@@ -69,6 +60,20 @@ def rows_path(pte: Path) -> Path:
 
 def tokenizer_path(pte: Path) -> Path:
     return Path(pte).with_suffix(".tokenizer")
+
+
+def load_program_tokenizer(meta: dict, pte: Path):
+    """The tokenizer written beside an exported program (``llmnpu export``); ``meta``: its sidecar."""
+    from transformers import AutoTokenizer
+
+    tok = meta.get("tokenizer")
+    if not tok:
+        raise LlmNpuError(f"{pte.name} was exported without a tokenizer (its model has none): "
+                          "export a model that has one")
+    folder = pte.parent / tok["folder"]
+    if not folder.is_dir():
+        raise LlmNpuError(f"{pte.name}'s tokenizer folder {tok['folder']} is missing: copy it with the .pte")
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def sidecar_digest(meta: dict) -> str:

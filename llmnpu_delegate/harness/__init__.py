@@ -23,7 +23,7 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from . import lm  # noqa: F401  (registers the "llmnpu" model)
-    from .tasks import task_dir
+    from .offline_tasks import task_dir
 
     args = sys.argv[1:]
     if "--include_path" not in args and not any(a.startswith("--include_path=") for a in args) \

@@ -10,7 +10,7 @@ from ..errors import LlmNpuError
 from ..evaluate import MODES, shadow_overrides
 from ..models import LoadedModel
 from . import require_lm_eval
-from .tasks import GROUP, task_dir
+from .offline_tasks import GROUP, task_dir
 
 TABLE_MODES = ("fp32", "w8a8", "smoothquant", "w8a8-shadow", "w8a8-shadow-pruned")
 LOWER_IS_BETTER = ("perplexity", "bits_per_byte")

@@ -1,7 +1,7 @@
 """The partition's CPU subgraphs as standalone exported programs, for a ``.pte``.
 
 Each CPU (or shadow) subgraph of the chunk step becomes one method. Two things change on the way
-out of our runtime: the shadow markers become float branches (``lower/shadow.py``: by default the
+out of our runtime: the shadow markers become float branches (``lower/shadow_branches.py``: by default the
 sparse hot-channel product, as our engine computes it, with the cold channels left to the runner), and
 ``llmnpu::chunk_attention`` stays whole where the program's own kernel takes it (``runner/ops/``, which
 both runners load), else is decomposed into aten ops. A dynamic subgraph (attention over the
@@ -22,8 +22,8 @@ from ..format.rows import other_channels
 from ..kernels.attention import decompositions, program_kernel_takes
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from ..quantize.apply import LinearPlan
-from .shadow import dense_product, residue_hits, shadow_product
-from .table import half_table_lookups
+from .shadow_branches import dense_product, residue_hits, shadow_product
+from .embedding_head import half_table_lookups
 
 SHADOW_FORMS = ("sparse", "dense")
 
@@ -31,7 +31,7 @@ SHADOW_FORMS = ("sparse", "dense")
 def shadow_branches(gm: fx.GraphModule, root: fx.GraphModule, plans: dict[str, LinearPlan], prefix: str,
                     form: str = "sparse") -> tuple[fx.GraphModule, list[dict]]:
     """Replace each ``shadow_delta(x, name)`` marker of a shadow subgraph by a float branch
-    (``lower/shadow.py``); weights come from ``root``.
+    (``lower/shadow_branches.py``); weights come from ``root``.
 
     ``sparse``: the dense channels' static product, and the branch's ``hits`` [K] appended to the
     outputs (one per input and clip: branches reading the same input share it). Returns the module
@@ -117,7 +117,7 @@ def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, Li
     """``sub`` as an ExportedProgram in core aten ops and the program's own operators (``runner/ops/``),
     traced on ``example`` (its inputs at a past length > 1, so the past dimension is not specialised),
     and its shadow branches (``shadow_branches``; empty for other subgraphs). ``half_table``: embedding
-    lookups read a float16 table (``table.py``)."""
+    lookups read a float16 table (``embedding_head.py``)."""
     gm = subgraph_module(partition, sub)
     if half_table:
         half_table_lookups(gm)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .. import backends
 from ..errors import LlmNpuError
-from ..format.regions import FineOutput, RegionSpec, part_channels
+from ..format.npu_io import FineOutput, RegionSpec, part_channels
 from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
 from ..quantize.sqnr import sqnr_db
@@ -158,7 +158,7 @@ class FloatOutputRegion(nn.Module):
     sentinel columns, -128 s and 127 s, whose weights are zero: every row's range is then exactly
     255 s, so the dynamic scale is the plan's ``s``, the zero point 0, and the GEMM takes the codes
     of our static quantization. The product is our engine's, to float rounding (tested). The
-    decode step pads the same linears with two zero columns (``decode.pad_linears``), so the two
+    decode step pads the same linears with two zero columns (``decode_method.pad_linears``), so the two
     methods' INT8 weights are the same bytes, stored and packed once."""
 
     def __init__(self, linears: list[nn.Linear], groups: list[list[int]], scales: list[float], rows: int):
@@ -265,7 +265,7 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
             prepared(*spec.inputs(block))
     converted = convert_pt2e(prepared)
     if output_bits == 32:
-        int8_weights_as_rows(converted)     # the shadowed ones, as the decode stores them (``decode.export_decode``)
+        int8_weights_as_rows(converted)     # the shadowed ones, as the decode stores them (``decode_method.export_decode``)
     return converted, example
 
 

@@ -8,9 +8,9 @@ The ``.pte`` holds one method per subgraph of the partitioned chunk step:
   ones for the ops XNNPACK does not take): embedding, norms,
   RoPE, attention with its K/V (past length symbolic up to the artefact's context), the shadow
   outlier branches (sparse: the hot channels' rows only), lm_head. Subgraphs that compute the same
-  program (``same_program.py``: attention, RoPE and activations repeat in every layer) share the
+  program (``shared_methods.py``: attention, RoPE and activations repeat in every layer) share the
   method of the first of them;
-- ``decode``: one token at any position (``decode.py``), on XNNPACK, INT8 or fp32.
+- ``decode``: one token at any position (``decode_method.py``), on XNNPACK, INT8 or fp32.
 
 Beside the ``.pte`` (``model.pte`` -> ``model.json``, ``model.rows.bin``, ``model.tokenizer/``):
 
@@ -47,18 +47,18 @@ from ..format.tasks import dependency_table
 from ..partitioner.regions import is_linear
 from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
-from . import decode as decode_step
-from .cpu_subgraphs import SHADOW_FORMS, cold_channels, export_cpu_subgraph, program_hot_channels
-from .npu_subgraphs import check_output_bits, fine_outputs, lower_region, output_groups, part_channels, region_spec
-from .export_shortcuts import lowering_shortcuts
+from . import decode_method as decode_step
+from .cpu_subgraphs import cold_channels, export_cpu_subgraph, program_hot_channels
+from .embedding_head import quantize_dynamic
+from .export_config import ExportConfig
+from .lowering_pool import Claims, Spool, default_workers, run_jobs
+from .lowering_shortcuts import lowering_shortcuts
+from .npu_subgraphs import fine_outputs, lower_region, output_groups, part_channels, region_spec
 from .program_writer import ProgramWriter, emit_method
-from .same_program import program_key
-from .shadow import rows_in_program
-from .table import quantize_dynamic
-from .workers import Claims, Spool, default_workers, run_jobs
+from .shadow_branches import rows_in_program
+from .shared_methods import program_key
 from .xnnpack_forms import for_xnnpack
 
-DEFAULT_CONTEXT = 1024
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
 # time left covers the decode step too: it costs about this many per decoder block (``stage_seconds``
 # of the embedded model's export: 1.9 s a subgraph, 211 s for the 30-block decode step)
@@ -67,17 +67,6 @@ DECODE_UNITS_PER_LAYER = 3.8
 
 def method_name(sub) -> str:
     return f"{'npu' if sub.kind == 'npu' else 'cpu'}_{sub.index}"
-
-
-def _check_args(engine, target: str, soc: str, context: int) -> None:
-    backend = backends.get(target)
-    if engine.plans is None:
-        raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
-                          "(w8a8-shadow or w8a8), not fp32")
-    if not isinstance(context, int) or not engine.chunk_len <= context <= engine.context:
-        raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.context} "
-                          f"(chunk length .. the model's context), got {context!r}")
-    backend.check_target(soc)
 
 
 def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
@@ -153,31 +142,25 @@ def _fine_share(engine, npu_outputs: dict) -> float:
     return extra / total if total else 0.0
 
 
-def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", soc: str = "SM8650",
-               context: int | None = None, model: dict | None = None, progress: bool = True,
-               shadow: str = "sparse", decode: str = "int8", tokenizer=None, workers: int | None = None,
-               release_engine: bool = False, output_bits: int | None = None, fine: bool = True) -> dict:
-    """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it;
-    returns a summary.
+def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig = ExportConfig(),
+               model: dict | None = None, tokenizer=None, workers: int | None = None, progress: bool = True,
+               release_engine: bool = False) -> dict:
+    """Write ``engine``'s chunk program and decode step as ``out`` (.pte) with the files beside it, as
+    ``config`` says (target, SoC, context, shadow branch form, decode, NPU output bits); returns a summary.
 
     ``calib_ids``: calibration tokens (three chunks are used: they set the NPU outputs' encodings).
-    ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``. ``shadow``: the
-    branch form (``sparse`` hot-channel products with cold rows on disk, or the ``dense`` reference).
-    ``decode``: ``int8`` or ``fp32`` (``decode.py``). ``tokenizer``: written beside the program.
-    ``workers``: processes lowering methods side by side (default: one per core; ``workers.py``).
-    ``stage_seconds`` in the summary add up the workers' time, ``seconds`` is the wall time.
-    ``release_engine``: the caller runs no prompt on ``engine`` afterwards, so its runtime is let go
-    once the examples are taken (``Prefiller.release_runtime``): the workers share less memory.
-    ``output_bits``: the NPU methods' outputs, 8-bit (requantized) or 32 (float; ``npu_subgraphs.py``);
-    default the target's first (``output_bits`` of its backend). ``fine``: 8-bit outputs that one
-    encoding holds poorly come out a second time with a finer one (``npu_subgraphs.fine_outputs``).
+    ``model``: how to rebuild the engine (spec, blocks), recorded for ``validate``. ``tokenizer``:
+    written beside the program. ``workers``: processes lowering methods side by side (default: one
+    per core; ``lowering_pool.py``). ``stage_seconds`` in the summary add up the workers' time,
+    ``seconds`` is the wall time. ``release_engine``: the caller runs no prompt on ``engine``
+    afterwards, so its runtime is let go once the examples are taken (``Prefiller.release_runtime``):
+    the workers share less memory.
     """
     from tqdm.auto import tqdm
 
-    context = context or min(DEFAULT_CONTEXT, engine.context)
-    _check_export_args(engine, target, soc, context, shadow, decode, calib_ids)
-    output_bits = backends.get(target).output_bits[0] if output_bits is None else output_bits
-    check_output_bits(output_bits, target)
+    target, soc, shadow, decode = config.target, config.soc, config.shadow, config.decode
+    context, output_bits = config.context_for(engine.context), config.bits
+    _check_export_args(engine, context, calib_ids)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
@@ -195,7 +178,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
     out.parent.mkdir(parents=True, exist_ok=True)
     claims, spool = Claims(), Spool(out.parent)
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
-                    context, calib_ids, hot, claims, spool, output_bits, fine and output_bits == 8)
+                    context, calib_ids, hot, claims, spool, output_bits, config.fine and output_bits == 8)
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
@@ -238,14 +221,14 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, target: str = "qnn", 
         tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None
         written = writer.write(out)
         shadow_meta = {"form": "dense"}
-        if shadow == "sparse":      # the rows the program holds are not written again (``shadow.rows_in_program``)
+        if shadow == "sparse":      # the rows the program holds are not written again (``shadow_branches.rows_in_program``)
             blocks = _cold_blocks(engine)
             shadow_meta = write_cold_rows(blocks, rows_path(out), PROGRAM_ROW_DTYPE,
                                           rows_in_program(blocks, written["named_data"]))
         if "rows_file" not in shadow_meta:
             rows_path(out).unlink(missing_ok=True)      # an earlier export's, which nothing would read
         meta = _sidecar(engine, target, soc, context, table, npu_outputs, model, out, written)
-        meta.update(shadow=shadow_meta, tokenizer=tok_meta,
+        meta.update(export=config.to_dict(), shadow=shadow_meta, tokenizer=tok_meta,
                     decode=kv_format.describe(decode, engine.kv, context, hot))
         meta["sidecar_sha256"] = sidecar_digest(meta)
         with atomic_path(sidecar_path(out)) as tmp:
@@ -293,7 +276,7 @@ class _Export:
 
 def _lower_job(x: _Export, job: int) -> dict:
     """Lower and emit one method: the subgraph ``job`` of the program, or the decode step. A CPU
-    subgraph whose program another job has claimed is not lowered again (``same_program.py``)."""
+    subgraph whose program another job has claimed is not lowered again (``shared_methods.py``)."""
     stages: dict[str, float] = {}
     out = {"job": job, "stages": stages, "entry": {}, "npu_outputs": {}, "key": None, "method": None}
     if job == DECODE_JOB:
@@ -339,12 +322,14 @@ def _timed(stages: dict, key: str):
     stages[key] = stages.get(key, 0.0) + time.perf_counter() - t
 
 
-def _check_export_args(engine, target: str, soc: str, context: int, shadow: str, decode: str, calib_ids: Tensor):
-    _check_args(engine, target, soc, context)
-    if shadow not in SHADOW_FORMS:
-        raise LlmNpuError(f"unknown shadow branch form '{shadow}': use one of {', '.join(SHADOW_FORMS)}")
-    if decode not in decode_step.MODES:
-        raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(decode_step.MODES)}")
+def _check_export_args(engine, context: int, calib_ids: Tensor) -> None:
+    """What the config cannot check alone: it against the engine, and the calibration's length."""
+    if engine.plans is None:
+        raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
+                          "(w8a8-shadow or w8a8), not fp32")
+    if not isinstance(context, int) or not engine.chunk_len <= context <= engine.context:
+        raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.context} "
+                          f"(chunk length .. the model's context), got {context!r}")
     need = 3 * engine.chunk_len
     if calib_ids.numel() < need:
         raise LlmNpuError(f"export needs at least {need} calibration tokens (three chunks), got {calib_ids.numel()}")
@@ -372,7 +357,7 @@ def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entr
 
 def _lower_cpu(ep, sub, example: tuple, int8_head: bool):
     """A CPU subgraph's exported program as a float method (XNNPACK where it helps); the LM head as
-    the decode's dynamic INT8 linear if ``int8_head`` (``table.py``)."""
+    the decode's dynamic INT8 linear if ``int8_head`` (``embedding_head.py``)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 

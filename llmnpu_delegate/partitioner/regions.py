@@ -29,7 +29,7 @@ from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recogn
 from ..errors import LlmNpuError
 
 NORM_POLICIES = ("cpu", "npu")
-SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow.py): stays float
+SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow_branches.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
 ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
 
@@ -85,7 +85,7 @@ def _module_of(node: Node) -> str | None:
 
 
 def _in_shadow_branch(node: Node) -> bool:
-    """A linear of a dense shadow branch (``lower/shadow.py``): float work, never an NPU linear."""
+    """A linear of a dense shadow branch (``lower/shadow_branches.py``): float work, never an NPU linear."""
     stack = node.meta.get("nn_module_stack") or {}
     return bool(stack) and str(list(stack.values())[-1][1]).endswith(SHADOW_BRANCH)
 

@@ -19,7 +19,7 @@ from .importance import (
     ratio_importance,
 )
 from .linear import QuantLinear, quantize_weight
-from .shadow import dense_channels, hot_channels, shadow_rows
+from .shadow_rows import dense_channels, hot_channels, shadow_rows
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ..models import decoder_layers
 from ..paths import DamagedFile, cache_dir, load_checked, save_checked
 from .config import CalibConfig
 
-CALIB_VERSION = 3     # 2: a checked file (header with a checksum); 3: held-apart windows (held_ids)
+CALIB_VERSION = 3     # of the cached calibration's layout; another is calibrated again (CHANGELOG.md: what changed)
 KIND = "calibration"
 log = logging.getLogger(__name__)
 

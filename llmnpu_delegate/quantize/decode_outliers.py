@@ -1,5 +1,5 @@
-"""The INT8 decode's outlier policy: per token for the HF wrapper's decoder (``runtime/decode.py``)
-and its native step; per linear for the program's ``decode`` method (``lower/decode.py``).
+"""The INT8 decode's outlier policy: per token for the HF wrapper's decoder (``runtime/hf_decoder.py``)
+and its native step; per linear for the program's ``decode`` method (``lower/decode_method.py``).
 
 A decode step quantizes each token's activation with the token's own scale, set by its largest
 value; a handful of outliers (SmolLM2's down_proj inputs reach ~4,000x their p99.5) would leave
@@ -15,7 +15,7 @@ float model's own decode):
     16 outliers through bf16 rows (this one)       33.0 dB  0.967      238 MiB
     16 outliers through the INT8 weight's codes    31.3 dB  0.950      119 MiB
     linears kept float where calibration saw
-      large outliers (17 of 210; lower/decode.py)  26.1 dB  0.933       57 MiB
+      large outliers (17 of 210; lower/decode_method.py)  26.1 dB  0.933       57 MiB
     no outliers                                    24.3 dB  0.917        0
     every linear bf16 (reference)                  41.3 dB  0.983
 

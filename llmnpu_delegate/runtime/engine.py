@@ -40,30 +40,18 @@ from ..prepare import default_calibration, partition_step, plan_and_partition
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
 from .allocator import give_back, tune_malloc
 from .chunk_runner import ChunkRunner
+from .engine_config import EngineConfig
 from .executor import Workers
 from .prefix_cache import PrefixCache
 from .profile import Profile
 from .program import ChunkProgram, program_digest, same_subgraphs
 from .prompt import PrefillResult, chunk_feeds
-from .schedule import COST_POLICIES, assign_costs, check_policy, simulate
+from .schedule import COST_POLICIES, assign_costs, simulate
 
 log = logging.getLogger(__name__)
 
-TAIL_MIN = 16         # rows: a shorter tail program saves less than its build and graphs cost
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
-
-
-def check_tail(tail_len, chunk_len: int) -> int | None:
-    """The tail program's rows for ``Prefiller(tail_len=...)``, or None for no tail program."""
-    if tail_len == "auto":
-        return chunk_len // 4 if chunk_len // 4 >= TAIL_MIN else None
-    if tail_len is None or tail_len == 0:
-        return None
-    if isinstance(tail_len, bool) or not isinstance(tail_len, int) or not 0 < tail_len < chunk_len:
-        raise LlmNpuError(f"tail_len must be 'auto', None or an integer in 1..{chunk_len - 1} (below the chunk "
-                          f"length), got {tail_len!r}")
-    return tail_len
 
 
 class Prefiller(ChunkRunner):
@@ -96,28 +84,39 @@ class Prefiller(ChunkRunner):
                  norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
                  policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
                  prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto"):
+        self._prepare(model, EngineConfig(chunk_len, backend, quant, norms, policy, attention, tail_len),
+                      calibration, cache, workers, prefix_cache, progress)
+
+    @classmethod
+    def from_config(cls, model: LoadedModel | nn.Module, config: EngineConfig, calibration: Calibration | None = None,
+                    cache: GraphCache | None = None, workers: Workers | None = None,
+                    prefix_cache: PrefixCache | None = None, progress: bool = True) -> "Prefiller":
+        """The engine ``config`` describes; the other arguments as for the constructor."""
+        engine = cls.__new__(cls)
+        engine._prepare(model, config, calibration, cache, workers, prefix_cache, progress)
+        return engine
+
+    def _prepare(self, model, config: EngineConfig, calibration, cache, workers, prefix_cache, progress) -> None:
         lm = model if isinstance(model, LoadedModel) else None
         self.model = lm.model if lm else model
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
-        config = self.model.config
-        context = max_context(config)
-        if not isinstance(chunk_len, int) or not 0 < chunk_len <= context:
+        model_config = self.model.config
+        context = max_context(model_config)
+        chunk_len, norms = config.chunk_len, config.norms
+        if chunk_len > context:
             raise LlmNpuError(f"chunk length must be an integer in 1..{context} (the model's context), "
                               f"got {chunk_len!r}")
-        npu = backends.get(backend, engine=True)
-        check_policy(policy)
-        tail_len = check_tail(tail_len, chunk_len)
-        self.backend_name = backend
-        self.quant = resolve_quant(quant)
-        self.attention = resolve_precision(attention, self.quant is not None)
+        self.config = config
+        npu = backends.get(config.backend, engine=True)
+        self.backend_name, self.quant = config.backend, config.quant
+        self.attention = resolve_precision(config.attention, self.quant is not None)
         self.timings: dict[str, float] = {}
-        npu.check_norms(norms)       # before the slow steps
         tune_malloc()
 
         if self.quant is not None and calibration is None:
             calibration = default_calibration(lm, progress)
         self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
-        choose_host_pruning(model, calibration, self.quant, progress, attention)
+        choose_host_pruning(model, calibration, self.quant, progress, config.attention)
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, norms, progress, self.timings)
 
@@ -125,20 +124,21 @@ class Prefiller(ChunkRunner):
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
         self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
-        program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv_shape_of(config).layers, progress,
-                                     self.attention)
+        kv = kv_shape_of(model_config)
+        program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv.layers, progress, self.attention)
         self.timings["compile_s"] = time.perf_counter() - t
+        tail_len = config.tail_rows()
         tail = self._build_tail(program, tail_len, norms) if tail_len else None
-        super().__init__(program, kv_shape_of(config), context, config.vocab_size, policy, workers, tail,
+        super().__init__(program, kv, context, model_config.vocab_size, config.policy, workers, tail,
                          prefix_cache=prefix_cache)
         if self.plans is not None:
             # Compile the activation quantizer (its torch form, used without the native kernels)
             # here, not inside the first timed task.
             with torch.inference_mode():
-                K.quantize_u8(torch.zeros(chunk_len, config.hidden_size), 1.0)
+                K.quantize_u8(torch.zeros(chunk_len, model_config.hidden_size), 1.0)
         self.profile = Profile.load(self._profile_path(), self.program)
         self.kv_key = self._kv_key()
-        self._warm_up(profile=policy in COST_POLICIES and self.profile is None)
+        self._warm_up(profile=config.policy in COST_POLICIES and self.profile is None)
 
     def _warm_up(self, profile: bool) -> None:
         """Run a prompt in order before any real one: kernels make their first-call setup here (it
@@ -246,15 +246,14 @@ class Prefiller(ChunkRunner):
     def _kv_key(self) -> str:
         """What a prompt's K/V depend on: an entry of the prefix cache made under another key (model,
         quantization plan, program, attention precision) is never used here."""
-        return "prefill:" + entry_key({"kv": 1, "backend": self.backend_name, "model": self.fingerprint,
-                                       "chunk_len": self.chunk_len, "plan": self._plan_fields(),
-                                       "quant": repr(self.quant), "program": program_digest(self.program),
+        return "prefill:" + entry_key({"kv": 2, "engine": self.config.outputs_key(), "model": self.fingerprint,
+                                       "plan": self._plan_fields(), "program": program_digest(self.program),
                                        "tail": program_digest(self.tail) if self.tail else None,
                                        "attention": self.attention})
 
     def _profile_path(self):
-        key = entry_key({"profile": 3, "backend": self.backend_name, "model": self.fingerprint,
-                         "chunk_len": self.chunk_len, "plan": self._plan_fields(),
+        key = entry_key({"profile": 4, "engine": self.config.outputs_key(), "model": self.fingerprint,
+                         "plan": self._plan_fields(),
                          "threads": self.executor.workers.threads,
                          "program": program_digest(self.program), "kernels": native_ops.library_digest(),
                          "int8_kernel": int8_path.current(), "attention": self.attention})

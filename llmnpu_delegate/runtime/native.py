@@ -14,6 +14,7 @@ from typing import Callable
 
 from .. import backends
 from ..errors import LlmNpuError
+from .sampling import GREEDY, Sampling
 
 BINARY = "llmnpu-runner"
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "runner" / "build" / BINARY
@@ -47,19 +48,14 @@ class NativeRun:
 
 
 def run_native(pte: str | Path, ids: list[int], meta: dict, max_new_tokens: int, policy: str = "ooo",
-               temperature: float | None = None, top_p: float = 1.0, seed: int | None = None,
-               trace: str | Path | None = None, logits_out: str | Path | None = None,
+               sampling: Sampling = GREEDY, trace: str | Path | None = None, logits_out: str | Path | None = None,
                on_token: Callable[[int], None] | None = None, binary: Path | list[str] | None = None,
                extra: list[str] | None = None) -> NativeRun:
     """Generate with ``llmnpu-runner``; raises ``LlmNpuError`` with the binary's own one-line message.
     ``binary``: another build, or a command that runs one (another architecture's under an emulator)."""
     start = binary if isinstance(binary, list) else [str(binary or find_runner())]
     cmd = [*start, "--pte", str(pte), "--prompt-ids", "-", "--max-new-tokens", str(max_new_tokens), "--policy",
-           policy, "--json"]
-    if temperature is not None:
-        cmd += ["--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
-    if seed is not None:
-        cmd += ["--seed", str(seed)]
+           policy, "--json", *sampling.native_args()]
     if trace is not None:
         cmd += ["--trace", str(trace)]
     if logits_out is not None:
@@ -111,14 +107,9 @@ class NativeSession:
     """One ``llmnpu-runner --serve`` process for a conversation: it keeps the last prompt's K/V, so
     a prompt that starts like the last one prefills only the rest (``cached_tokens`` in its summary)."""
 
-    def __init__(self, pte: str | Path, meta: dict, policy: str = "ooo", temperature: float | None = None,
-                 top_p: float = 1.0, seed: int | None = None, binary: Path | None = None,
-                 extra: list[str] | None = None):
-        cmd = [str(binary or find_runner()), "--pte", str(pte), "--serve", "--policy", policy]
-        if temperature is not None:
-            cmd += ["--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
-        if seed is not None:
-            cmd += ["--seed", str(seed)]
+    def __init__(self, pte: str | Path, meta: dict, policy: str = "ooo", sampling: Sampling = GREEDY,
+                 binary: Path | None = None, extra: list[str] | None = None):
+        cmd = [str(binary or find_runner()), "--pte", str(pte), "--serve", "--policy", policy, *sampling.native_args()]
         self._log = tempfile.TemporaryFile("w+")      # stderr to a file (see run_native)
         self.proc = subprocess.Popen(cmd + (extra or []), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=runner_env(meta))

@@ -7,7 +7,7 @@ them with the sidecar's profile, exactly as it schedules our engine's subgraphs.
 computes its hot channels' product; when a cold channel crossed its threshold (the method's
 ``hits``), the runner adds that channel's product with rows read from the cold rows file.
 
-Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode.py``
+Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode_method.py``
 says why), filled once from the prefill; each step writes the new token's K/V in place.
 
 No model, weights or calibration are loaded from anywhere else.
@@ -25,8 +25,8 @@ from torch import Tensor
 from .. import backends
 from ..chunk_step import KVShape
 from ..errors import LlmNpuError
-from ..format.kv import empty_cache, fill_cache, write_slot
-from ..format.regions import FineOutput, RegionSpec
+from ..format.kv import KVCache, empty_cache, write_prefill, write_slot
+from ..format.npu_io import FineOutput, RegionSpec
 from ..format.rows import ColdRows
 from ..format.sidecar import load_sidecar
 from ..partitioner.regions import Subgraph
@@ -35,8 +35,9 @@ from .chunk_runner import ChunkRunner
 from .executor import Workers
 from .prefix_cache import PrefixCache
 from .profile import Profile
+from .rates import decode_rate
 from .program import ChunkProgram, Step
-from .sampling import check_sampling, next_token
+from .sampling import GREEDY, Sampling
 from .schedule import PROCESSORS, check_policy
 
 
@@ -85,15 +86,6 @@ def _cpu_call(method, entry: dict, cold: ColdRows):
 
 
 @dataclass
-class KVCache:
-    """The decode method's static cache: per layer K [1, KVH, d, T] (transposed) and V [1, KVH, T, d];
-    ``length`` slots are filled."""
-    k: list[Tensor]
-    v: list[Tensor]
-    length: int = 0
-
-
-@dataclass
 class Generation:
     tokens: list[int]
     prompt_tokens: int
@@ -108,7 +100,7 @@ class Generation:
 
     @property
     def decode_tok_s(self) -> float | None:
-        return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else None
+        return decode_rate(len(self.tokens), self.decode_s)
 
 
 class PteRunner(ChunkRunner):
@@ -169,7 +161,7 @@ class PteRunner(ChunkRunner):
     def start_decode(self, prefill) -> KVCache:
         """The decode cache, filled with a prefill's K/V (``PrefillResult``)."""
         k, v = empty_cache(self.kv, self.context)
-        return KVCache(k, v, fill_cache(k, v, prefill.past_k, prefill.past_v))
+        return KVCache(k, v, write_prefill(k, v, prefill.past_k, prefill.past_v))
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, token: int) -> Tensor:
@@ -184,11 +176,9 @@ class PteRunner(ChunkRunner):
         cache.length = pos + 1
         return outs[0].reshape(-1)
 
-    def generate(self, input_ids, max_new_tokens: int, temperature: float | None = None, top_p: float = 1.0,
-                 seed: int | None = None, eos_ids=(), on_token: Callable[[int], None] | None = None,
-                 policy: str | None = None) -> Generation:
+    def generate(self, input_ids, max_new_tokens: int, sampling: Sampling = GREEDY, eos_ids=(),
+                 on_token: Callable[[int], None] | None = None, policy: str | None = None) -> Generation:
         """Prefill ``input_ids``, then decode up to ``max_new_tokens`` (stopping after an ``eos_ids`` token)."""
-        check_sampling(temperature, top_p)
         if max_new_tokens < 1:
             raise LlmNpuError(f"max new tokens must be at least 1, got {max_new_tokens}")
         ids = self.check_prompt(input_ids)
@@ -197,19 +187,19 @@ class PteRunner(ChunkRunner):
             raise LlmNpuError(f"prompt of {ids.numel()} tokens + {max_new_tokens} new ones needs "
                               f"{ids.numel() + max_new_tokens - 1} K/V slots, past the program's context of "
                               f"{self.context}: generate fewer tokens or export with a larger --context")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = sampling.generator()
         fetched = self.cold.fetched
         start = time.perf_counter()
         pre = self.prefill_checked(ids, policy)
         prefill_s = time.perf_counter() - start
-        token = next_token(pre.logits, temperature, top_p, gen)
+        token = sampling.next_token(pre.logits, gen)
         first = time.perf_counter()
         tokens, last = [token], first
         if on_token:
             on_token(token)
         cache = self.start_decode(pre)
         while len(tokens) < max_new_tokens and token not in eos_ids:
-            token = next_token(self.decode(cache, token), temperature, top_p, gen)
+            token = sampling.next_token(self.decode(cache, token), gen)
             tokens.append(token)
             last = time.perf_counter()
             if on_token:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import LlmNpuError
-from ..format.regions import part_channels
+from ..format.npu_io import part_channels
 from ..kernels import QMAX
 from ..quantize.sqnr import sqnr_db  # noqa: F401  (the benchmarks and tests take it from here too)
 from .pte_runner import PteRunner

@@ -1,4 +1,4 @@
-// The program's shadow-branch operators (lower/shadow.py builds the graph around them):
+// The program's shadow-branch operators (lower/shadow_branches.py builds the graph around them):
 //
 //   llmnpu::shadow_hits.out(Tensor x, float clip, *, Tensor(a!) out) -> Tensor(a!)
 //     out[k] = max over rows of |x - clamp(x, -clip, clip)| in channel k: > 0 exactly where a value

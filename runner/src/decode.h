@@ -1,4 +1,4 @@
-// Decode: the program's decode method on a static K/V cache the runner owns (lower/decode.py says
+// Decode: the program's decode method on a static K/V cache the runner owns (lower/decode_method.py says
 // why): per layer K [1, KVH, d, context] (transposed) and V [1, KVH, context, d], filled once from
 // the prefill; each step writes the new token's K/V into its slot.
 #pragma once

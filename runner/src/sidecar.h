@@ -28,7 +28,7 @@ struct Subgraph {
   std::vector<ShadowBranch> shadow;
 };
 
-// A second, finer 8-bit encoding of one part of a linear's output (format/regions.py FineOutput):
+// A second, finer 8-bit encoding of one part of a linear's output (format/npu_io.py FineOutput):
 // the method returns that part twice; the fine value wins where it lies inside its range.
 struct FineOutput {
   int part = 0;                 // 0: the main output; j: the j-th split channel group

@@ -1,10 +1,10 @@
-// llmnpu_native.DecodeStep: the INT8 decode step of runtime/decode.py (Int8Decoder) as one C++ call.
+// llmnpu_native.DecodeStep: the INT8 decode step of runtime/hf_decoder.py (Int8Decoder) as one C++ call.
 //
 // The step is ~45 small ops a layer on one token; from Python each costs a few microseconds of
 // binding and interpreter work on top of its arithmetic, ~40 % of the step. Here the same kernels
 // (int8_gemv.cpp's dynamic INT8 linear, torch's SDPA) run from C++, and the small work between them (the
 // norms, RoPE, the K/V row, the outlier rows, the gated activation) is plain loops.
-// runtime/decode.py's Python loop stays the reference (tests/test_decode.py).
+// runtime/hf_decoder.py's Python loop stays the reference (tests/test_decode.py).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -38,7 +38,7 @@ struct Linear {
   int64_t outliers = 0;
 
   // x [1, K] contiguous float: the `outliers` largest |x| go through their W^T rows, the rest through
-  // the INT8 GEMM with the token's own scale (runtime/decode.py _Linear, in loops instead of ops)
+  // the INT8 GEMM with the token's own scale (runtime/hf_decoder.py _Linear, in loops instead of ops)
   at::Tensor operator()(const at::Tensor& x) const {
     if (outliers == 0) return packed->forward(x);
     const int64_t K = x.size(1);

@@ -37,7 +37,7 @@ from ..errors import LlmNpuError
 from ..families import family_of
 from ..format.kv import empty_cache
 from ..partitioner.regions import linear_names
-from .table import half_table_lookups, quantize_dynamic
+from .embedding_head import half_table_lookups, quantize_dynamic
 from .xnnpack_forms import for_xnnpack, mark_as_rows
 
 MODES = ("int8", "fp32")
@@ -121,7 +121,7 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
     (dynamic activation scales need no statistics; the weights' scales come from the weights).
     ``hot_inputs``: per linear (model names), input channels that go through float rows in ``int8``
     mode (``quantize/decode_outliers.hot_inputs``: the program's outlier policy; ``split_hot_inputs``).
-    In ``int8`` mode the embedding lookup reads a float16 table and the head is INT8 (``table.py``).
+    In ``int8`` mode the embedding lookup reads a float16 table and the head is INT8 (``embedding_head.py``).
     ``padded``: linears (model names) whose INT8 weights get the zero columns of float-output NPU
     methods (``pad_linears``), so that both methods' weights are the same bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
@@ -143,7 +143,7 @@ def export_decode(model: nn.Module, kv, context: int, mode: str = "int8", calib_
             if missing := sorted(set(as_rows) - set(rows.values())):
                 raise LlmNpuError(f"decode: linears {missing[:3]} to store as rows are not in the step")
             mark_as_rows(rows)
-            half_table_lookups(gm)          # the table's only float copy is float16 (``table.py``)
+            half_table_lookups(gm)          # the table's only float copy is float16 (``embedding_head.py``)
             float_rows = split_hot_inputs(gm, hot_inputs or {})
             pad_linears(gm, list(padded))
             ids = calib_ids.reshape(-1)[:4] if calib_ids is not None else torch.zeros(1, dtype=torch.long)

@@ -20,18 +20,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .backends.graph_cache import GraphCache
-from .errors import LlmNpuError
-from .hf import LlmNpuForCausalLM
-from .kernels import int8_path
-from .models import SMOLLM2_GGUF, LoadedModel, smollm2_folder
-from .run import TokenClock
-from .runtime.allocator import tune_malloc, tuned
-from .runtime.engine import Prefiller
-from .runtime.executor import Workers
-from .runtime.schedule import POLICIES
-from .runtime.trace import metrics, step_label, write_timeline, write_trace
-from .text import read_text, tokenize
+from ..backends.graph_cache import GraphCache
+from ..errors import LlmNpuError
+from ..hf import LlmNpuForCausalLM
+from ..kernels import int8_path
+from ..models import DEFAULT_MODEL, SMOLLM2_GGUF, LoadedModel, smollm2_folder
+from ..generation import TokenClock
+from ..runtime.allocator import tune_malloc, tuned
+from ..runtime.engine import Prefiller
+from ..runtime.rates import token_rates
+from ..runtime.executor import Workers
+from ..runtime.schedule import POLICIES
+from ..runtime.trace import metrics, step_label, write_timeline, write_trace
+from ..text import read_text, tokenize
 
 
 def prompt_ids(lm: LoadedModel, length: int) -> torch.Tensor:
@@ -51,7 +52,7 @@ def _median(xs: list[float]) -> float:
 
 
 @contextmanager
-def _torch_threads(threads: int):
+def torch_threads(threads: int):
     """torch's intra-op thread count set to ``threads`` for a baseline, then restored."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -63,21 +64,21 @@ def _torch_threads(threads: int):
 
 @torch.inference_mode()
 def _hf_once(model, ids: torch.Tensor, threads: int) -> float:
-    with _torch_threads(threads):
+    with torch_threads(threads):
         t = time.perf_counter()
         model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
         return time.perf_counter() - t
 
 
-def _llamacpp(lm: LoadedModel):
+def llamacpp_model(lm: LoadedModel):
     """(llama.cpp's module, the model's GGUF loaded in it), or (None, why not)."""
-    if lm.spec != "smollm2-135m" and not lm.spec.endswith(".gguf"):
+    if lm.spec != DEFAULT_MODEL and not lm.spec.endswith(".gguf"):
         return None, "the model is not a GGUF file"
     try:
         from cyllama.llama import llama_cpp as cy
     except ImportError:
         return None, "cyllama is not installed (pip install -e '.[bench]')"
-    path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == "smollm2-135m" else Path(lm.spec)
+    path = smollm2_folder() / SMOLLM2_GGUF if lm.spec == DEFAULT_MODEL else Path(lm.spec)
     cy.disable_logging()
     cy.ggml_backend_load_all()
     return cy, cy.LlamaModel(str(path), cy.LlamaModelParams())
@@ -85,7 +86,7 @@ def _llamacpp(lm: LoadedModel):
 
 def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: int) -> tuple[float | None, str | None]:
     """(tokens/s of llama.cpp prompt processing of ``ids`` with ``threads`` threads, reason when unavailable)."""
-    cy, model = _llamacpp(lm)
+    cy, model = llamacpp_model(lm)
     if cy is None:
         return None, model
     tokens = [int(t) for t in ids]          # the very same token ids (same tokenizer, same GGUF)
@@ -206,18 +207,13 @@ def _timed_generate(generate, ids: torch.Tensor, new_tokens: int) -> dict:
     start = time.perf_counter()
     generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new_tokens,
              min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
-    return _clocked(start, clock.times)
-
-
-def _clocked(start: float, times: list[float]) -> dict:
-    decode_s = times[-1] - times[0]
-    return {"ttft_s": times[0] - start, "decode_tok_s": (len(times) - 1) / decode_s if decode_s > 0 else None}
+    return token_rates(start, clock.times)
 
 
 def llamacpp_generate(lm: LoadedModel, threads: int):
     """A function ``ids, new_tokens -> timings`` of llama.cpp greedy generation on the same GGUF, or
     (None, reason) when unavailable."""
-    cy, model = _llamacpp(lm)
+    cy, model = llamacpp_model(lm)
     if cy is None:
         return None, model
 
@@ -240,7 +236,7 @@ def llamacpp_generate(lm: LoadedModel, threads: int):
             token = sampler.sample(ctx, -1)
             times.append(time.perf_counter())
         del ctx
-        return _clocked(start, times)
+        return token_rates(start, times)
 
     return generate, None
 
@@ -264,7 +260,7 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
         del wrappers["int8"]          # a family the INT8 decoder does not cover: nothing to time
 
     def hf(ids, n):
-        with _torch_threads(threads), torch.inference_mode():
+        with torch_threads(threads), torch.inference_mode():
             return _timed_generate(lm.model.generate, ids, n)
 
     variants = {"hf_eager": hf}

@@ -22,16 +22,16 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .bench import _llamacpp, _torch_threads
-from .errors import LlmNpuError
-from .hf import LlmNpuForCausalLM
-from .kernels import int8_path
-from .models import LoadedModel
-from .run import TokenClock
-from .runtime.allocator import tune_malloc
-from .runtime.executor import Workers
-from .runtime.prefix_cache import PrefixCache
-from .text import read_text, tokenize
+from .speed import llamacpp_model, torch_threads
+from ..errors import LlmNpuError
+from ..hf import LlmNpuForCausalLM
+from ..kernels import int8_path
+from ..models import LoadedModel
+from ..generation import TokenClock
+from ..runtime.allocator import tune_malloc
+from ..runtime.executor import Workers
+from ..runtime.prefix_cache import PrefixCache
+from ..text import read_text, tokenize
 
 # form: (first prompt's fixed part, new tokens per later turn, answer tokens)
 FORMS = {"agent": (400, 300, 16), "chat": (400, 40, 16)}
@@ -79,7 +79,7 @@ def _wrapper_conversation(wrapper: LlmNpuForCausalLM, cached: bool):
 def _hf_conversation(model, threads: int):
     def converse(fixed, turns, answer):
         history, cache, ttft = fixed, DynamicCache(config=model.config), []
-        with _torch_threads(threads), torch.inference_mode():
+        with torch_threads(threads), torch.inference_mode():
             for new in turns:
                 history = torch.cat([history, new])
                 t, out = _ttft_generate(model.generate, history, answer, past_key_values=cache,
@@ -92,7 +92,7 @@ def _hf_conversation(model, threads: int):
 
 
 def _llamacpp_conversation(lm: LoadedModel, threads: int, context: int):
-    cy, model = _llamacpp(lm)
+    cy, model = llamacpp_model(lm)
     if cy is None:
         return None, model
 

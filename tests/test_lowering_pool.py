@@ -1,4 +1,4 @@
-"""``lower/workers.py``: forked lowering workers answer every job, in fresh processes per batch, and a
+"""``lower/lowering_pool.py``: forked lowering workers answer every job, in fresh processes per batch, and a
 worker that fails or dies stops the run with an error instead of a wait."""
 import collections
 import os
@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.lower.workers import JOBS_PER_WORKER, Claims, run_jobs
+from llmnpu_delegate.lower.lowering_pool import JOBS_PER_WORKER, Claims, run_jobs
 
 
 def _square(state, job):

@@ -7,7 +7,7 @@ static scale removed: ``x - clamp(x, -clip, clip)`` (the residue) times ``W``. T
   puts it into a whole exported model (``examples/export_pte.py``), and ``llmnpu export
   --shadow-branch dense`` keeps it as the reference form;
 - sparse (the paper's, and the ``.pte`` default), ``linear(residue[..., dense], W[:, dense])``:
-  only the channels with outliers in a large share of tokens (``quantize/shadow.dense_channels``), a
+  only the channels with outliers in a large share of tokens (``quantize/shadow_rows.dense_channels``), a
   small GEMM with static shapes, plus a per-channel flag of which channels crossed the threshold at
   all (``hits``; both passes over the input are operators of the program's own), so that the runner adds the scattered outliers of the other ("cold") channels one
   row per hit, rows it reads off disk, as our engine does.

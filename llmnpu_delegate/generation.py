@@ -11,11 +11,13 @@ from transformers import TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .errors import LlmNpuError
+from .format.sidecar import load_program_tokenizer, load_sidecar
 from .hf import LlmNpuForCausalLM
 from .kernels import int8_path
 from .runtime.native import run_native
-from .runtime.pte_runner import PteRunner, load_sidecar
-from .runtime.sampling import check_sampling
+from .runtime.pte_runner import PteRunner
+from .runtime.rates import token_rates
+from .runtime.sampling import GREEDY, Sampling
 from .runtime.trace import read_trace, write_timeline, write_trace
 
 
@@ -65,8 +67,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         sys.stdout.flush()
     new = out[0, ids.shape[1]:]
     pre = wrapper.last_prefill
-    times = clock.times
-    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    rates = token_rates(start, clock.times)
     summary = {
         "model": wrapper.loaded.spec,
         "backend": wrapper.engine.backend_name, "machine": int8_path.describe(),
@@ -77,10 +78,10 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "new_tokens": int(new.numel()),
         "chunks": pre["chunks"],
         "rows": pre["rows"],
-        "ttft_s": round(times[0] - start, 4) if times else None,
+        "ttft_s": round(rates["ttft_s"], 4) if rates["ttft_s"] is not None else None,
         "prefill_s": round(pre["prefill_s"], 4),
         "prefill_tok_s": round(pre["tokens"] / pre["prefill_s"], 1),
-        "decode_tok_s": round((len(times) - 1) / decode_s, 1) if decode_s > 0 else None,
+        "decode_tok_s": round(rates["decode_tok_s"], 1) if rates["decode_tok_s"] else None,
         "outlier_share": round(pre["outlier_share"], 6),
         "decode_mode": "INT8, CPU" if wrapper.decode_mode == "int8" else "float (Hugging Face forward), CPU",
         "policy": wrapper.engine.last_run.policy if wrapper.engine.last_run else None,
@@ -97,29 +98,14 @@ def write_prefill_trace(summary: dict, stats, trace_dir: str, title: str) -> Non
     summary["timeline"] = str(write_timeline(stats, Path(trace_dir) / "prefill.png", title))
 
 
-def load_program_tokenizer(meta: dict, pte: Path):
-    """The tokenizer written beside an exported program (``llmnpu export``); ``meta``: its sidecar."""
-    from transformers import AutoTokenizer
-
-    tok = meta.get("tokenizer")
-    if not tok:
-        raise LlmNpuError(f"{pte.name} was exported without a tokenizer (its model has none): "
-                          "export a model that has one")
-    folder = pte.parent / tok["folder"]
-    if not folder.is_dir():
-        raise LlmNpuError(f"{pte.name}'s tokenizer folder {tok['folder']} is missing: copy it with the .pte")
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool = False, stream: bool = True,
-            temperature: float | None = None, top_p: float = 1.0, seed: int | None = None, policy: str = "ooo",
+            sampling: Sampling = GREEDY, policy: str = "ooo",
             native: bool = False, trace_dir: str | None = None) -> dict:
     """Generate from ``prompt`` with an exported program alone: the Python reference runner
     (``PteRunner``) or, with ``native``, the C++ one (``llmnpu-runner``); the same summary as ``run``."""
     pte = Path(pte)
     runner = None if native else PteRunner(pte, policy=policy)     # checks the program and its files
     meta = runner.meta if runner else load_sidecar(pte)
-    check_sampling(temperature, top_p)
     tok = load_program_tokenizer(meta, pte)
     ids = prompt_ids(tok, pte.name, prompt, chat)[0]
     printer = TextStreamer(tok, skip_special_tokens=True) if stream else None
@@ -128,11 +114,11 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
         trace = Path(trace_dir) / "prefill.trace.json" if trace_dir is not None else None
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
-        out = run_native(pte, ids.tolist(), meta, max_new_tokens, policy, temperature, top_p, seed, trace,
+        out = run_native(pte, ids.tolist(), meta, max_new_tokens, policy, sampling, trace,
                          on_token=on_token).summary
         engine = "native runner"
     else:
-        g = runner.generate(ids, max_new_tokens, temperature, top_p, seed, meta["tokenizer"]["eos_ids"], on_token)
+        g = runner.generate(ids, max_new_tokens, sampling, meta["tokenizer"]["eos_ids"], on_token)
         out = {"tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "chunks": g.chunks, "ttft_s": g.ttft_s,
                "prefill_s": g.prefill_s, "decode_tok_s": g.decode_tok_s, "cold_rows": g.cold_rows,
                "policy": g.policy, "stopped": g.stopped}

@@ -20,6 +20,7 @@ from transformers import TextStreamer
 
 from .errors import LlmNpuError
 from .paths import atomic_path
+from .runtime.sampling import GREEDY, Sampling
 
 SAVE_FORMAT = "llmnpu-chat"
 COMMANDS = {"/reset": "forget the conversation (cached K/V stay, so a new one with the same start reuses it)",
@@ -53,7 +54,7 @@ class WrapperResponder:
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
 
     def reply(self, ids: torch.Tensor, on_token: Callable[[int], None] | None) -> Reply:
-        from .run import TokenClock
+        from .generation import TokenClock
 
         clock = TokenClock(_Forward(on_token) if on_token else None)
         start = time.perf_counter()
@@ -89,19 +90,18 @@ class _Forward:
 class PteResponder:
     """Turns answered by an exported program on the Python reference runner (its prefix cache on)."""
 
-    def __init__(self, runner, tokenizer, max_new_tokens: int, temperature: float | None, top_p: float,
-                 seed: int | None):
+    def __init__(self, runner, tokenizer, max_new_tokens: int, sampling: Sampling = GREEDY):
         if runner.prefix_cache is None:
             raise LlmNpuError("a chat needs the runner's prefix cache: build PteRunner with prefix_cache=...")
         self.runner, self.tokenizer = runner, tokenizer
-        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.max_new_tokens, self.sampling = max_new_tokens, sampling
 
     def reply(self, ids: torch.Tensor, on_token: Callable[[int], None] | None) -> Reply:
         room = self.runner.context - ids.numel() + 1
         if room < 1:
             raise LlmNpuError(f"the conversation has {ids.numel()} tokens, the program's context is "
                               f"{self.runner.context}: /reset, or export with a larger --context")
-        g = self.runner.generate(ids, min(self.max_new_tokens, room), self.temperature, self.top_p, self.seed,
+        g = self.runner.generate(ids, min(self.max_new_tokens, room), self.sampling,
                                  self.runner.meta["tokenizer"]["eos_ids"], on_token)
         return Reply(self.tokenizer.decode(g.tokens, skip_special_tokens=True), g.tokens, g.prompt_tokens,
                      g.cached_tokens, g.ttft_s, g.decode_tok_s)

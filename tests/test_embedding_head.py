@@ -1,10 +1,10 @@
-"""How a program stores the embedding table and the LM head (``lower/table.py``): float16 lookups and
+"""How a program stores the embedding table and the LM head (``lower/embedding_head.py``): float16 lookups and
 the decode's dynamic INT8 head, each checked against a direct computation."""
 import torch
 from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 from torch import nn
 
-from llmnpu_delegate.lower.table import half_table_lookups, quantize_dynamic
+from llmnpu_delegate.lower.embedding_head import half_table_lookups, quantize_dynamic
 
 VOCAB, HIDDEN = 300, 64
 
@@ -107,7 +107,7 @@ def test_weights_folded_one_at_a_time_are_torchaos_fold():
     )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from llmnpu_delegate.lower.table import fold_weight_quantization
+    from llmnpu_delegate.lower.embedding_head import fold_weight_quantization
 
     def prepared():
         gm, ids = _module(Tied(tie=False))

@@ -1,4 +1,4 @@
-"""lower/export_shortcuts.py: torch.export's composite-operator table cached per set of registrations;
+"""lower/lowering_shortcuts.py: torch.export's composite-operator table cached per set of registrations;
 provenance records shared, not copied, while lowering."""
 import copy
 
@@ -9,8 +9,8 @@ import torch.export.exported_program as exported_program
 from torch._export import utils as export_utils
 from torch.fx.traceback import NodeSource
 
-from llmnpu_delegate.lower import export_shortcuts
-from llmnpu_delegate.lower.export_shortcuts import (cached_cia_ops, direct_kernel_registration,
+from llmnpu_delegate.lower import lowering_shortcuts as shortcuts
+from llmnpu_delegate.lower.lowering_shortcuts import (cached_cia_ops, direct_kernel_registration,
                                                     frames_without_sources, lowering_shortcuts, shared_provenance)
 
 
@@ -24,7 +24,7 @@ def test_cached_table_is_torchs_and_sees_a_new_registration(monkeypatch):
 
     for module in (exported_program, torch.export.decomp_utils):
         monkeypatch.setattr(module, "_collect_all_valid_cia_ops", counted)
-    monkeypatch.setattr(export_shortcuts, "_CIA_ANSWERS", {})
+    monkeypatch.setattr(shortcuts, "_CIA_ANSWERS", {})
     with cached_cia_ops():
         first = exported_program._collect_all_valid_cia_ops()
         again = torch.export.decomp_utils._collect_all_valid_cia_ops()
