@@ -27,7 +27,7 @@ demo: install data runner kernels
 	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
 test: install data runner kernels $(RUNNER_ASAN) $(RUNNER_ARM64)
-	$(BIN)/python -m pytest -q -ra
+	LLMNPU_FULL_SUITE=1 $(BIN)/python -m pytest -q -ra
 
 # An AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake), on any x86 machine: our CPU detection told
 # so (LLMNPU_CPU_ISA), the native kernels built without AVX-512, our INT8 kernel forced to its AVX2
@@ -38,7 +38,7 @@ AVX2_ENV    = LLMNPU_CPU_ISA=avx2 LLMNPU_KERNELS=$(CURDIR)/$(KERNELS_AVX2) LLMNP
               FBGEMM_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 test-avx2: install data runner kernels $(KERNELS_AVX2) $(RUNNER_ASAN)
-	$(AVX2_ENV) $(BIN)/python -m pytest -q -ra $(AVX2_TESTS)
+	LLMNPU_FULL_SUITE=1 $(AVX2_ENV) $(BIN)/python -m pytest -q -ra $(AVX2_TESTS)
 
 runner: $(RUNNER)
 

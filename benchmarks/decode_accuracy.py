@@ -23,7 +23,7 @@ import torch
 
 from llmnpu_delegate import kernels as K, load_model
 from llmnpu_delegate.families import family_of
-from llmnpu_delegate.hf import fill_cache
+from llmnpu_delegate.hf import extend_hf_cache
 from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import QuantConfig, quantize_weight
 from llmnpu_delegate.quantize.decode_outliers import outlier_linears
@@ -167,13 +167,13 @@ with torch.inference_mode():
         past_v = [layer.values for layer in out.past_key_values.layers]
         ref = model(ids[:, 200:], past_key_values=out.past_key_values).logits[0]
 
-        class Prefill:   # what fill_cache reads
+        class Prefill:   # what extend_hf_cache reads
             pass
         pre = Prefill()
         pre.past_k, pre.past_v = past_k, past_v
         for k, dec in decoders.items():
             cache = DecodeCache(model.config, 310)
-            fill_cache(cache, pre)
+            extend_hf_cache(cache, pre)
             rows = []
             for i in range(100):
                 t = time.perf_counter()

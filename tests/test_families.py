@@ -128,8 +128,10 @@ def test_qwen3_program_prefills_like_the_engine_in_both_runners(qwen3_program, t
     ids = torch.randint(0, 1000, (2 * CHUNK + 3,), generator=torch.Generator().manual_seed(5))
     runner = PteRunner(pte)
     ours, want = runner(ids), engine(ids)
-    # the .pte's NPU methods requantize their outputs to 8 bits: close to the engine, not equal
-    assert sqnr_db(ours.logits, want.logits) > 18
+    # a cpu-int8 program's NPU methods give float outputs, as the engine's do; the difference is the
+    # program's LM head, XNNPACK's dynamic INT8 linear under the INT8 decode (the engine's is float):
+    # measured 37.6 dB (Zen 4). A float head program reaches >130 dB (test_export.py)
+    assert sqnr_db(ours.logits, want.logits) > 30
     assert sqnr_db(ours.logits, want.logits) > sqnr_db(torch.randn_like(want.logits) * want.logits.std(),
                                                        want.logits) + 15
     gen = runner.generate(ids, 6)
@@ -137,7 +139,7 @@ def test_qwen3_program_prefills_like_the_engine_in_both_runners(qwen3_program, t
     assert native.tokens == gen.tokens
     ref = ours.logits.numpy()
     logits = np.fromfile(tmp_path / "l.bin", dtype="<f4")[:ref.size]      # the prompt's row; decode's follow
-    assert np.abs(logits - ref).max() <= 4 * np.spacing(np.abs(ref).max())
+    assert np.array_equal(logits, ref)        # the same methods in both runners: the same bits (measured)
 
 
 def test_qwen3_simulates_on_a_phone_from_its_shapes():

@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+from conftest import missing
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
@@ -45,7 +46,7 @@ def test_rope_is_hf_apply_rotary_pos_emb_bit_for_bit(rope, heads, kv_heads, chun
 
 def test_rope_refuses_what_it_cannot_rotate():
     if not native_ops.native_available():
-        pytest.skip("native kernels not built")
+        pytest.skip(missing("the native kernels (make kernels)"))
     x, cos = torch.randn(1, 2, 4, 8), torch.randn(1, 4, 8)
     with pytest.raises(RuntimeError, match="one \\[d\\] row per position"):
         torch.ops.llmnpu_native.rope(x, cos[:, :3], cos[:, :3], None)
@@ -61,8 +62,10 @@ def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
     three-chunk prompt. Attention subgraphs: same bits out (the bf16 swaps go into both, so only
     the rewrites differ), the rope op in place of the chains it replaced. Norm subgraphs: the
     residual adds inside the fused norm, outputs equal to fp32 rounding."""
+    if attention == "bf16" and not native_ops.native_available():
+        pytest.skip(missing("the native kernels (make kernels)"))
     if attention == "bf16" and not native_ops.bf16_attention_available():
-        pytest.skip("this CPU or build has no bf16 attention kernel")
+        pytest.skip("this CPU has no AVX-512 BF16: no bf16 attention kernel")
     lm = load_model("random:tiny-llama")
     engine = Prefiller(lm, 16, quant=None, cache=GraphCache(), progress=False, attention=attention)
     by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}

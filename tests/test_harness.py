@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import missing
 
-pytest.importorskip("lm_eval")
+pytest.importorskip("lm_eval", reason=missing("lm-eval (the eval extra)"))
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from llmnpu_delegate.cli import main as cli_main  # noqa: E402
@@ -200,3 +201,33 @@ def test_generation_is_the_float_models_own_in_fp32_mode(smollm2):
         assert text == tok.decode(want, skip_special_tokens=True).split(".")[0] and text
     with pytest.raises(LlmNpuError, match="greedily"):
         adapter.generate_until(_requests("generate_until", [(prompts[0], {"do_sample": True})]), disable_tqdm=True)
+
+
+def test_the_lm_eval_command_line_scores_a_quantized_mode_as_the_adapter_does(user_task, smollm2, tmp_path):
+    """``llmnpu-lm-eval --model_args quant=w8a8``: each sample's log-likelihood, as lm_eval logged it,
+    is the adapter's own in that mode, and not the float model's (a door that ignored ``quant=`` would
+    give those)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder, _ = user_task
+    exe = Path(sys.executable).with_name("llmnpu-lm-eval")
+    run = subprocess.run([str(exe), "--model", "llmnpu", "--model_args", "quant=w8a8", "--tasks", "my_cloze",
+                          "--include_path", str(folder), "--log_samples", "--output_path", str(tmp_path)],
+                         capture_output=True, text=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (log,) = glob.glob(str(tmp_path / "**" / "samples_my_cloze_*.jsonl"), recursive=True)
+    logged = {}
+    for line in Path(log).read_text().splitlines():
+        s = json.loads(line)
+        logged[s["doc"]["q"]] = float(s["filtered_resps"][0][0])
+    requests = _requests("loglikelihood", [(d["q"], d["a"]) for d in DOCS])
+    ours = [ll for ll, _ in LlmNpuLM(smollm2, quant="w8a8").loglikelihood(requests, disable_tqdm=True)]
+    floats = [ll for ll, _ in LlmNpuLM(smollm2, quant="fp32").loglikelihood(requests, disable_tqdm=True)]
+    got = [logged[d["q"]] for d in DOCS]
+    assert got == pytest.approx(ours, abs=1e-5)
+    # what quantization changes is far larger than that (measured below)
+    assert max(abs(a - b) for a, b in zip(ours, floats)) > 1e-2, (ours, floats)

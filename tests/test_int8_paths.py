@@ -5,10 +5,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
-from conftest import vpmaddubsw_model
+from conftest import missing, vpmaddubsw_model
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
@@ -71,11 +72,19 @@ def test_isa_classes_and_decode_exactness_of_the_table():
 
 
 def _runnable_paths():
+    """Every INT8 path, those this machine cannot run as named skips (a list that shrank with the CPU
+    would hide what was not tested)."""
     cpu = int8_path.detect()
-    paths = [p for p in int8_path.PATHS if exact_on(p, cpu)]
-    if not native_available():
-        paths = [p for p in paths if p not in int8_path.NATIVE_PATHS]
-    return [p for p in paths if p != "onednn" or int8_path._onednn_available()]
+
+    def why_not(p):
+        if not exact_on(p, cpu):
+            return f"{p} is not exact (or not available) on this CPU ({int8_path.isa_class(cpu)})"
+        if p in int8_path.NATIVE_PATHS and not native_available():
+            return missing("the native kernels (make kernels)")
+        if p == "onednn" and not int8_path._onednn_available():
+            return "this torch build has no oneDNN"
+        return None
+    return [pytest.param(p, marks=pytest.mark.skip(reason=why_not(p))) if why_not(p) else p for p in int8_path.PATHS]
 
 
 def _accumulate(path, x_q, w_q):
@@ -209,9 +218,13 @@ def test_fbgemm_capped_at_avx2_saturates_unless_range_is_reduced():
 
 
 def _decode_paths():
-    if not native_available():
-        return []
-    return [p for p in int8_path.DECODE_PATHS if torch.ops.llmnpu_native.int8_gemv_supported(p)]
+    """Every decode path, those this machine cannot run as named skips."""
+    def why_not(p):
+        if not native_available():
+            return missing("the native kernels (make kernels)")
+        return None if torch.ops.llmnpu_native.int8_gemv_supported(p) else f"this CPU cannot run the {p} decode kernel"
+    return [pytest.param(p, marks=pytest.mark.skip(reason=why_not(p))) if why_not(p) else p
+            for p in int8_path.DECODE_PATHS]
 
 
 def _u8_extremes(m, k, n):
@@ -254,7 +267,7 @@ def test_every_decode_path_is_the_reference_to_the_bit(path):
     assert (got - torch.nn.functional.linear(x, w, b)).abs().max() > 1e-3
 
 
-@pytest.mark.skipif(not native_available(), reason="needs the native kernels (make kernels)")
+@pytest.mark.skipif(not native_available(), reason=missing("the native kernels (make kernels)"))
 def test_decode_gemv_refuses_bad_input():
     with pytest.raises(RuntimeError, match="unknown path 'sse'"):
         torch.classes.llmnpu_native.Int8Gemv(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), None, "sse")
@@ -288,7 +301,7 @@ def test_a_build_for_another_cpu_is_refused(tmp_path):
     assert missing_build_features(lib) == []
 
 
-@pytest.mark.skipif(not native_available(), reason="needs the native kernels (make kernels)")
+@pytest.mark.skipif(not native_available(), reason=missing("the native kernels (make kernels)"))
 def test_this_build_runs_here():
     from llmnpu_delegate.kernels.native_ops import _library_path
     assert missing_build_features(_library_path()) == []
@@ -321,7 +334,7 @@ def test_info_reports_the_kernel_the_emulated_cpu_gets():
     assert r["onednn_exact_here"] is False and r["native_kernels"] is None
 
 
-@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+@pytest.mark.skipif(not native_available(), reason=missing("the native kernels (make kernels)"))
 @pytest.mark.parametrize("path", [p for p in int8_path.NATIVE_PATHS if p in _runnable_paths()])
 def test_a_waiting_helper_shares_the_gemm_and_changes_no_bit(path):
     """The prefill's idle CPU worker runs pieces of the NPU lane's GEMM while it waits
@@ -350,9 +363,10 @@ def test_a_waiting_helper_shares_the_gemm_and_changes_no_bit(path):
     thread.start()
     try:
         ready.wait()
-        for _ in range(200):          # the helper may need a moment to start spinning
-            if native_ops.pieces_helped() > before:
-                break
+        # the helper may need a moment to start spinning, long on a loaded machine: GEMMs until it has
+        # taken a piece (a liveness bound of a minute, not a speed check)
+        deadline = time.monotonic() + 60
+        while native_ops.pieces_helped() == before and time.monotonic() < deadline:
             acc = torch.ops.llmnpu_native.int8_gemm(x_q, 1.0, packed, n, None, None, path)
             assert torch.equal(acc.long(), exact)
         for _ in range(3):

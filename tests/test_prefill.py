@@ -136,7 +136,9 @@ def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
         quant_engines, untailed_engines, length, past, rows):
     """A last part of at most 8 tokens runs as 8 rows on the tail program (its steps are called:
     counted), a longer one as a padded chunk; against an engine without a tail, on the same
-    prompt and past: quantized, within a tenth of the quantization effect (measured: equal)."""
+    prompt and past: the same numbers to float rounding (measured: bit-equal on a Zen 4; the INT8
+    sums are exact, and only a float kernel's blocking may differ with the rows), where the
+    quantization effect is ~3e-2."""
     tailed = quant_engines[24]
     padded, floating = untailed_engines
     ids = torch.randint(0, 1000, (past + length,), generator=torch.Generator().manual_seed(length))
@@ -154,9 +156,9 @@ def test_a_short_last_part_runs_on_the_tail_program_as_the_padded_chunk_would(
     assert [got.rows, want.rows] == [sum(rows), 24 * len(rows)]
     assert len(calls) == (rows[-1] == 8)
     float_ref = floating(ids[past:], past=kv)
-    assert_within_quant_effect(got.logits, want.logits, float_ref.logits)
-    for a, b, f in zip(got.past_k + got.past_v, want.past_k + want.past_v, float_ref.past_k + float_ref.past_v):
-        assert_within_quant_effect(a, b, f)
+    assert_within_quant_effect(got.logits, want.logits, float_ref.logits)      # and far inside it:
+    for a, b in zip([got.logits, *got.past_k, *got.past_v], [want.logits, *want.past_k, *want.past_v]):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
     assert got.tokens == want.tokens == past + length
 
 

@@ -1,4 +1,5 @@
 """The QNN delegate on this host: SDK folder and shim, our encodings, HTP simulator parity with cpu-int8."""
+import json
 import shutil
 import subprocess
 import sys
@@ -6,12 +7,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import missing
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.qnn import sdk as qsdk
 
 pytestmark = pytest.mark.skipif(qsdk.importlib.util.find_spec("onnxruntime_qnn") is None,
-                                reason="needs the qnn extra (pip install -e '.[qnn]')")
+                                reason=missing("the qnn extra (pip install -e '.[qnn]')"))
 
 
 def test_sdk_folder_and_shim_from_a_clean_cache(tmp_path, monkeypatch):
@@ -100,6 +102,18 @@ def test_encodings_are_ours(engine):
         assert torch.allclose(getattr(graph, node.args[1].target).float(), w_scale, rtol=1e-6, atol=0)
 
 
+def test_the_qnn_quantizer_leaves_onednn_as_it_was():
+    """ExecuTorch's Qualcomm quantizer turns oneDNN off process-wide on AMD hosts; ours puts it back
+    (the engine's bf16 attention runs on oneDNN's brgemm). On another vendor's CPU nothing changes
+    either way."""
+    from llmnpu_delegate import backends
+    from llmnpu_delegate.lower.encodings import LlmNpuQuantizer
+
+    assert torch.backends.mkldnn.enabled
+    backends.get("qnn").quantizer(LlmNpuQuantizer({}))
+    assert torch.backends.mkldnn.enabled
+
+
 def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     """`export --backend qnn` of the tiny model: every NPU method (an HTP context binary with our
     encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""
@@ -146,6 +160,43 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     ref = runner(ids[:40]).logits.numpy()
     logits = np.fromfile(tmp_path / "l.bin", dtype="<f4")[:ref.size]      # the prompt's row; decode's follow
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-6)
+
+
+def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engine, tmp_path, monkeypatch):
+    """The second, finer encodings (uint8 with a zero point in the program, as QNN takes them) on
+    Qualcomm's simulator:
+    forced on every NPU output of the tiny model, each merged output is at least as close to the
+    engine's float output as the one coarse encoding's, and closer where the fine range is narrower
+    than the coarse one; a program without them is the control."""
+    from test_export import CHUNK
+
+    from llmnpu_delegate.lower import npu_subgraphs
+    from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.pte import export_pte
+    from llmnpu_delegate.runtime.validate import validate_pte
+
+    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
+    reports = {}
+    for name, fine in (("coarse", False), ("fine", True)):
+        if fine:      # every part qualifies: its one encoding is "below" any SQNR
+            monkeypatch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
+        pte = tmp_path / f"{name}.pte"
+        export_pte(engine, pte, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32",
+                                                  fine=fine), workers=1, progress=False)
+        meta = json.loads(pte.with_suffix(".json").read_text())
+        reports[name] = ({r["linear"]: r for r in validate_pte(pte, engine, ids)["linears"]}, meta)
+    coarse, fine = reports["coarse"][0], reports["fine"][0]
+    fine_meta = reports["fine"][1]["linears"]
+    assert all(r["fine_outputs"] == 0 for r in coarse.values())
+    assert all(fine[n]["fine_outputs"] >= 1 for n in fine) and fine_meta
+    for n in fine:         # 8-bit, and a narrower range than the output's one encoding
+        coarse_range = fine_meta[n]["output"]["range"]
+        for f in fine_meta[n]["fine_outputs"]:
+            low, high = f["range"]
+            assert f["bits"] == 8 and 0 < f["scale"] and coarse_range[0] <= low < high <= coarse_range[1], f
+    gains = {n: fine[n]["sqnr_db"] - coarse[n]["sqnr_db"] for n in fine}
+    assert min(gains.values()) > -0.5, gains          # never worse beyond rounding of the measure
+    assert sorted(gains.values())[len(gains) // 2] > 1.0, gains     # and better for most outputs
 
 
 @pytest.mark.slow

@@ -91,7 +91,11 @@ def test_int8_weights_as_w_transposed_rows_give_the_same_bits():
     want, plain_buffer, _ = _xnnpack_outputs(plain_ep, x)
     assert not left and got.shape == (1, 7, 24)        # all of it in XNNPACK
     assert torch.equal(got, want)
-    assert (got - model(x)).abs().max() > 0          # it is INT8 (a float product would match the model)
+    # it is INT8: off the float model by the quantization's size (a float product summed in another
+    # order would be off by ~1e-6 of the output's range, INT8 by ~1e-2), and not by more
+    ref = model(x).detach()
+    gap = float((got - ref).abs().max() / ref.abs().max())
+    assert 1e-3 < gap < 5e-2, gap
     for lin in (model.a, model.b, model.c):
         q, _ = quantize_weight(lin.weight, "channel")
         assert bytes(buffer).find(q.t().contiguous().numpy().tobytes()) >= 0

@@ -76,9 +76,15 @@ class Qnn:
 
     def quantizer(self, ours):
         activate()
+        import torch
         from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
 
+        # On an AMD host ExecuTorch's quantizer turns oneDNN off for the whole process (against a
+        # convolution crash; our graphs have none). oneDNN's brgemm is what the engine's bf16
+        # attention runs on, so a later prefill in the same process would fail: keep the setting.
+        enabled = torch.backends.mkldnn.enabled
         quantizer = QnnQuantizer()
+        torch.backends.mkldnn.enabled = enabled
         quantizer.add_custom_quant_annotations((ours.annotate,))
         return quantizer
 

@@ -286,6 +286,10 @@ at::Tensor chunk_attention_bf16(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& mask, double scale) {
   TORCH_CHECK(supported(), "chunk_attention_bf16 needs AVX-512 BF16 in this CPU and in the build "
               "(make kernels on such a machine); use fp32 attention here");
+  // oneDNN's brgemm refuses bf16 while oneDNN is off; checked here, on the caller's thread, and not
+  // inside a piece that a helper thread may run (a piece must not throw)
+  TORCH_CHECK(at::globalContext().userEnabledMkldnn(), "chunk_attention_bf16 runs on oneDNN, which is off "
+              "(torch.backends.mkldnn.enabled is False): turn it back on, or use fp32 attention");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.sizes() == k.sizes(),
               "chunk_attention_bf16: q [1, H, C, d], k and v [1, KV, L, d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
