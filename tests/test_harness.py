@@ -220,14 +220,17 @@ def test_the_lm_eval_command_line_scores_a_quantized_mode_as_the_adapter_does(us
                          capture_output=True, text=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     (log,) = glob.glob(str(tmp_path / "**" / "samples_my_cloze_*.jsonl"), recursive=True)
-    logged = {}
+    pairs, got = [], []
     for line in Path(log).read_text().splitlines():
         s = json.loads(line)
-        logged[s["doc"]["q"]] = float(s["filtered_resps"][0][0])
-    requests = _requests("loglikelihood", [(d["q"], d["a"]) for d in DOCS])
+        args = s["arguments"]          # what lm_eval asked the model (its target delimiter included)
+        pair = next(iter(args.values())) if isinstance(args, dict) else args[0]
+        pairs.append((pair["arg_0"], pair["arg_1"]) if isinstance(pair, dict) else tuple(pair))
+        got.append(float(s["filtered_resps"][0][0]))
+    assert len(pairs) == len(DOCS)
+    requests = _requests("loglikelihood", pairs)
     ours = [ll for ll, _ in LlmNpuLM(smollm2, quant="w8a8").loglikelihood(requests, disable_tqdm=True)]
     floats = [ll for ll, _ in LlmNpuLM(smollm2, quant="fp32").loglikelihood(requests, disable_tqdm=True)]
-    got = [logged[d["q"]] for d in DOCS]
     assert got == pytest.approx(ours, abs=1e-5)
     # what quantization changes is far larger than that (measured below)
     assert max(abs(a - b) for a, b in zip(ours, floats)) > 1e-2, (ours, floats)
