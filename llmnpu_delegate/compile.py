@@ -194,7 +194,7 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
         return gm.forward                 # nothing for the NPU in this graph
     try:
         partition = partition_graph(gm, found, shadowed=[n for n, p in (plans or {}).items() if p.shadow],
-                                    norms=options.get("norms", "cpu"), param_of_placeholder=names)
+                                    placement=options.get("norms", "cpu"), param_of_placeholder=names)
         if not partition.by_kind("npu"):
             raise LlmNpuError("no NPU region was formed")
     except Exception as e:  # noqa: BLE001 - an unsupported graph runs eagerly, never crashes

@@ -11,6 +11,7 @@ from torch import nn
 from .chunk_step import export_chunk_step
 from .errors import LlmNpuError
 from .models import LoadedModel
+from .partitioner.placement import PAPER, Placement
 from .partitioner.regions import Partition, partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .text import calibration_ids
@@ -27,7 +28,8 @@ def default_calibration(lm: LoadedModel | None, progress: bool = True, config: C
 
 
 def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: str, chunk_len: int,
-                       quant: QuantConfig | None, calibration: Calibration | None = None, norms: str = "cpu",
+                       quant: QuantConfig | None, calibration: Calibration | None = None,
+                       placement: "Placement | str" = PAPER,
                        progress: bool = True, timings: dict | None = None):
     """Quantization plan (None in float mode), then ``torch.export`` of a chunk step and its partition."""
     timings = {} if timings is None else timings
@@ -37,19 +39,20 @@ def plan_and_partition(model: nn.Module, lm: LoadedModel | None, fingerprint: st
         calibration = calibration if calibration is not None else default_calibration(lm, progress)
         plans = plan_linears(model, calibration, quant, fingerprint, progress)
     timings["plan_s"] = time.perf_counter() - t
-    return plans, partition_step(model, chunk_len, plans, norms, timings)
+    return plans, partition_step(model, chunk_len, plans, placement, timings)
 
 
-def partition_step(model: nn.Module, chunk_len: int, plans: dict | None, norms: str = "cpu",
+def partition_step(model: nn.Module, chunk_len: int, plans: dict | None, placement: "Placement | str" = PAPER,
                    timings: dict | None = None) -> Partition:
-    """``torch.export`` of a chunk step of ``chunk_len`` rows and its partition."""
+    """``torch.export`` of a chunk step of ``chunk_len`` rows and its partition with ``placement`` (a
+    ``Placement``, a preset or piece list, or the engine's norms policy ``"cpu"``/``"npu"``)."""
     timings = {} if timings is None else timings
     t = time.perf_counter()
     ep = export_chunk_step(model, chunk_len)
     timings["export_s"] = time.perf_counter() - t
     t = time.perf_counter()
     shadowed = [n for n, p in (plans or {}).items() if p.shadow]
-    partition = partition_graph(ep.module(), quantizable_linears(model), shadowed=shadowed, norms=norms,
+    partition = partition_graph(ep.module(), quantizable_linears(model), shadowed=shadowed, placement=placement,
                                 prefix="model.")
     timings["partition_s"] = time.perf_counter() - t
     return partition

@@ -80,8 +80,8 @@ def test_shadow_subgraphs_follow_the_plan(llama, exported):
 
 
 def test_norm_policy_moves_norms_into_npu_regions(llama, exported):
-    cpu = _partition(llama, exported, norms="cpu")
-    npu = _partition(llama, exported, norms="npu")
+    cpu = _partition(llama, exported, placement="paper")
+    npu = _partition(llama, exported, placement="norms")
     assert len(npu.subgraphs) <= len(cpu.subgraphs)
     qkv = npu.by_kind("npu")[0]
     assert any("rsqrt" in str(n.target) for n in qkv.nodes)

@@ -4,4 +4,4 @@
 whose engine runs here; ``qnn`` exports for Qualcomm's HTP. Importing this package registers both.
 """
 from . import cpu_int8, qnn  # noqa: F401  (they register themselves)
-from .registry import DEFAULT, NpuBackend, get, names, register  # noqa: F401
+from .registry import DEFAULT, NpuBackend, check_placement, get, names, placements, register  # noqa: F401

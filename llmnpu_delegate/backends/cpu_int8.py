@@ -25,7 +25,7 @@ from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
 from ..quantize.shadow_rows import shadow_rows
 from .graph_cache import GraphCache
-from .registry import register
+from .registry import check_placement, register
 
 NAME = "cpu-int8"
 
@@ -103,7 +103,7 @@ class CpuInt8Engine:
 
     def __init__(self, model: nn.Module | dict[str, nn.Linear], fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
                  weights: str = "channel", cache: GraphCache | None = None, norms: str = "cpu"):
-        self.check_policy(norms)
+        check_placement(CpuInt8, norms)
         self.model = model
         self.fingerprint = fingerprint
         self.chunk_len = chunk_len
@@ -112,12 +112,6 @@ class CpuInt8Engine:
         self.cache = cache if cache is not None else GraphCache()
         # the model, or just its linears by name (a Dynamo graph's weights)
         self.modules = dict(model.named_modules()) if isinstance(model, nn.Module) else dict(model)
-
-    @staticmethod
-    def check_policy(norms: str) -> None:
-        if norms != "cpu":
-            raise LlmNpuError(f"backend {NAME} runs only INT8 work inside NPU subgraphs, so norms must stay on "
-                              f"the CPU (norms='cpu'); norms='{norms}' is for NPUs that run norms themselves")
 
     @property
     def quantized(self) -> bool:
@@ -181,13 +175,13 @@ class CpuInt8:
     encodings = "xnnpack"
     uses_soc = False
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
+    pieces: dict = {}
+    missing = ("its NPU regions are XNNPACK INT8 linear graphs; the engine runs norms, RoPE, attention, "
+               "the residual adds, the activation and the shadow merges in its float lane")
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
                norms: str = "cpu") -> CpuInt8Engine:
         return CpuInt8Engine(model, fingerprint, chunk_len, plans, weights, cache, norms)
-
-    def check_norms(self, norms: str) -> None:
-        CpuInt8Engine.check_policy(norms)
 
     def check_target(self, soc: str | None) -> None:
         pass

@@ -64,12 +64,20 @@ class Qnn:
     encodings = "qnn"
     uses_soc = True
     output_bits = (8,)       # HTP's FullyConnected gives 8-bit inputs 8-bit outputs only (tried: 16 refused)
+    # HTP runs each piece in a static graph; attention against the fixed K/V window of the context
+    pieces = {
+        "attention": "MatMul (Q K^T, P V) and Softmax at 16-bit activations, K/V window at 8 or 16 bits, "
+                     "causal and padding mask as an input",
+        "norms": "RmsNorm at 16-bit activations",
+        "rope": "ElementWiseMultiply/Add on q and k with cos/sin as inputs, 16-bit",
+        "residual": "ElementWiseAdd, 16-bit",
+        "act": "Sigmoid and ElementWiseMultiply (SiLU-mul), 16-bit",
+        "merge": "ElementWiseAdd of the shadow product (a graph input from the CPU), 16-bit",
+    }
+    missing = "none"
 
     def engine(self, *args, **kwargs):
         raise LlmNpuError("backend 'qnn' has no engine on this host: prefill with cpu-int8")
-
-    def check_norms(self, norms: str) -> None:
-        pass
 
     def check_target(self, soc: str | None) -> None:
         check_soc(soc or DEFAULT_SOC)

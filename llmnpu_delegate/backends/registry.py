@@ -2,8 +2,11 @@
 
 A backend is one class, registered under one name, that answers for every stage that meets an NPU:
 
-- the engine on this host: ``check_norms(norms)`` refuses a norm placement its regions cannot
-  hold, before anything slow; ``engine(...)`` returns the object that lowers the partition's NPU
+- what its NPU graphs can hold besides the INT8 linears: ``pieces``, one row per placement piece
+  it runs (``partitioner/placement.py``) with the ops and precision it runs it at; a piece it
+  lacks is named in ``missing`` with the reason. ``check_placement`` refuses a placement that
+  needs a missing piece, before anything slow, and ``placements`` lists the presets it can run;
+- the engine on this host: ``engine(...)`` returns the object that lowers the partition's NPU
   subgraphs to runnable regions (``lower_npu``) and binds shadow paths (``shadow_module``); a
   backend without a host engine (``runs_engine = False``: a real NPU's, such as QNN) refuses it;
 - export: ``check_target(soc)`` before anything slow, ``quantizer(ours)`` wraps our encodings in
@@ -21,6 +24,8 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ..errors import LlmNpuError
+from ..partitioner.placement import PIECES, PRESETS, Placement
+from ..partitioner.regions import as_placement
 
 
 @runtime_checkable
@@ -31,11 +36,11 @@ class NpuBackend(Protocol):
     encodings: str                    # our encodings' flavour for its delegate: "qnn" | "xnnpack"
     uses_soc: bool                    # whether export targets a SoC (--soc)
     output_bits: tuple                # the NPU methods' output widths it can give, its default first
+    pieces: dict                      # placement piece it runs on the NPU -> its ops and precision there
+    missing: str                      # why the pieces it lacks stay on the CPU
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
                norms: str = "cpu"): ...
-
-    def check_norms(self, norms: str) -> None: ...
 
     def check_target(self, soc: str | None) -> None: ...
 
@@ -49,6 +54,22 @@ class NpuBackend(Protocol):
 
 
 DEFAULT = "cpu-int8"
+
+
+def check_placement(backend: NpuBackend, placement: "Placement | str") -> Placement:
+    """``placement`` as a ``Placement``, if ``backend`` runs every piece it puts on the NPU."""
+    placement = as_placement(placement)
+    lacking = [p for p in PIECES if placement.on_npu(p) and p not in backend.pieces]
+    if lacking:
+        can = ", ".join(placements(backend))
+        raise LlmNpuError(f"backend {backend.name} cannot run {' or '.join(lacking)} on its NPU ({backend.missing}): "
+                          f"use placement {can}")
+    return placement
+
+
+def placements(backend: NpuBackend) -> list[str]:
+    """The preset placements whose pieces ``backend`` all runs, the paper's first."""
+    return [name for name, pieces in PRESETS.items() if set(pieces) <= set(backend.pieces)]
 _REGISTRY: dict[str, NpuBackend] = {}
 
 

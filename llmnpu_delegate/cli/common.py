@@ -10,6 +10,7 @@ import torch
 
 from ..errors import LlmNpuError
 from ..models import DEFAULT_MODEL, load_model
+from ..partitioner.placement import parse_placement
 from ..quantize import CalibConfig
 from ..runtime.sampling import Sampling
 
@@ -34,6 +35,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="percentiles of |x| to record (default 99 99.5 99.9 99.99); clipping uses one of them")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def placement_arg(text: str):
+    """argparse type of ``--placement``: a preset or pieces joined by '+' (one-line error otherwise)."""
+    try:
+        return parse_placement(text)
+    except LlmNpuError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_output_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:

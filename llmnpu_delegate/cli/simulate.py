@@ -5,17 +5,23 @@ import dataclasses
 import math
 
 from ..chunk_step import DEFAULT_CHUNK
+from .. import backends
+from ..backends import placements
 from ..errors import LlmNpuError
+from ..partitioner.placement import PAPER, PIECES, PRESETS, parse_placement
 from ..evaluate import SWEEP_PRUNING_RATES
 from ..models import DEFAULT_MODEL, RANDOM_SHAPES, model_config
 from ..runtime.schedule import POLICIES
 from ..simulate.device import ASSUMPTIONS, load_device, socs
 from ..simulate.measured import validation
 from ..simulate.paper import format_validation, validate
-from ..simulate.phone import QUANT_MODES as SIM_QUANT, prepare, simulate_prefill, sweep
+from ..simulate.phone import QUANT_MODES as SIM_QUANT, choose_placement, prepare, simulate_prefill, sweep
 from ..simulate.programs import PROGRAMS, get_program
 from ..simulate.whole_npu import predict
-from .common import add_output_args, pruning_rate
+from .common import add_output_args, placement_arg, pruning_rate
+
+AUTO = "auto"
+PHONE_BACKEND = "qnn"       # whose pieces the automatic placement chooses among
 
 # where `--validate` shows how an assumption moves our program's prediction
 ASSUMPTION_PROBE = ("random:qwen3-1.7b", "SM8750", 1024)
@@ -26,7 +32,7 @@ def add_parser(sub) -> None:
                        description="Simulate the chunked prefill on a Snapdragon SoC: our program (the real partition, "
                                    "shadow plan and scheduler) or a program users pick instead, priced by a device "
                                    "profile calibrated on published phone measurements. Nothing runs on a phone. "
-                                   "--quant, --pruning-rate, --norms, --fine-share, --policies, --past, --sweep "
+                                   "--quant, --pruning-rate, --placement, --fine-share, --policies, --past, --sweep "
                                    "and --trace-dir are of our program's schedule.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{DEFAULT_MODEL} (default), a Hugging Face folder, or random:<shape> (shapes only, real ones: "
@@ -46,7 +52,10 @@ def add_parser(sub) -> None:
                    help=f"chunk length (default: the program's, {DEFAULT_CHUNK} for ours, 128 for genie)")
     p.add_argument("--quant", choices=list(SIM_QUANT), default="w8a8-shadow", help="default w8a8-shadow")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
-    p.add_argument("--norms", choices=["cpu", "npu"], default="cpu", help="where norms run (default cpu)")
+    p.add_argument("--placement", type=placement_or_auto, default=AUTO,
+                   help=f"what our program runs on the NPU beside the linears: {', '.join(PRESETS)}, or pieces "
+                        f"joined by '+' from {', '.join(PIECES)}; default {AUTO}: each placement the phone's "
+                        f"backend ({PHONE_BACKEND}) runs, simulated with its own pruning, the fastest kept")
     p.add_argument("--fine-share", type=float, default=0.0,
                    help="share of the NPU linears' outputs computed a second time for a finer 8-bit encoding "
                         "(llmnpu export prints it; default 0: one encoding each)")
@@ -89,10 +98,24 @@ def cmd_simulate(args) -> dict:
         rows = sweep(args.model, args.soc, args.prompt_len, SWEEP_PRUNING_RATES, progress=not args.no_progress)
         args.text = _format_sweep(args, rows)
         return {"model": args.model, "soc": args.soc, "prompt_len": args.prompt_len, "sweep": rows}
-    scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.norms, progress=not args.no_progress,
-                  soc=args.soc)
+    progress = not args.no_progress
+    if args.placement == AUTO and args.program.rates == "paper":
+        args.placement = PAPER      # the paper's implementation runs its own split
+    choice = None
+    if args.placement == AUTO:
+        scn, choice = choose_placement(args.model, args.chunk, args.soc, args.prompt_len,
+                                       placements(backends.get(PHONE_BACKEND)), args.quant, args.pruning_rate,
+                                       progress, args.past, args.fine_share)
+    else:
+        if args.program.rates == "paper" and args.placement != parse_placement(PAPER):
+            raise LlmNpuError("--program paper prices the paper's own split: drop --placement or use --placement paper")
+        scn = prepare(args.model, args.chunk, args.quant, args.pruning_rate, args.placement, progress=progress,
+                      soc=args.soc)
     result = simulate_prefill(scn, args.soc, args.prompt_len, tuple(args.policies), args.trace_dir, args.past,
                               args.fine_share, args.program)
+    result["placement"] = scn.partition.placement.name
+    if choice is not None:
+        result["placement_choice"] = choice
     args.text = _format_simulate(result)
     return result
 
@@ -115,6 +138,10 @@ def _whole_npu(args) -> dict:
                                                   sorted(by.items(), key=lambda kv: -kv[1]) if v > 0)]
     args.text = "\n".join(lines)
     return r
+
+
+def placement_or_auto(text: str):
+    return AUTO if text == AUTO else placement_arg(text)
 
 
 def _assumption_ranges(progress: bool) -> list[dict]:
@@ -158,8 +185,17 @@ def _format_assumptions(rows: list[dict]) -> str:
 
 def _format_simulate(r: dict) -> str:
     after = f" after a kept past of {r['past']}" if r["past"] else ""
-    lines = [f"{r['model']} on {r['soc']} ({r['device']}), simulated, program {r['program']}: {r['prompt_len']} "
-             f"tokens{after} in {r['chunks']} "
+    lines = []
+    if "placement_choice" in r:
+        lines.append("placement chosen by predicted ooo prefill (each with its own shadow pruning):")
+        lines.append(f"  {'placement':<11}{'NPU graphs':>11}{'shadowed':>9}{'tok/s':>8}{'NPU ms':>8}{'CPU ms':>8}"
+                     f"{'energy J':>10}")
+        for c in r["placement_choice"]:
+            lines.append(f"{'*' if c['placement'] == r['placement'] else ' '} {c['placement']:<11}{c['npu_graphs']:>11}"
+                         f"{c['shadowed_linears']:>9}{c['tok_s']:>8.0f}{1e3 * c['npu_busy_s']:>8.0f}"
+                         f"{1e3 * c['cpu_busy_s']:>8.0f}{c['energy_j']:>10.2f}")
+    lines += [f"{r['model']} on {r['soc']} ({r['device']}), simulated, program {r['program']}, placement "
+             f"{r['placement']}: {r['prompt_len']} tokens{after} in {r['chunks']} "
              f"chunks of {r['chunk']}, {r['subgraphs']} subgraphs, {r['shadowed_linears']} shadowed linears "
              f"(plan: {r['plan_source']})"
              + (f"; {100 * r['fine_share']:.1f} % of the NPU outputs computed twice for a second encoding"

@@ -1,11 +1,13 @@
 """The partitioner's core: one pass over an FX ``GraphModule`` that cuts a chunk step into
 NPU and CPU subgraphs.
 
-NPU regions are the decoder blocks' quantizable linears, grouped when they read the same tensor
-(q/k/v share one quantized input, as do gate/up): one quantize at the region's entry, INT8 GEMMs,
-dequantize at its exit. Everything else is float work for the CPU: embedding, RoPE, attention with
-its KV, masks, the shadow outlier path and lm_head. Norms go to the CPU by default; the policy
-``norms="npu"`` folds each norm into the region it feeds (for NPUs that run norms themselves).
+NPU regions hold the decoder blocks' quantizable linears, grouped when they read the same tensor
+(q/k/v share one quantized input, as do gate/up), and the block pieces a ``Placement`` sends to the
+NPU with them (``placement.py``: attention, norms, RoPE, residual adds, the gated activation, the
+merge of a shadow product). With the paper's placement (the default) a region is one quantize at
+its entry, INT8 GEMMs and a dequantize at its exit, and everything else is float work for the CPU:
+embedding, RoPE, attention with its KV, masks, norms, the shadow outlier path and lm_head. The
+shadow products always stay on the CPU.
 
 CPU work is placed *as late as possible*: a node joins the CPU subgraph just before its first
 consumer, so e.g. the K/V concatenation of layer 5 lands in layer 5's attention subgraph rather
@@ -27,8 +29,9 @@ from torch.fx import Node
 
 from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recognizes)
 from ..errors import LlmNpuError
+from .placement import MERGE, Placement, from_norms, layer_of, movable, parse_placement, piece_of
 
-NORM_POLICIES = ("cpu", "npu")
+NORM_POLICIES = ("cpu", "npu")   # the older placement knob: from_norms
 SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow_branches.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
 ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
@@ -111,47 +114,113 @@ def linear_names(gm: fx.GraphModule, quantizable: Iterable[str], prefix: str = "
     return found
 
 
-def _norm_module(node: Node) -> str | None:
-    """The norm module (path) a node was traced in, if its innermost module is a norm."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return None
-    path, cls = list(stack.values())[-1]
-    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
-    return str(path) if "Norm" in cls.rsplit(".", 1)[-1] else None
-
-
-def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], norms: str = "cpu") -> list[list[Node]]:
-    """Maximal NPU regions in program order: linears grouped by shared input, plus (``norms="npu"``)
-    the whole norm call that produces that input when nothing else uses its intermediate values."""
-    if norms not in NORM_POLICIES:
-        raise LlmNpuError(f"norms policy must be one of {NORM_POLICIES}, got '{norms}'")
-    groups: dict[Node, list[Node]] = {}
+def processors(gm: fx.GraphModule, linears: dict[Node, str], placement: Placement) -> dict[Node, tuple[str, str]]:
+    """``("npu" | "cpu", why)`` for every compute node of ``gm``: the linears on the NPU, the pieces
+    ``placement`` names on the NPU, views and casts with their neighbours (on the NPU when they read
+    NPU work and only NPU work reads them), everything else on the CPU, each with the reason."""
+    proc: dict[Node, tuple[str, str]] = {}
+    movable_nodes = []
     for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
         if node in linears:
-            groups.setdefault(node.meta.get("llmnpu_source", node.args[0]), []).append(node)
-    regions = []
-    for entry, members in groups.items():
-        region = list(members)
-        norm = _norm_module(entry) if norms == "npu" and isinstance(entry, Node) else None
-        if norm is not None:
-            # Walk back through that norm call; a node moves only if all its users already moved
-            # (the cast of the residual, also read by the residual add, stays on the CPU).
-            inside, frontier = set(members), [entry]
-            while frontier:
-                cand = frontier.pop()
-                if cand in inside or not all(u in inside for u in cand.users):
-                    continue
-                if cand.op == "get_attr" or (cand.op == "call_function" and _norm_module(cand) == norm):
-                    inside.add(cand)
-                    region.append(cand)
-                    frontier.extend(cand.all_input_nodes)
-        regions.append(list(dict.fromkeys(region)))
+            proc[node] = ("npu", "a quantized linear")
+        elif node.target is shadow_delta:
+            proc[node] = ("cpu", "a shadow product: sparse float work over the outliers' weight rows")
+        elif movable(node) or is_qdq(node):
+            movable_nodes.append(node)
+            proc[node] = ("cpu", "a view or cast that does not sit between NPU work only")
+        elif node.op != "call_function":
+            proc[node] = ("cpu", f"a {node.op} the partitioner does not look into")
+        elif is_linear(node):
+            proc[node] = ("cpu", "a linear left in float (not among the quantized ones)")
+        else:
+            piece = piece_of(node, ATTENTION_TARGETS)
+            if piece is None:
+                proc[node] = ("cpu", "outside the decoder blocks (embedding, rotary tables, masks, final norm, "
+                                     "head): once per chunk")
+            elif placement.on_npu(piece):
+                proc[node] = ("npu", f"{piece}, on the NPU in placement {placement.name}")
+            else:
+                proc[node] = ("cpu", f"{piece}, not on the NPU in placement {placement.name}")
+    # a chain of views from NPU work to NPU work stays on the NPU
+    moving = set(movable_nodes)
+    reads: set[Node] = set()
+    for node in movable_nodes:
+        if any((_on(proc, a) and a not in moving) or a in reads for a in node.all_input_nodes):
+            reads.add(node)
+    feeds: set[Node] = set()
+    for node in reversed(movable_nodes):
+        if node.users and all((_on(proc, u) and u not in moving) or u in feeds for u in node.users):
+            feeds.add(node)
+    for node in reads & feeds:
+        proc[node] = ("npu", "a view or cast between NPU work")
+    return proc
+
+
+def _on(proc: dict, node: Node) -> bool:
+    return node in proc and proc[node][0] == "npu"
+
+
+def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placement | str" = "paper") -> list[list[Node]]:
+    """Maximal NPU regions in program order.
+
+    A region is NPU work that can run as one graph: every path between two of its nodes stays on the
+    NPU. Each NPU node gets a *stage*, the number of NPU -> CPU -> NPU hand-overs on the longest path
+    that reaches it; a region is a connected group of NPU nodes of one stage (linears that read the
+    same tensor count as connected: q/k/v share one quantized input, as do gate/up). A shadow product
+    merged on the NPU thus ends one region and starts the next."""
+    placement = as_placement(placement)
+    proc = {n: p for n, (p, _) in processors(gm, linears, placement).items()}
+    stage: dict[Node, int] = {}      # NPU: its stage; CPU: the latest stage it depends on (-1: none)
+    for node in gm.graph.nodes:
+        inputs = [stage[a] + (1 if proc[a] == "cpu" and proc.get(node) == "npu" else 0)
+                  for a in node.all_input_nodes if a in stage]
+        if node in proc:
+            stage[node] = max(inputs, default=0 if proc[node] == "npu" else -1)
+    parent = {n: n for n in proc if proc[n] == "npu"}
+
+    def find(n: Node) -> Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def union(a: Node, b: Node) -> None:
+        if stage[a] == stage[b]:
+            parent[find(a)] = find(b)
+
+    sources: dict[Node, Node] = {}
+    for node in parent:
+        for a in node.all_input_nodes:
+            if a in parent:
+                union(node, a)
+        if node in linears:
+            src = node.meta.get("llmnpu_source", node.args[0])
+            if src in sources:
+                union(node, sources[src])
+            sources.setdefault(src, node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for region in regions:
-        region.sort(key=order.__getitem__)
-    regions.sort(key=lambda r: min(order[n] for n in r if n in linears))
+    groups: dict[Node, list[Node]] = {}
+    for node in sorted(parent, key=order.__getitem__):
+        groups.setdefault(find(node), []).append(node)
+    # a region holds the weights (get_attr) only its own non-linear nodes read (a norm's); a linear's
+    # weight is compiled into the backend's region from the model
+    regions = []
+    for members in groups.values():
+        inside = set(members)
+        weights = [a for n in members if n not in linears for a in n.all_input_nodes
+                   if a.op == "get_attr" and all(u in inside for u in a.users)]
+        regions.append(sorted(dict.fromkeys(members + weights), key=order.__getitem__))
+    regions.sort(key=lambda r: (max(stage.get(n, 0) for n in r), min(order[n] for n in r)))
     return regions
+
+
+def as_placement(placement: "Placement | str") -> Placement:
+    """A ``Placement`` from itself, a preset or piece list, or the older norms policy (``"cpu"``/``"npu"``)."""
+    if isinstance(placement, str) and placement in NORM_POLICIES:
+        return from_norms(placement)
+    return parse_placement(placement)
 
 
 # --------------------------------------------------------------------------- subgraphs
@@ -224,15 +293,6 @@ def _is_dynamic(node: Node) -> bool:
     return False
 
 
-def _layer_of(node: Node) -> int | None:
-    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        parts = str(path).replace("_", ".").split(".")
-        for a, b in zip(parts, parts[1:]):
-            if a == "layers" and b.isdigit():
-                return int(b)
-    return None
-
-
 @dataclass
 class Partition:
     """The ordered subgraphs of one chunk step, over ``graph_module`` (a rewritten copy of the input)."""
@@ -240,8 +300,9 @@ class Partition:
     subgraphs: list[Subgraph]
     graph_inputs: list[str]
     graph_outputs: list[str]           # flattened in the graph's output order
-    norms: str
+    placement: Placement
     shadowed: list[str]
+    why: dict[str, str] = field(default_factory=dict)   # a CPU node's name -> why it is not on the NPU
 
     def by_kind(self, kind: str) -> list[Subgraph]:
         return [s for s in self.subgraphs if s.kind == kind]
@@ -269,6 +330,7 @@ def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str]
         node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
         delta.meta["val"] = node.meta.get("val")
         total.meta["val"] = node.meta.get("val")
+        total.meta[MERGE] = True
         for n in (delta, total):
             n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         markers.append(delta)
@@ -308,14 +370,16 @@ def _canonical_sizes(graph: fx.Graph) -> None:
 
 
 def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed: Iterable[str] = (),
-                    norms: str = "cpu", prefix: str = "",
+                    placement: "Placement | str" = "paper", prefix: str = "",
                     param_of_placeholder: dict[str, str] | None = None) -> Partition:
-    """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched)."""
+    """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched).
+    ``placement``: a ``Placement``, a preset name, or the older norms policy (``"cpu"``/``"npu"``)."""
+    placement = as_placement(placement)
     new = _copy_graph(gm)
     linears = linear_names(new, quantizable, prefix, param_of_placeholder)
     shadowed = set(shadowed) & set(linears.values())
     markers = _insert_shadow(new.graph, linears, shadowed)
-    slot = _place(new.graph, npu_regions(new, linears, norms), linears, markers)
+    slot = _place(new.graph, npu_regions(new, linears, placement), linears, markers)
     order = {n: i for i, n in enumerate(new.graph.nodes)}
     by_slot: dict[int, list[Node]] = {}
     for node in sorted(slot, key=order.__getitem__):
@@ -329,7 +393,9 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
     for s, nodes in groups:
         subgraphs.append(_subgraph(len(subgraphs), s, nodes, linears, markers, produced_in))
     graph_inputs = [n.name for n in new.graph.nodes if n.op == "placeholder"]
-    return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], norms, sorted(shadowed))
+    on_cpu = {n for s in subgraphs if s.processor == "cpu" for n in s.nodes}
+    why = {n.name: reason for n, (_, reason) in processors(new, linears, placement).items() if n in on_cpu}
+    return Partition(new, subgraphs, graph_inputs, [n.name for n in flat_out], placement, sorted(shadowed), why)
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -353,14 +419,14 @@ def _place(graph: fx.Graph, regions: list, linears: dict, markers: list[Node]) -
     3R = the tail. A CPU node goes to the latest CPU slot before its first user."""
     slot: dict[Node, int] = {}
     for r, region in enumerate(regions):
-        entry = next(n for n in region if n in linears).args[0]
+        entries = {n.args[0] for n in region if n in linears}
         for n in region:
             slot[n] = 3 * r + 2
         for m in markers:
             # The shadow product reads the region's float input: it can run beside the region.
-            # (With norms on the NPU that input is made inside the region: the product then
-            # follows it in the next CPU subgraph.)
-            if m.args[0] is entry and entry not in region:
+            # (When that input is made inside the region, norms on the NPU, the product follows
+            # it in the next CPU subgraph.)
+            if m.args[0] in entries and m.args[0] not in region:
                 slot[m] = 3 * r + 1
     tail = 3 * len(regions)
     for node in reversed(list(graph.nodes)):
@@ -398,7 +464,7 @@ def _subgraph(index: int, s: int, nodes: list[Node], linears: dict, markers: lis
                 inputs.append(a.name)
     outputs = [n.name for n in nodes
                if any(u.op == "output" or (u not in members and u in produced_in) for u in n.users)]
-    layers = [lyr for lyr in map(_layer_of, nodes) if lyr is not None]
+    layers = [lyr for lyr in map(layer_of, nodes) if lyr is not None]
     names = ([linears[n] for n in nodes if n in linears] if kind == "npu"
              else [n.args[1] for n in nodes if n in markers] if kind == "shadow" else [])
     # dynamic: a value of it, or one it reads, grows with the past (attention)

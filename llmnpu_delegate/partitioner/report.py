@@ -76,7 +76,7 @@ def partition_summary(partition: Partition, chunk_len: int, prompt_len: int, qua
             "shared": static, "graphs_for_prompt": static + dynamic * chunks,
             "graphs_naive": len(partition.subgraphs) * chunks,
             "npu_flop_share": partition.npu_flop_share(chunks, chunk_len),
-            "norms": partition.norms, "shadowed_linears": len(partition.shadowed),
+            "placement": str(partition.placement), "shadowed_linears": len(partition.shadowed),
             "memory": memory_report(partition, chunk_len, prompt_len, quantized)}
 
 
@@ -84,7 +84,7 @@ def format_summary(model: str, s: dict) -> str:
     mib = 2 ** 20
     m = s["memory"]
     lines = [f"partition of {model}: chunk {m['chunk']}, prompt {m['prompt_len']} ({m['chunks']} chunks), "
-             f"norms on {s['norms']}, {s['shadowed_linears']} linears with a shadow path",
+             f"placement {s['placement']}, {s['shadowed_linears']} linears with a shadow path",
              f"{'kind':<8}{'processor':>10}{'per chunk':>11}{'static':>8}{'dynamic':>9}"]
     for kind, k in s["kinds"].items():
         lines.append(f"{kind:<8}{'npu' if kind == 'npu' else 'cpu':>10}{k['subgraphs']:>11}{k['static']:>8}{k['dynamic']:>9}")
@@ -93,4 +93,17 @@ def format_summary(model: str, s: dict) -> str:
               f"FLOPs on the NPU: {100 * s['npu_flop_share']:.1f} %",
               f"memory: chunk-sharing {m['shared_bytes'] / mib:.1f} MiB, one graph set per chunk position "
               f"{m['naive_bytes'] / mib:.1f} MiB: {100 * m['saved']:.1f} % saved"]
+    return "\n".join(lines)
+
+
+def format_why(why: dict[str, str], examples: int = 6) -> str:
+    """The CPU's nodes grouped by why they are not on the NPU (``Partition.why``), most first; the
+    JSON output names every node."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in why.items():
+        groups.setdefault(reason, []).append(name)
+    lines = [f"why {len(why)} nodes run on the CPU:"]
+    for reason, names in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        more = f", ... ({len(names) - examples} more)" if len(names) > examples else ""
+        lines.append(f"{len(names):>6}  {reason}: {', '.join(names[:examples])}{more}")
     return "\n".join(lines)

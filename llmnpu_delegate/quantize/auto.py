@@ -55,6 +55,9 @@ class ShadowCost:
 _DEVICES = Path(__file__).resolve().parents[1] / "simulate" / "devices"
 
 
+PHONE_PRICING = "pieces1"   # the phone model's pricing rules (simulate/cost.py): a change makes SoC choices anew
+
+
 @lru_cache(maxsize=1)
 def _devices_digest() -> str:
     h = hashlib.sha256()
@@ -67,7 +70,7 @@ def target_key(config: QuantConfig) -> str:
     """Where a choice holds: a SoC by name and the profiles that price it; the host by its CPU and
     kernels (an engine profile is theirs)."""
     if config.pruning_target != "host":
-        return f"{config.pruning_target}@{_devices_digest()}"
+        return f"{config.pruning_target}@{_devices_digest()}/{PHONE_PRICING}"
     return f"host:{detect().model}:{int8_path.current()}:{native_ops.library_digest()}"
 
 

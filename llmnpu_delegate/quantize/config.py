@@ -69,7 +69,9 @@ class QuantConfig:
             from the float model on held-apart calibration text, as a share of that divergence with
             every shadow path (1.0: at most double it).
         pruning_target: for "auto", whose prefill the shadow paths are priced on: "host" (this
-            machine's engine, profiled) or a phone SoC's device model (e.g. "SM8650").
+            machine's engine, profiled) or a phone SoC's device model (e.g. "SM8650"), for a
+            program of the paper's placement or of the one named after a colon ("SM8750:block",
+            ``partitioner/placement.py``): what a shadow path costs depends on where its merge runs.
         shadow_share: for "auto", how much longer the kept shadow paths may make the predicted
             prefill than none at all (0.01: 1 %).
         importance: how layers are ranked for pruning: "output" (measured effect of removing the

@@ -40,7 +40,7 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.chunk_len, bool) or not isinstance(self.chunk_len, int) or self.chunk_len < 1:
             raise LlmNpuError(f"chunk length must be a positive integer, got {self.chunk_len!r}")
-        backends.get(self.backend, engine=True).check_norms(self.norms)
+        backends.check_placement(backends.get(self.backend, engine=True), self.norms)
         check_policy(self.policy)
         if self.attention not in PRECISIONS:
             raise LlmNpuError(f"unknown attention precision '{self.attention}': use one of {', '.join(PRECISIONS)}")

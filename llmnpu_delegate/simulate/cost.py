@@ -8,7 +8,11 @@ paper Table 4), whatever dtype the graph was traced in.
 
 - NPU graph: ``graph_launch + sum over GEMMs of max(flops / matrix rate, weight bytes / weight
   bandwidth) + activation bytes in and out / memory bandwidth``: a roofline GEMM by GEMM, plus the
-  shared-memory traffic of the graph's inputs and outputs. The rates are the program's
+  shared-memory traffic of the graph's inputs and outputs. Where the placement puts more than
+  linears on the NPU: attention's ``Q K^T`` and ``P V`` on the matrix unit at 16-bit activations,
+  its softmax and every other piece's output elements on the vector unit, the K/V window read from
+  DRAM, as ``whole_npu.py`` prices a whole-NPU program. Attention in a static graph reads a fixed
+  window of keys (the context the program was exported for), whatever the chunk's past. The rates are the program's
   (``gemm_rates``): the device's matrix unit at the program's activation precision and its DRAM,
   or the paper's Table 3 roofline for the paper's own implementation. With
   ``fine_share`` of the output channels computed a second time for a finer 8-bit encoding
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from ..partitioner.placement import movable, piece_of
 from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
 from .device import Device, matrix_ops_per_s
 from .programs import PROGRAMS, Program
@@ -124,24 +129,67 @@ def gemm_rates(device: Device, program: Program) -> tuple[float, float]:
     return matrix_ops_per_s(device, program.activations), device["npu.dram_bytes_per_s"] * 8 / program.weight_bits
 
 
-def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0, program: Program = OURS) -> float:
+NPU_PARTS = ("launch", "linears", "attention", "softmax", "elementwise", "kv_read", "io", "fine_merge")
+ATTENTION_ACTIVATIONS = "a16"   # Q K^T and P V on the NPU: 8 bits do not hold a softmax's inputs
+
+
+def _window_past(node: Node, past: int, window: int | None) -> int:
+    """The past length at which an NPU attention node reads ``window`` keys: a static graph attends
+    over its whole fixed window (masked), whatever part of it holds tokens yet."""
+    if window is None:
+        return past
+    return max(window - node_shape(node.args[0], 0)[2], 0)
+
+
+def _piece_output(node: Node, piece: str | None) -> bool:
+    """Whether ``node`` hands its value out of its piece (to a linear, another piece, a view or the
+    graph's outputs): the elements the vector unit writes once per piece, as whole_npu.py counts them."""
+    return any(piece_of(u, ATTENTION_TARGETS) != piece or is_linear(u) for u in node.users) or not node.users
+
+
+def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0, program: Program = OURS,
+              window: int | None = None) -> dict[str, float]:
+    """Seconds of one execute of the NPU graph ``sub``, per kind (``NPU_PARTS``).
+
+    ``window``: the fixed K/V window of a graph that holds attention (its keys whatever ``past`` is;
+    only the chunk's own K/V rows leave the graph, the runner writes them into the window). None:
+    shapes at ``past``, as the FX graph has them."""
     fb = device["cpu.float_bytes"]
     rate, weights_per_s = gemm_rates(device, program)
-    t = device["npu.graph_launch_s"]
+    vector = device["npu.vector_elems_per_s"]
+    rows_past = past if window is None else 0       # the past a graph's own tensors are sized at
+    parts = dict.fromkeys(NPU_PARTS, 0.0)
+    parts["launch"] = device["npu.graph_launch_s"]
     io = merge = 0.0
     for node in sub.nodes:
         if is_linear(node):
             k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
-            t += (1 + fine_share) * max(node_flops(node, past) / rate, k * n / weights_per_s)
+            parts["linears"] += (1 + fine_share) * max(node_flops(node, past) / rate, k * n / weights_per_s)
             out = _val_bytes(node, past, fb)
             io += fine_share * out
             merge += 3 * fine_share * out
-        else:
-            io += node_work(node, past, fb, {}).bytes     # a norm folded into the region (norms="npu")
+        elif node.target in ATTENTION_TARGETS:
+            p = _window_past(node, past, window)
+            q, keys = node_shape(node.args[0], p), node_shape(node.args[1], p)[2]
+            parts["attention"] += node_flops(node, p) / matrix_ops_per_s(device, ATTENTION_ACTIVATIONS)
+            parts["softmax"] += q[1] * q[2] * keys / vector
+            kv = sum(math.prod(node_shape(a, p)) for a in node.args[1:3])
+            parts["kv_read"] += kv * program.kv_bits / 8 / device["npu.dram_bytes_per_s"]
+        elif node.op == "call_function" and node_work(node, rows_past, fb, {}).ops and not movable(node):
+            piece = piece_of(node, ATTENTION_TARGETS)
+            if _piece_output(node, piece):
+                parts["elementwise"] += math.prod(node_shape(node, rows_past)) / vector
     if sub.nodes:   # the graph's float inputs and outputs cross the shared memory
         nodes = {n.name: n for n in sub.nodes[0].graph.nodes}
-        io += sum(_val_bytes(nodes[name], past, fb) for name in (*sub.inputs, *sub.outputs))
-    return t + io / device["npu.io_bytes_per_s"] + merge / device["cpu.memory_bytes_per_s"]
+        io += sum(_val_bytes(nodes[name], rows_past, fb) for name in (*sub.inputs, *sub.outputs))
+    parts["io"] = io / device["npu.io_bytes_per_s"]
+    parts["fine_merge"] = merge / device["cpu.memory_bytes_per_s"]
+    return parts
+
+
+def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0, program: Program = OURS,
+                window: int | None = None) -> float:
+    return sum(npu_parts(sub, past, device, fine_share, program, window).values())
 
 
 def cpu_node_seconds(node: Node, past: int, device: Device, outlier_rate: dict[str, float]) -> float:
@@ -168,9 +216,9 @@ def cpu_kind(node: Node) -> str:
 
 
 def seconds(sub: Subgraph, past: int, device: Device, outlier_rate: dict[str, float],
-            fine_share: float = 0.0, program: Program = OURS) -> float:
-    """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens (``fine_share``: see
-    the module docstring)."""
+            fine_share: float = 0.0, program: Program = OURS, window: int | None = None) -> float:
+    """Simulated duration of ``sub`` for a chunk whose past holds ``past`` tokens (``fine_share``,
+    ``window``: see the module docstring)."""
     if sub.processor == "npu":
-        return npu_seconds(sub, past, device, fine_share, program)
+        return npu_seconds(sub, past, device, fine_share, program, window)
     return cpu_seconds(sub, past, device, outlier_rate)

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
+from torch import fx, nn
 
 from ..chunk_step import DEFAULT_CHUNK, export_chunk_step, kv_shape, max_context
 from ..errors import LlmNpuError
@@ -28,6 +28,7 @@ from ..evaluate import eval_windows, run_quantized
 from ..families import FAMILIES
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
+from ..partitioner.placement import PAPER, Placement, parse_placement
 from ..partitioner.regions import Partition, partition_graph, shadow_paths
 from ..prepare import default_calibration
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, quant_config, quantizable_linears
@@ -53,6 +54,9 @@ class Scenario:
     outlier_rate: dict[str, float]      # shadowed linear -> share of its input elements that are outliers
     plan_source: str                    # where the shadow decisions come from
     pruning_rate: float | None
+    step: fx.GraphModule | None = None  # the exported chunk step the partition cut (to cut it again)
+    linears: tuple = ()                 # its quantizable linears
+    kv_layers: int = 0
 
     @property
     def shadowed(self) -> int:
@@ -120,9 +124,15 @@ def soc_shadow_prices(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT)
                 without = {k: v for k, v in scn.outlier_rate.items() if k != name}
                 seconds[name] = (cost.seconds(sub, 0, device, scn.outlier_rate) - cost.seconds(sub, 0, device, without))
 
+    merged_on_npu = scn.partition.placement.on_npu("merge")
+    if merged_on_npu:   # each path splits an NPU graph: a launch and its delta's trip in
+        for name in seconds:
+            seconds[name] += device["npu.graph_launch_s"]
+
     def makespan(kept: frozenset) -> float:
-        kept_scn = dataclasses.replace(scn, outlier_rate={k: v for k, v in scn.outlier_rate.items() if k in kept})
-        tasks = build_tasks(scn.program, chunks)
+        rates = {k: v for k, v in scn.outlier_rate.items() if k in kept}
+        kept_scn = with_shadowed(scn, rates) if merged_on_npu else dataclasses.replace(scn, outlier_rate=rates)
+        tasks = build_tasks(kept_scn.program, chunks)
         assign_costs(tasks, step_costs(kept_scn, device, chunks))
         return simulate(tasks, "ooo").wall_s
 
@@ -133,30 +143,44 @@ def choose_pruning(lm, calib: Calibration, quant: QuantConfig | None, progress: 
     """Make the automatic pruning choice of ``quant`` for whichever target it names, unless it is made
     (cached in ``calib``). For a phone SoC: ``lm`` planned with every shadow path and partitioned at
     the default chunk length, its paths priced by the SoC's device model (``soc_shadow_prices``).
-    For ``host``: the engine's own choice (``runtime.engine.choose_host_pruning``)."""
+    For ``host``: the engine's own choice (``runtime.engine.choose_host_pruning``). A SoC target may
+    name the placement the paths are priced under (``pruning_target``)."""
     if quant is None or not auto.needs_choice(calib, quant):
         return
     if quant.pruning_target == "host":
         return choose_host_pruning(lm, calib, quant, progress)
+    soc, placement = split_target(quant.pruning_target)
     unpruned = dataclasses.replace(quant, pruning_rate=0.0)
     plans = plan_linears(lm.model, calib, unpruned, lm.fingerprint, progress)
     rates = {name: calib.layers[name].outlier_fraction(quant.clip_percentile) for name, p in plans.items() if p.shadow}
     scn = _scenario(lm.model, str(lm.fingerprint), min(DEFAULT_CHUNK, max_context(lm.model.config)), rates,
-                    "unpruned", 0.0, "cpu")
-    plan_linears(lm.model, calib, quant, lm.fingerprint, progress, soc_shadow_prices(scn, quant.pruning_target))
+                    "unpruned", 0.0, placement)
+    plan_linears(lm.model, calib, quant, lm.fingerprint, progress, soc_shadow_prices(scn, soc))
+
+
+def pruning_target(soc: str, placement: "Placement | str" = PAPER) -> str:
+    """The ``QuantConfig.pruning_target`` of a program for ``soc`` with ``placement``."""
+    placement = parse_placement(placement)
+    return soc if placement == parse_placement(PAPER) else f"{soc}:{placement.name}"
+
+
+def split_target(target: str) -> tuple[str, Placement]:
+    soc, _, placement = target.partition(":")
+    load_device(soc)
+    return soc, parse_placement(placement or PAPER)
 
 
 def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: float | None = None,
-            norms: str = "cpu", progress: bool = True, plan: dict[str, float] | None = None,
+            placement: "Placement | str" = PAPER, progress: bool = True, plan: dict[str, float] | None = None,
             soc: str = "SM8650") -> Scenario:
-    """Partition ``model``'s chunk step and attach its shadow plan (``plan`` overrides it: tests). An
-    automatic pruning is the one chosen for ``soc``."""
+    """Partition ``model``'s chunk step with ``placement`` and attach its shadow plan (``plan``
+    overrides it: tests). An automatic pruning is the one chosen for ``soc`` and that placement."""
+    placement = parse_placement(placement)
     if quant not in QUANT_MODES:
         raise LlmNpuError(f"simulate runs INT8 NPU graphs: --quant must be one of {', '.join(QUANT_MODES)}, got '{quant}'")
     config = quant_config(quant, pruning_rate)
     if auto.is_auto(config):
-        load_device(soc)
-        config = dataclasses.replace(config, pruning_target=soc)
+        config = dataclasses.replace(config, pruning_target=pruning_target(soc, placement))
     lm = None
     if model.startswith("random:") or Path(model).is_dir():
         net: nn.Module = model_skeleton(model)
@@ -174,33 +198,49 @@ def prepare(model: str, chunk: int, quant: str = "w8a8-shadow", pruning_rate: fl
         base, rate, base_layers = embedded_plan(config, progress)
         rates = carry_over(base, base_layers, list(quantizable_linears(net)), net.config.num_hidden_layers)
         source = f"{DEFAULT_MODEL}'s calibration, carried over by depth and role"
-    return _scenario(net, model, chunk, rates, source, rate, norms)
+    return _scenario(net, model, chunk, rates, source, rate, placement)
 
 
 def _scenario(net: nn.Module, model: str, chunk: int, rates: dict[str, float], source: str,
-              rate: float | None, norms: str) -> Scenario:
-    """``net``'s chunk step partitioned with the linears of ``rates`` shadowed."""
-    ep = export_chunk_step(net, chunk)
-    partition = partition_graph(ep.module(), quantizable_linears(net), shadowed=list(rates), norms=norms, prefix="model.")
+              rate: float | None, placement: Placement) -> Scenario:
+    """``net``'s chunk step partitioned with ``placement`` and the linears of ``rates`` shadowed."""
+    step = export_chunk_step(net, chunk).module()
+    scn = Scenario(model, None, None, chunk, max_context(net.config), rates, source, rate, step,
+                   tuple(quantizable_linears(net)), kv_shape(net.config).layers)
+    return with_shadowed(scn, rates, placement)
+
+
+def with_shadowed(scn: Scenario, rates: dict[str, float], placement: Placement | None = None) -> Scenario:
+    """``scn`` with the shadow paths of ``rates`` only, its step cut again (with ``placement``, or its
+    own): where a shadow product merges on the NPU, a path ends one NPU graph and starts the next."""
+    placement = placement or scn.partition.placement
+    partition = partition_graph(scn.step, scn.linears, shadowed=list(rates), placement=placement, prefix="model.")
     rates = {k: v for k, v in rates.items() if k in partition.shadowed}
-    program = ChunkProgram([Step(s, None) for s in partition.subgraphs], partition.graph_outputs, chunk,
-                           kv_shape(net.config).layers)
-    return Scenario(model, partition, program, chunk, max_context(net.config), rates, source, rate)
+    program = ChunkProgram([Step(s, None) for s in partition.subgraphs], partition.graph_outputs, scn.chunk,
+                           scn.kv_layers)
+    return dataclasses.replace(scn, partition=partition, program=program, outlier_rate=rates)
+
+
+def window(scn: Scenario, chunks: int, past: int = 0) -> int:
+    """The fixed K/V window of a program exported for this prompt: its past and its chunks."""
+    return min(past + chunks * scn.chunk, scn.context)
 
 
 def step_costs(scn: Scenario, device: Device, chunks: int, past: int = 0, fine_share: float = 0.0,
                program: Program = cost.OURS) -> dict:
     """``Profile.costs``-shaped seconds: per step for static subgraphs, per (step, chunk) for dynamic ones
-    (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys).
-    ``fine_share``: of the NPU outputs computed twice (``cost.npu_seconds``)."""
+    (chunk i of a prompt after ``past`` tokens attends over ``past + i * chunk`` earlier keys on the
+    CPU, over the fixed ``window`` on the NPU). ``fine_share``: of the NPU outputs computed twice
+    (``cost.npu_seconds``)."""
     costs: dict = {}
+    keys = window(scn, chunks, past)
     for j, step in enumerate(scn.program.steps):
         if step.static:
-            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate, fine_share, program)
+            costs[j] = cost.seconds(step.sub, 0, device, scn.outlier_rate, fine_share, program, keys)
         else:
             for i in range(chunks):
                 costs[(j, i)] = cost.seconds(step.sub, past + i * scn.chunk, device, scn.outlier_rate, fine_share,
-                                             program)
+                                             program, keys)
     return costs
 
 
@@ -208,15 +248,16 @@ def lane_seconds(scn: Scenario, device: Device, chunks: int, past: int = 0, fine
                  program: Program = cost.OURS) -> dict:
     """What each processor's busy time is made of over the prompt's tasks (``format.tasks``: a chunk
     runs only the steps its successors need): the NPU's graph launches and its GEMMs with their
-    traffic, the CPU's time per op kind (``cost.cpu_kind``)."""
-    npu = {"launch": 0.0, "linears": 0.0}
+    traffic (``cost.NPU_PARTS``), the CPU's time per op kind (``cost.cpu_kind``)."""
+    npu = dict.fromkeys(cost.NPU_PARTS, 0.0)
     cpu: dict[str, float] = {}
+    keys = window(scn, chunks, past)
     for task in build_tasks(scn.program, chunks):
         sub = scn.program.steps[task.step].sub
         p = 0 if scn.program.steps[task.step].static else past + task.chunk * scn.chunk
         if sub.processor == "npu":
-            npu["launch"] += device["npu.graph_launch_s"]
-            npu["linears"] += cost.npu_seconds(sub, p, device, fine_share, program) - device["npu.graph_launch_s"]
+            for k, v in cost.npu_parts(sub, p, device, fine_share, program, keys).items():
+                npu[k] += v
             continue
         for node in sub.nodes:
             if t := cost.cpu_node_seconds(node, p, device, scn.outlier_rate):
@@ -286,6 +327,26 @@ def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES
             row["png"] = str(write_timeline(stats, Path(trace_dir) / f"{policy}.png", title))
         out["policies"][policy] = row
     return out
+
+
+def choose_placement(model: str, chunk: int, soc: str, prompt_len: int, candidates, quant: str = "w8a8-shadow",
+                     pruning_rate: float | None = None, progress: bool = True, past: int = 0,
+                     fine_share: float = 0.0) -> tuple[Scenario, list[dict]]:
+    """The placement among ``candidates`` whose program has the shortest predicted ``ooo`` prefill of a
+    ``prompt_len``-token prompt on ``soc``: each partitioned, its shadow paths pruned for itself (an
+    automatic rate), and simulated. Returns the winner's scenario and one row per candidate, fastest
+    first."""
+    rows, scenarios = [], {}
+    for placement in dict.fromkeys(parse_placement(c) for c in candidates):
+        scn = prepare(model, chunk, quant, pruning_rate, placement, progress, soc=soc)
+        r = simulate_prefill(scn, soc, prompt_len, ("ooo",), past=past, fine_share=fine_share)["policies"]["ooo"]
+        scenarios[placement.name] = scn
+        rows.append({"placement": placement.name, "npu_graphs": sum(s.processor == "npu" for s in scn.partition.subgraphs),
+                     "shadowed_linears": scn.shadowed, "pruning_rate": scn.pruning_rate, **r})
+    if not rows:
+        raise LlmNpuError("no placement to choose from: name one or more with --placement")
+    rows.sort(key=lambda r: r["wall_s"])
+    return scenarios[rows[0]["placement"]], rows
 
 
 SWEEP_CHUNKS = (64, 128, 256, 512)

@@ -1,0 +1,156 @@
+"""Placement: which of a decoder block's optional pieces run on the NPU beside its linears.
+
+The quantizable linears always go to the NPU and the shadow outlier products always stay on the CPU
+(sparse float work: a few rows of W per outlier element). Between those two, each *piece* of a block
+can run on either side:
+
+- ``attention``: the chunk's attention over its K/V (Q K^T, softmax, P V) and the write of the
+  chunk's K/V beside the past;
+- ``norms``: the blocks' RMSNorms (q/k norms included);
+- ``rope``: the rotary embedding of q and k;
+- ``residual``: the residual adds;
+- ``act``: the gated activation between gate/up and down;
+- ``merge``: the add of a shadow product onto its linear's output.
+
+The paper keeps them all on the CPU (``paper``). Which placement is fastest depends on the target:
+a phone's NPU runs them far faster than its CPU, but each shadow product merged on the NPU ends one
+NPU graph and starts another. ``backends`` declare the pieces they can run; ``llmnpu simulate``
+chooses among the placements they allow by predicted prefill.
+
+Work outside the decoder blocks (the embedding, the rotary tables, the masks, the final norm and
+the head) stays on the CPU: it runs once per chunk and feeds or follows every block.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from ..errors import LlmNpuError
+
+PIECES = ("attention", "norms", "rope", "residual", "act", "merge")
+PAPER = "paper"
+PRESETS = {
+    "paper": (),                                   # the paper's split: linears only
+    "norms": ("norms",),                           # norms folded into the regions they feed
+    "attention-half": ("attention", "rope", "norms"),  # the attention half of each block on the NPU
+    "block": PIECES,                               # everything but the shadow products
+}
+MERGE = "llmnpu_merge"      # node.meta key set on the add of a shadow product (regions._insert_shadow)
+
+# Ops that compute nothing: they follow their neighbours onto either processor.
+_MOVABLE = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+            "slice", "select", "t", "alias", "detach", "detach_", "clone", "contiguous", "to", "_to_copy",
+            "getitem", "lift_fresh_copy", "_assert_tensor_metadata"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    pieces: frozenset
+
+    def __post_init__(self):
+        unknown = set(self.pieces) - set(PIECES)
+        if unknown:
+            raise LlmNpuError(f"unknown placement piece(s) {', '.join(sorted(unknown))}: use {', '.join(PIECES)}")
+
+    @property
+    def name(self) -> str:
+        for name, pieces in PRESETS.items():
+            if set(pieces) == self.pieces:
+                return name
+        return "+".join(p for p in PIECES if p in self.pieces)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def on_npu(self, piece: str) -> bool:
+        return piece in self.pieces
+
+
+def parse_placement(text: "str | Placement") -> Placement:
+    """A preset name (``paper``, ``norms``, ``attention-half``, ``block``) or pieces joined by ``+``
+    (``attention+rope+norms``)."""
+    if isinstance(text, Placement):
+        return text
+    if text in PRESETS:
+        return Placement(frozenset(PRESETS[text]))
+    pieces = [p for p in str(text).split("+") if p]
+    if not pieces or any(p not in PIECES for p in pieces):
+        raise LlmNpuError(f"unknown placement '{text}': use one of {', '.join(PRESETS)}, or pieces joined by '+' "
+                          f"from {', '.join(PIECES)}")
+    return Placement(frozenset(pieces))
+
+
+def from_norms(norms: str) -> Placement:
+    """The placement of the older ``norms`` policy (``"cpu"``: the paper's, ``"npu"``: norms folded)."""
+    if norms not in ("cpu", "npu"):
+        raise LlmNpuError(f"norms policy must be one of ('cpu', 'npu'), got '{norms}'")
+    return parse_placement("norms" if norms == "npu" else "paper")
+
+
+def op_name(node: Node) -> str:
+    t = node.target
+    if t is operator.add or t is operator.getitem:
+        return t.__name__
+    return getattr(t, "__name__", str(t)).split(".")[0]
+
+
+def movable(node: Node) -> bool:
+    """A view, cast or copy: no work of its own, it goes where its neighbours are."""
+    return node.op in ("call_function", "call_method") and (op_name(node) in _MOVABLE or _copies_one(node))
+
+
+def _copies_one(node: Node) -> bool:
+    """A concatenation of one tensor with empty ones (a cache filled from the past it is given)."""
+    if op_name(node) != "cat" or not node.args or not isinstance(node.args[0], (list, tuple)):
+        return False
+    sizes = [a.meta.get("val") for a in node.args[0] if isinstance(a, Node)]
+    return sum(not (isinstance(v, torch.Tensor) and v.numel() == 0) for v in sizes) == 1
+
+
+def _innermost(node: Node) -> tuple[str, str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return str(path), cls.rsplit(".", 1)[-1]
+
+
+def layer_of(node: Node) -> int | None:
+    """The decoder block ``node`` was traced in (``...layers.<i>...``), or None outside the blocks."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        parts = str(path).replace("_", ".").split(".")
+        for a, b in zip(parts, parts[1:]):
+            if a == "layers" and b.isdigit():
+                return int(b)
+    return None
+
+
+def writes_kv(node: Node) -> bool:
+    """The chunk's K/V written beside the past: a concatenation whose length is the past's (symbolic)."""
+    val = node.meta.get("val")
+    return (op_name(node) == "cat" and isinstance(val, torch.Tensor)
+            and any(isinstance(d, torch.SymInt) for d in val.shape))
+
+
+def piece_of(node: Node, attention_targets) -> str | None:
+    """The piece a compute node belongs to, or None for work outside the pieces (prologue, head)."""
+    if node.meta.get(MERGE):
+        return "merge"
+    if node.target in attention_targets or writes_kv(node):
+        return "attention"      # with the K/V it reads and writes
+    if layer_of(node) is None:
+        return None
+    _, cls = _innermost(node)
+    if "Norm" in cls:
+        return "norms"
+    if cls.endswith("Attention"):
+        return "rope"           # the attention module's own float work besides attention
+    if cls.endswith(("MLP", "Activation")) or "GELU" in cls or "SiLU" in cls:
+        return "act"
+    if cls.endswith("DecoderLayer"):
+        return "residual"
+    return None

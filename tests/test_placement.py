@@ -1,0 +1,224 @@
+"""Placement: which pieces of a block run on the NPU beside the linears. The cut under each placement
+against the uncut step, the pieces each moves, the graph splits a shadow merge makes, the phone
+model's pricing of NPU pieces against hand counts, the choice by predicted prefill, the backends'
+capability tables and the CLI's --placement and --why."""
+import json
+import math
+
+import pytest
+import torch
+
+from llmnpu_delegate import backends
+from llmnpu_delegate.chunk_step import example_inputs, export_chunk_step
+from llmnpu_delegate.cli import main
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.partitioner import partition_graph
+from llmnpu_delegate.partitioner.placement import PIECES, PRESETS, layer_of, parse_placement
+from llmnpu_delegate.partitioner.regions import ATTENTION_TARGETS, subgraph_module
+from llmnpu_delegate.quantize import quantizable_linears
+from llmnpu_delegate.runtime.engine_config import EngineConfig
+from llmnpu_delegate.simulate import cost
+from llmnpu_delegate.simulate.device import matrix_ops_per_s
+from llmnpu_delegate.simulate.phone import choose_placement, prepare, simulate_prefill, soc_shadow_prices, with_shadowed
+
+from test_simulate import toy_device
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("random:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def exported(llama):
+    return export_chunk_step(llama.model, CHUNK)
+
+
+def _cut(llama, exported, placement, shadowed=()):
+    return partition_graph(exported.module(), quantizable_linears(llama.model), prefix="model.",
+                           placement=placement, shadowed=shadowed)
+
+
+def _npu_nodes(partition):
+    return {n for s in partition.by_kind("npu") for n in s.nodes}
+
+
+def _run_cut(partition, inputs: dict) -> list:
+    """Every subgraph in program order, each a standalone float GraphModule."""
+    values = dict(inputs)
+    for sub in partition.subgraphs:
+        outs = subgraph_module(partition, sub)(*[values[n] for n in sub.inputs])
+        values.update(zip(sub.outputs, outs))
+    return [values[n] for n in partition.graph_outputs]
+
+
+@pytest.mark.parametrize("placement", list(PRESETS) + ["rope+act"])
+def test_every_placement_cuts_the_step_without_changing_what_it_computes(llama, exported, placement):
+    past = 5
+    ids, pos, last, pk, pv = example_inputs(llama.model.config, CHUNK, past)
+    ids = torch.randint(0, llama.model.config.vocab_size, ids.shape, generator=torch.Generator().manual_seed(0))
+    pk = [torch.randn_like(t) for t in pk]
+    pv = [torch.randn_like(t) for t in pv]
+    want = torch.utils._pytree.tree_leaves(exported.module()(ids, pos, last, pk, pv))
+    p = _cut(llama, exported, placement)
+    names = p.graph_inputs
+    got = _run_cut(p, dict(zip(names, [ids, pos, last, *pk, *pv])))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)     # the same ops in the same order
+
+
+def _ops(nodes, name):
+    """The nodes of ``name``'s op inside the decoder blocks (the final norm is not a block's)."""
+    return {n for n in nodes if n.op == "call_function" and name in str(n.target) and layer_of(n) is not None}
+
+
+@pytest.mark.parametrize("piece, marker", [("attention", "chunk_attention"), ("norms", "rsqrt"),
+                                           ("rope", "neg"), ("act", "silu")])
+def test_each_piece_moves_to_the_npu_alone(llama, exported, piece, marker):
+    p = _cut(llama, exported, piece)
+    everything = list(p.graph_module.graph.nodes)
+    assert _ops(everything, marker) and _ops(everything, marker) <= _npu_nodes(p)
+    for other, other_marker in (("attention", "chunk_attention"), ("norms", "rsqrt"), ("rope", "neg"), ("act", "silu")):
+        if other != piece:
+            assert not _ops(_npu_nodes(p), other_marker), f"{other} moved with {piece}"
+    paper = _cut(llama, exported, "paper")
+    assert not any(_ops(_npu_nodes(paper), m) for m in ("chunk_attention", "rsqrt", "neg", "silu"))
+
+
+def test_the_whole_block_is_one_npu_graph_until_a_shadow_merge_splits_it(llama, exported):
+    layers = llama.model.config.num_hidden_layers
+    whole = _cut(llama, exported, "block")
+    assert len(whole.by_kind("npu")) == 1
+    assert all(s.processor == "cpu" for s in whole.subgraphs if s.layer is None)     # prologue and head
+    # a shadowed q (q/k/v share one input: one merge point) and a shadowed down in each block: each
+    # merge is CPU work feeding the NPU, so every one ends a graph and starts the next
+    shadowed = [f"model.layers.{i}.{m}" for i in range(layers) for m in ("self_attn.q_proj", "mlp.down_proj")]
+    split = _cut(llama, exported, "block", shadowed=shadowed)
+    assert len(split.by_kind("npu")) == 1 + len(shadowed)
+    # merged on the CPU instead, the merge and everything after it up to the next linear stay there
+    apart = _cut(llama, exported, "attention+rope+norms+residual+act", shadowed=shadowed)
+    assert any("merge" in r for r in apart.why.values())
+
+
+def test_why_names_a_reason_for_every_node_on_the_cpu(llama, exported):
+    p = _cut(llama, exported, "attention-half", shadowed=["model.layers.0.mlp.down_proj"])
+    on_cpu = {n.name for s in p.subgraphs if s.processor == "cpu" for n in s.nodes if n.op == "call_function"}
+    assert on_cpu <= set(p.why)
+    assert set(p.why) <= {n.name for s in p.subgraphs if s.processor == "cpu" for n in s.nodes}
+    reasons = " ".join(p.why.values())
+    for expected in ("shadow product", "act, not on the NPU in placement attention-half",
+                     "residual, not on the NPU", "outside the decoder blocks"):
+        assert expected in reasons
+    assert not any(r.startswith("attention") for r in p.why.values())
+
+
+def test_a_placement_is_a_preset_or_pieces_and_nothing_else():
+    assert parse_placement("attention+rope+norms").name == "attention-half"
+    assert parse_placement("attention").pieces == {"attention"}       # a piece alone
+    assert parse_placement("block").pieces == frozenset(PIECES)
+    assert parse_placement("act+rope").name == "rope+act"
+    for bad in ("gpu", "attention+softmax", ""):
+        with pytest.raises(LlmNpuError, match="placement"):
+            parse_placement(bad)
+
+
+# ------------------------------------------------------------------ backends' capability tables
+def test_each_backend_declares_the_pieces_it_runs():
+    qnn, cpu = backends.get("qnn"), backends.get("cpu-int8")
+    assert set(qnn.pieces) == set(PIECES) and backends.placements(qnn) == list(PRESETS)
+    assert backends.placements(cpu) == ["paper"]
+    with pytest.raises(LlmNpuError, match=r"cpu-int8 cannot run attention or norms .*use placement paper"):
+        backends.check_placement(cpu, "attention+norms")
+    with pytest.raises(LlmNpuError, match="cannot run norms"):
+        EngineConfig(CHUNK, norms="npu")
+    assert backends.check_placement(qnn, "block").name == "block"
+
+
+# ------------------------------------------------------------------ the phone model's pricing
+@pytest.fixture(scope="module")
+def block():
+    return prepare("random:tiny-llama", 8, placement="block", progress=False, plan={})
+
+
+def test_attention_on_the_npu_costs_its_fixed_window_at_16_bit_activations(block):
+    dev = toy_device(**{"npu.vector_elems_per_s": 1e7})
+    sub = next(s for s in block.partition.by_kind("npu"))
+    window = 48
+    heads, kv_heads, d, layers, c = 4, 2, 16, 2, 8
+    parts = [cost.npu_parts(sub, past, dev, window=window) for past in (0, 8, 40)]
+    assert parts[0] == parts[1] == parts[2]              # a static graph: the window, whatever the past
+    p = parts[0]
+    assert p["attention"] == pytest.approx(layers * 4 * c * window * heads * d / matrix_ops_per_s(dev, "a16"))
+    assert p["softmax"] == pytest.approx(layers * c * window * heads / 1e7)
+    assert p["kv_read"] == pytest.approx(layers * 2 * window * kv_heads * d * 2 / 1e8)   # 16-bit K/V from DRAM
+    # each piece's output once on the vector unit: per block two norms, two residual adds (h each),
+    # RoPE of q and k, the new K and V written, the gated product (ffn); the final norm stays on the CPU
+    h, ffn = 64, 128
+    per_block = 4 * h + (heads + kv_heads) * d + 2 * kv_heads * d + ffn
+    assert p["elementwise"] == pytest.approx(layers * c * per_block / 1e7)
+
+
+def test_the_cpu_lane_empties_as_pieces_move_and_attention_leaves_it(block):
+    paper = prepare("random:tiny-llama", 8, placement="paper", progress=False, plan={})
+    a = simulate_prefill(paper, "SM8750", 64, ("ooo",))
+    b = simulate_prefill(block, "SM8750", 64, ("ooo",))
+    assert a["lanes"]["cpu"]["attention"] > 0 and "attention" not in b["lanes"]["cpu"]
+    assert b["lanes"]["npu"]["attention"] > 0 and a["lanes"]["npu"]["attention"] == 0
+    assert b["policies"]["ooo"]["cpu_busy_s"] < a["policies"]["ooo"]["cpu_busy_s"]
+
+
+def test_a_shadow_merged_on_the_npu_is_priced_with_the_graphs_it_splits():
+    names = [n for n in quantizable_linears(load_model("random:tiny-llama").model) if "down_proj" in n]
+    scn = prepare("random:tiny-llama", 8, placement="block", progress=False, plan={n: 0.01 for n in names})
+    none = with_shadowed(scn, {})
+    assert len(none.partition.by_kind("npu")) == 1 < len(scn.partition.by_kind("npu"))
+    prices = soc_shadow_prices(scn, "SM8750", 64)
+    assert set(prices.seconds) == set(names)
+    # without its paths the step is one graph again: the prefill loses a launch per path and chunk
+    saved = prices.makespan(frozenset(names)) - prices.makespan(frozenset())
+    paper = prepare("random:tiny-llama", 8, placement="paper", progress=False, plan={n: 0.01 for n in names})
+    saved_paper = soc_shadow_prices(paper, "SM8750", 64)
+    assert saved > saved_paper.makespan(frozenset(names)) - saved_paper.makespan(frozenset())
+
+
+def test_the_chosen_placement_is_the_fastest_simulated():
+    scn, rows = choose_placement("random:tiny-llama", 8, "SM8750", 64, ["paper", "attention-half", "block"],
+                                 pruning_rate=0.0, progress=False)
+    assert [r["placement"] for r in rows] and scn.partition.placement.name == rows[0]["placement"]
+    for r in rows:
+        alone = prepare("random:tiny-llama", 8, pruning_rate=0.0, placement=r["placement"], progress=False,
+                        soc="SM8750")
+        assert simulate_prefill(alone, "SM8750", 64, ("ooo",))["policies"]["ooo"]["wall_s"] == pytest.approx(r["wall_s"])
+    assert rows == sorted(rows, key=lambda r: r["wall_s"])
+
+
+# ------------------------------------------------------------------ the CLI
+def test_partition_cli_places_and_explains(capsys):
+    assert main(["partition", "--model", "random:tiny-llama", "--chunk", "16", "--quant", "fp32", "--no-progress",
+                 "--placement", "attention", "--why", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"] == "attention" and out["why"]
+    assert not any(r.startswith("attention") for r in out["why"].values())
+    with pytest.raises(SystemExit, match="2"):
+        main(["partition", "--model", "random:tiny-llama", "--placement", "gpu"])
+    assert "unknown placement 'gpu'" in capsys.readouterr().err
+
+
+def test_simulate_cli_chooses_a_placement_and_takes_a_forced_one(capsys):
+    args = ["simulate", "--model", "random:tiny-llama", "--soc", "SM8750", "--prompt-len", "32", "--chunk", "8",
+            "--pruning-rate", "0", "--policies", "ooo", "--no-progress"]
+    assert main(args + ["--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    tried = {r["placement"] for r in auto["placement_choice"]}
+    assert tried == set(backends.placements(backends.get("qnn")))
+    best = min(auto["placement_choice"], key=lambda r: r["wall_s"])
+    assert auto["placement"] == best["placement"]
+    assert math.isclose(auto["policies"]["ooo"]["wall_s"], best["wall_s"], rel_tol=1e-9)
+    assert main(args + ["--placement", "paper"]) == 0
+    text = capsys.readouterr().out
+    assert "placement paper" in text and "placement chosen" not in text
+    assert main(args + ["--program", "paper", "--placement", "block"]) == 2
