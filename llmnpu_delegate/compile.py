@@ -29,6 +29,7 @@ from torch import fx, nn
 from . import backends
 from .errors import LlmNpuError
 from .models import LoadedModel, fingerprint as model_fingerprint
+from .partitioner.placement import PAPER
 from .partitioner.regions import is_linear, linear_names, partition_graph
 from .prepare import default_calibration
 from .quantize import Calibration, QuantConfig, plan_linears, quant_config, quantizable_linears
@@ -37,7 +38,7 @@ from .runtime.engine import choose_host_pruning
 from .runtime.program import build_steps
 
 NAME = "llmnpu"
-_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "norms", "fallback", "counters", "backend"}
+_KNOWN_OPTIONS = {"linears", "plans", "fingerprint", "weights", "placement", "fallback", "counters", "backend"}
 FALLBACKS = ("error", "eager")
 
 
@@ -194,7 +195,7 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
         return gm.forward                 # nothing for the NPU in this graph
     try:
         partition = partition_graph(gm, found, shadowed=[n for n, p in (plans or {}).items() if p.shadow],
-                                    placement=options.get("norms", "cpu"), param_of_placeholder=names)
+                                    placement=options.get("placement", PAPER), param_of_placeholder=names)
         if not partition.by_kind("npu"):
             raise LlmNpuError("no NPU region was formed")
     except Exception as e:  # noqa: BLE001 - an unsupported graph runs eagerly, never crashes

@@ -42,8 +42,8 @@ class Stub:
     missing = "a stub's regions hold linears only"
     lowered_methods: list[str] = []
 
-    def engine(self, model, fingerprint, chunk_len, plans, weights="channel", cache=None, norms="cpu"):
-        return Counting(model, fingerprint, chunk_len, plans, weights, cache, norms)
+    def engine(self, model, fingerprint, chunk_len, plans, weights="channel", cache=None):
+        return Counting(model, fingerprint, chunk_len, plans, weights, cache)
 
     def check_target(self, soc):
         pass

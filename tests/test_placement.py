@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from llmnpu_delegate import backends
 from llmnpu_delegate.chunk_step import example_inputs, export_chunk_step
@@ -129,13 +130,19 @@ def test_a_placement_is_a_preset_or_pieces_and_nothing_else():
 # ------------------------------------------------------------------ backends' capability tables
 def test_each_backend_declares_the_pieces_it_runs():
     qnn, cpu = backends.get("qnn"), backends.get("cpu-int8")
-    assert set(qnn.pieces) == set(PIECES) and backends.placements(qnn) == list(PRESETS)
-    assert backends.placements(cpu) == ["paper"]
-    with pytest.raises(LlmNpuError, match=r"cpu-int8 cannot run attention or norms .*use placement paper"):
-        backends.check_placement(cpu, "attention+norms")
-    with pytest.raises(LlmNpuError, match="cannot run norms"):
-        EngineConfig(CHUNK, norms="npu")
-    assert backends.check_placement(qnn, "block").name == "block"
+    for b in (qnn, cpu):
+        assert set(b.pieces) == set(PIECES) and backends.placements(b) == list(PRESETS)
+        assert backends.check_placement(b, "block").name == "block"
+
+    class LinearsOnly:      # a backend whose graphs hold INT8 linears only
+        name, pieces, missing = "linears-only", {}, "its graphs are INT8 GEMMs"
+    with pytest.raises(LlmNpuError, match=r"linears-only cannot run attention or norms on its NPU \(its graphs are "
+                                          r"INT8 GEMMs\): use placement paper$"):
+        backends.check_placement(LinearsOnly, "attention+norms")
+    assert backends.placements(LinearsOnly) == ["paper"]
+    with pytest.raises(LlmNpuError, match="unknown placement"):
+        EngineConfig(CHUNK, placement="npu")
+    assert EngineConfig(CHUNK, placement="norms+attention+rope").placement == "attention-half"
 
 
 # ------------------------------------------------------------------ the phone model's pricing
@@ -222,3 +229,32 @@ def test_simulate_cli_chooses_a_placement_and_takes_a_forced_one(capsys):
     text = capsys.readouterr().out
     assert "placement paper" in text and "placement chosen" not in text
     assert main(args + ["--program", "paper", "--placement", "block"]) == 2
+
+
+# ------------------------------------------------------------------ the engine's stand-in NPU
+@pytest.fixture(scope="module")
+def engines(llama):
+    """The INT8 engine on tiny-llama (every shadow path kept) under each preset placement, with a tail
+    program (chunk 64: a 16-row tail)."""
+    from llmnpu_delegate.quantize import quant_config
+    from llmnpu_delegate.runtime.engine import Prefiller
+    quant = quant_config("w8a8-shadow", 0.0)
+    return {pl: Prefiller(llama, 64, quant=quant, placement=pl, progress=False) for pl in PRESETS}
+
+
+@pytest.mark.parametrize("placement", [p for p in PRESETS if p != "paper"])
+def test_the_engine_runs_a_placement_with_the_papers_numbers_on_the_npu_lane(engines, llama, placement):
+    ids = torch.randint(0, llama.model.config.vocab_size, (1, 140), generator=torch.Generator().manual_seed(1))
+    want, got = engines["paper"](ids), engines[placement](ids)
+    assert got.rows == want.rows == 2 * 64 + 16             # the last 12 tokens ran as the 16-row tail
+    # the same ops on the same kernels in the same order: only the lane that runs them differs
+    assert torch.equal(got.logits, want.logits)
+    for a, b in zip(got.past_k + got.past_v, want.past_k + want.past_v):
+        assert torch.equal(a, b)
+    npu_ops = {str(n.target) for s in engines[placement].program.steps
+               if s.sub.kind == "npu" and isinstance(s.fn, torch.fx.GraphModule) for n in s.fn.graph.nodes}
+    # the piece's op, as the CPU's rewrites leave it (fuse.py: one native RMSNorm, silu_mul_)
+    moved = {"norms": "rms_norm", "attention-half": "attention", "block": "silu"}[placement]
+    assert any(moved in t for t in npu_ops)
+    assert all(isinstance(s.fn, nn.Module) and not isinstance(s.fn, torch.fx.GraphModule)
+               for s in engines["paper"].program.steps if s.sub.kind == "npu")     # linears-only regions

@@ -358,8 +358,8 @@ def test_bad_chunk_lengths_are_refused(llama, chunk):
 def test_backend_and_policy_errors(llama):
     with pytest.raises(LlmNpuError, match="unknown backend"):
         Prefiller(llama, 8, backend="hexagon", quant=None)
-    with pytest.raises(LlmNpuError, match="norms"):
-        Prefiller(llama, 8, quant=None, norms="npu")
+    with pytest.raises(LlmNpuError, match="unknown placement 'npu'"):
+        Prefiller(llama, 8, quant=None, placement="npu")
     with pytest.raises(LlmNpuError, match="unknown quantization"):
         Prefiller(llama, 8, quant="int4")
 

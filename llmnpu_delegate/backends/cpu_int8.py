@@ -3,9 +3,10 @@ and exports them to ExecuTorch's XNNPACK INT8 kernels (the same program without 
 
 Like an NPU graph it takes a float tensor at its entry, quantizes it once with a static per-tensor
 scale, runs INT8 x INT8 -> INT32 GEMMs and dequantizes at its exit (per-output-channel weight
-scales are applied to the int32 accumulator, as HTP does). Nothing else runs inside: norms,
-activations, attention and the shadow outlier path belong to CPU subgraphs. Weights are converted
-once, at compile time, and cached on disk by the graph cache.
+scales are applied to the int32 accumulator, as HTP does). Nothing else runs inside a region:
+under a placement beyond the paper's, the engine runs the other pieces of an NPU subgraph in float
+around its regions, on the NPU lane (``runtime/npu_graph.py``). Weights are converted once, at
+compile time, and cached on disk by the graph cache.
 
 With ``plans=None`` the same subgraphs run as float linears: the float reference of the engine.
 """
@@ -20,12 +21,13 @@ from torch import Tensor, nn
 from .. import kernels as K
 from ..errors import LlmNpuError
 from ..format.rows import RowStore
+from ..partitioner.placement import PIECES
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
 from ..quantize.shadow_rows import shadow_rows
 from .graph_cache import GraphCache
-from .registry import check_placement, register
+from .registry import register
 
 NAME = "cpu-int8"
 
@@ -102,8 +104,7 @@ class CpuInt8Engine:
     name = NAME
 
     def __init__(self, model: nn.Module | dict[str, nn.Linear], fingerprint: str, chunk_len: int, plans: dict[str, LinearPlan] | None,
-                 weights: str = "channel", cache: GraphCache | None = None, norms: str = "cpu"):
-        check_placement(CpuInt8, norms)
+                 weights: str = "channel", cache: GraphCache | None = None):
         self.model = model
         self.fingerprint = fingerprint
         self.chunk_len = chunk_len
@@ -175,13 +176,14 @@ class CpuInt8:
     encodings = "xnnpack"
     uses_soc = False
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
-    pieces: dict = {}
-    missing = ("its NPU regions are XNNPACK INT8 linear graphs; the engine runs norms, RoPE, attention, "
-               "the residual adds, the activation and the shadow merges in its float lane")
+    # the engine runs each piece as the graph has it, in float, on the NPU lane's thread
+    # (runtime/npu_graph.py); llmnpu export writes the paper's placement (linears only)
+    pieces = dict.fromkeys(PIECES, "float32 on the stand-in NPU's lane (the engine only)")
+    missing = "none"
 
-    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
-               norms: str = "cpu") -> CpuInt8Engine:
-        return CpuInt8Engine(model, fingerprint, chunk_len, plans, weights, cache, norms)
+    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel",
+               cache=None) -> CpuInt8Engine:
+        return CpuInt8Engine(model, fingerprint, chunk_len, plans, weights, cache)
 
     def check_target(self, soc: str | None) -> None:
         pass

@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ..errors import LlmNpuError
-from ..partitioner.placement import PIECES, PRESETS, Placement
-from ..partitioner.regions import as_placement
+from ..partitioner.placement import PIECES, PRESETS, Placement, parse_placement
 
 
 @runtime_checkable
@@ -39,8 +38,7 @@ class NpuBackend(Protocol):
     pieces: dict                      # placement piece it runs on the NPU -> its ops and precision there
     missing: str                      # why the pieces it lacks stay on the CPU
 
-    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None,
-               norms: str = "cpu"): ...
+    def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel", cache=None): ...
 
     def check_target(self, soc: str | None) -> None: ...
 
@@ -58,7 +56,7 @@ DEFAULT = "cpu-int8"
 
 def check_placement(backend: NpuBackend, placement: "Placement | str") -> Placement:
     """``placement`` as a ``Placement``, if ``backend`` runs every piece it puts on the NPU."""
-    placement = as_placement(placement)
+    placement = parse_placement(placement)
     lacking = [p for p in PIECES if placement.on_npu(p) and p not in backend.pieces]
     if lacking:
         can = ", ".join(placements(backend))

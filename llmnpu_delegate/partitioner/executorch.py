@@ -24,6 +24,7 @@ from executorch.exir.backend.partitioner import (
 from torch.export import ExportedProgram
 
 from ..quantize.linear import quantize_weight
+from .placement import PAPER
 from .regions import is_linear, is_qdq, linear_names, npu_regions
 
 PAYLOAD_FORMAT = 1
@@ -38,12 +39,12 @@ class LlmNpuPartitioner(Partitioner):
     """Tags each NPU region of an exported chunk step (linears sharing an input, their weights) for
     one delegate. ``quantizable`` names the decoder linears (``prefix`` is stripped from weight names)."""
 
-    def __init__(self, quantizable, prefix: str = "", norms: str = "cpu",
+    def __init__(self, quantizable, prefix: str = "", placement: str = PAPER,
                  delegation_spec: DelegationSpec | None = None):
         super().__init__()
         self.quantizable = list(quantizable)
         self.prefix = prefix
-        self.norms = norms
+        self.placement = placement
         self.delegation_spec = delegation_spec or DelegationSpec(LlmNpuPayloadBackend.__name__, [])
 
     def ops_to_not_decompose(self, ep: ExportedProgram):
@@ -61,7 +62,7 @@ class LlmNpuPartitioner(Partitioner):
         constants = {**params, **dict(sig.inputs_to_buffers), **dict(sig.inputs_to_lifted_tensor_constants)}
         linears = linear_names(gm, self.quantizable, self.prefix, params)
         tags = {}
-        for i, region in enumerate(npu_regions(_grouped_by_source(gm, linears), linears, self.norms)):
+        for i, region in enumerate(npu_regions(_grouped_by_source(gm, linears), linears, self.placement)):
             tag = f"llmnpu_npu_{i}"
             for node in _with_qdq(region):
                 node.meta["delegation_tag"] = tag

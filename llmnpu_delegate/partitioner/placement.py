@@ -83,13 +83,6 @@ def parse_placement(text: "str | Placement") -> Placement:
     return Placement(frozenset(pieces))
 
 
-def from_norms(norms: str) -> Placement:
-    """The placement of the older ``norms`` policy (``"cpu"``: the paper's, ``"npu"``: norms folded)."""
-    if norms not in ("cpu", "npu"):
-        raise LlmNpuError(f"norms policy must be one of ('cpu', 'npu'), got '{norms}'")
-    return parse_placement("norms" if norms == "npu" else "paper")
-
-
 def op_name(node: Node) -> str:
     t = node.target
     if t is operator.add or t is operator.getitem:

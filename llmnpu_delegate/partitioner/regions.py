@@ -29,9 +29,8 @@ from torch.fx import Node
 
 from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recognizes)
 from ..errors import LlmNpuError
-from .placement import MERGE, Placement, from_norms, layer_of, movable, parse_placement, piece_of
+from .placement import MERGE, PAPER, Placement, layer_of, movable, parse_placement, piece_of
 
-NORM_POLICIES = ("cpu", "npu")   # the older placement knob: from_norms
 SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow_branches.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
 ATTENTION_TARGETS = {torch.ops.llmnpu.chunk_attention.default}
@@ -162,7 +161,7 @@ def _on(proc: dict, node: Node) -> bool:
     return node in proc and proc[node][0] == "npu"
 
 
-def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placement | str" = "paper") -> list[list[Node]]:
+def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placement | str" = PAPER) -> list[list[Node]]:
     """Maximal NPU regions in program order.
 
     A region is NPU work that can run as one graph: every path between two of its nodes stays on the
@@ -170,7 +169,7 @@ def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placem
     that reaches it; a region is a connected group of NPU nodes of one stage (linears that read the
     same tensor count as connected: q/k/v share one quantized input, as do gate/up). A shadow product
     merged on the NPU thus ends one region and starts the next."""
-    placement = as_placement(placement)
+    placement = parse_placement(placement)
     proc = {n: p for n, (p, _) in processors(gm, linears, placement).items()}
     stage: dict[Node, int] = {}      # NPU: its stage; CPU: the latest stage it depends on (-1: none)
     for node in gm.graph.nodes:
@@ -214,13 +213,6 @@ def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placem
         regions.append(sorted(dict.fromkeys(members + weights), key=order.__getitem__))
     regions.sort(key=lambda r: (max(stage.get(n, 0) for n in r), min(order[n] for n in r)))
     return regions
-
-
-def as_placement(placement: "Placement | str") -> Placement:
-    """A ``Placement`` from itself, a preset or piece list, or the older norms policy (``"cpu"``/``"npu"``)."""
-    if isinstance(placement, str) and placement in NORM_POLICIES:
-        return from_norms(placement)
-    return parse_placement(placement)
 
 
 # --------------------------------------------------------------------------- subgraphs
@@ -370,11 +362,11 @@ def _canonical_sizes(graph: fx.Graph) -> None:
 
 
 def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed: Iterable[str] = (),
-                    placement: "Placement | str" = "paper", prefix: str = "",
+                    placement: "Placement | str" = PAPER, prefix: str = "",
                     param_of_placeholder: dict[str, str] | None = None) -> Partition:
     """Cut ``gm`` into ordered NPU / CPU / shadow subgraphs (``gm`` itself is left untouched).
-    ``placement``: a ``Placement``, a preset name, or the older norms policy (``"cpu"``/``"npu"``)."""
-    placement = as_placement(placement)
+    ``placement``: a ``Placement`` or its name (``placement.parse_placement``)."""
+    placement = parse_placement(placement)
     new = _copy_graph(gm)
     linears = linear_names(new, quantizable, prefix, param_of_placeholder)
     shadowed = set(shadowed) & set(linears.values())

@@ -35,6 +35,7 @@ from ..kernels.attention import resolve_precision
 from ..models import LoadedModel
 from ..models import fingerprint as model_fingerprint
 from ..models import keep_first_blocks, load_model
+from ..partitioner.placement import PAPER
 from ..partitioner.regions import shadow_paths
 from ..prepare import default_calibration, partition_step, plan_and_partition
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
@@ -64,7 +65,9 @@ class Prefiller(ChunkRunner):
             the INT8 stand-in NPU.
         quant: ``"w8a8-shadow"`` (default), ``"w8a8"``, ``"fp32"`` (the float reference) or a QuantConfig.
         calibration: a Calibration; by default the cached one on the shipped calibration text.
-        norms: where norms run (``"cpu"``; ``"npu"`` is refused by ``cpu-int8``).
+        placement: what the NPU regions run beside the linears (``partitioner/placement.py``):
+            ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"`` or
+            pieces joined by '+'. On ``cpu-int8`` the pieces run in float on the NPU lane's thread.
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
         workers: threads and cores of the two workers (default: half the cores each).
@@ -81,10 +84,10 @@ class Prefiller(ChunkRunner):
 
     def __init__(self, model: LoadedModel | nn.Module, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
-                 norms: str = "cpu", cache: GraphCache | None = None, progress: bool = True,
+                 placement: str = PAPER, cache: GraphCache | None = None, progress: bool = True,
                  policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
                  prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto"):
-        self._prepare(model, EngineConfig(chunk_len, backend, quant, norms, policy, attention, tail_len),
+        self._prepare(model, EngineConfig(chunk_len, backend, quant, placement, policy, attention, tail_len),
                       calibration, cache, workers, prefix_cache, progress)
 
     @classmethod
@@ -102,7 +105,7 @@ class Prefiller(ChunkRunner):
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
         model_config = self.model.config
         context = max_context(model_config)
-        chunk_len, norms = config.chunk_len, config.norms
+        chunk_len, placement = config.chunk_len, config.placement
         if chunk_len > context:
             raise LlmNpuError(f"chunk length must be an integer in 1..{context} (the model's context), "
                               f"got {chunk_len!r}")
@@ -118,17 +121,17 @@ class Prefiller(ChunkRunner):
         self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
         choose_host_pruning(model, calibration, self.quant, progress, config.attention)
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
-                                                        calibration, norms, progress, self.timings)
+                                                        calibration, placement, progress, self.timings)
 
         t = time.perf_counter()
         self.cache = cache if cache is not None else GraphCache()
         weights = self.quant.weights if self.quant else "channel"
-        self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache, norms)
+        self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache)
         kv = kv_shape_of(model_config)
         program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv.layers, progress, self.attention)
         self.timings["compile_s"] = time.perf_counter() - t
         tail_len = config.tail_rows()
-        tail = self._build_tail(program, tail_len, norms) if tail_len else None
+        tail = self._build_tail(program, tail_len, placement) if tail_len else None
         super().__init__(program, kv, context, model_config.vocab_size, config.policy, workers, tail,
                          prefix_cache=prefix_cache)
         if self.plans is not None:
@@ -210,12 +213,12 @@ class Prefiller(ChunkRunner):
 
         return ShadowCost("host", seconds, makespan)
 
-    def _build_tail(self, program: ChunkProgram, tail_len: int, norms: str) -> ChunkProgram | None:
+    def _build_tail(self, program: ChunkProgram, tail_len: int, placement: str) -> ChunkProgram | None:
         """The tail program: the chunk step captured and partitioned at ``tail_len`` rows, run with
         this engine's NPU regions and shadow paths. None, with a warning, if the step is cut
         otherwise at that length (then short last chunks run padded, as without a tail)."""
         t = time.perf_counter()
-        partition = partition_step(self.model, tail_len, self.plans, norms)
+        partition = partition_step(self.model, tail_len, self.plans, placement)
         if not same_subgraphs(self.partition, partition):
             log.warning("the chunk step of %d rows is partitioned unlike that of %d: no tail program, "
                         "short last chunks run padded to %d rows", tail_len, program.chunk_len, program.chunk_len)

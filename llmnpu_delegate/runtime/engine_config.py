@@ -9,6 +9,7 @@ from .. import backends
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS
+from ..partitioner.placement import PAPER
 from ..quantize import QuantConfig, resolve_quant
 from .schedule import check_policy
 
@@ -22,7 +23,7 @@ class EngineConfig:
         backend: an NPU backend whose engine runs here (``backends.names(engine=True)``).
         quant: ``"w8a8-shadow"``, ``"w8a8"``, ``"fp32"`` or a QuantConfig; held as a QuantConfig
             (None for the float reference).
-        norms: where norms run (``"cpu"``; ``"npu"`` where the backend allows it).
+        placement: what the NPU regions run beside the linears, where the backend allows it.
         policy: the default scheduling policy (``schedule.POLICIES``).
         attention: precision of the float side's attention and LM head, ``"auto"``, ``"fp32"`` or ``"bf16"``.
         tail_len: rows of the tail program for a prompt's last few tokens: ``"auto"`` (a quarter chunk
@@ -31,7 +32,7 @@ class EngineConfig:
     chunk_len: int = DEFAULT_CHUNK
     backend: str = backends.DEFAULT
     quant: QuantConfig | str | None = "w8a8-shadow"
-    norms: str = "cpu"
+    placement: str = PAPER
     policy: str = "ooo"
     attention: str = "auto"
     tail_len: int | str | None = "auto"
@@ -40,7 +41,8 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.chunk_len, bool) or not isinstance(self.chunk_len, int) or self.chunk_len < 1:
             raise LlmNpuError(f"chunk length must be a positive integer, got {self.chunk_len!r}")
-        backends.check_placement(backends.get(self.backend, engine=True), self.norms)
+        placement = backends.check_placement(backends.get(self.backend, engine=True), self.placement)
+        object.__setattr__(self, "placement", placement.name)
         check_policy(self.policy)
         if self.attention not in PRECISIONS:
             raise LlmNpuError(f"unknown attention precision '{self.attention}': use one of {', '.join(PRECISIONS)}")

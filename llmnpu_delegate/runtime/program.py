@@ -18,6 +18,7 @@ from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..format.tasks import past_name
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from .fuse import fuse_cpu_subgraph
+from .npu_graph import holds_more_than_linears, lower_graph
 
 
 @dataclass
@@ -69,6 +70,11 @@ def build_steps(partition: Partition, backend, progress: bool = False, attention
     steps: list[Step] = []
     by_name = {n.name: n for n in partition.graph_module.graph.nodes}
     for i, sub in enumerate(tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress)):
+        if sub.kind == "npu" and holds_more_than_linears(sub):     # a placement beyond the paper's
+            gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None)
+            fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention, copies)   # the CPU's own kernels
+            steps.append(Step(sub, gm))
+            continue
         if sub.kind == "npu":
             steps.append(Step(sub, like.steps[i].fn if like is not None else backend.lower_npu(sub)))
             continue

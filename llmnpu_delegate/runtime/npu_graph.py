@@ -1,0 +1,58 @@
+"""An NPU subgraph that holds more than linears, made runnable on the engine's NPU lane.
+
+Under a placement beyond the paper's (``partitioner/placement.py``) an NPU region also holds norms,
+RoPE, attention, residual adds, the gated activation or shadow merges. The engine's stand-in NPU
+runs such a region as its own graph: the linears through the backend's INT8 regions (one per group
+of linears that read one tensor, so the input is quantized once, as in a linears-only region),
+every other op in float with the CPU subgraphs' own rewrites (``fuse.py``), on the NPU lane's
+thread. The numbers are those of the same work placed on the CPU; what moves is which lane runs it.
+"""
+from __future__ import annotations
+
+import operator
+
+from torch import fx, nn
+
+from ..partitioner.regions import Partition, Subgraph, is_linear, subgraph_module
+
+REGIONS = "llmnpu_linear_regions"     # attribute of the graph: its linear groups' lowered regions by names
+
+
+def holds_more_than_linears(sub: Subgraph) -> bool:
+    return any(not is_linear(n) and n.op != "get_attr" for n in sub.nodes)
+
+
+def lower_graph(partition: Partition, sub: Subgraph, backend, like: fx.GraphModule | None = None) -> fx.GraphModule:
+    """``sub`` as a GraphModule whose linears call the backend's regions (``like``'s, where given: a
+    tail program's graph of the same subgraph at another row count shares its weights)."""
+    gm = subgraph_module(partition, sub)
+    name_of = dict(zip((n.name for n in sub.nodes if is_linear(n)), sub.linears))
+    original = {n.name: n for n in sub.nodes}
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if is_linear(node):
+            groups.setdefault(node.args[0], []).append(node)
+    regions: dict[tuple, nn.Module] = {}
+    known = getattr(like, REGIONS, {}) if like is not None else {}
+    for i, (x, members) in enumerate(groups.items()):
+        names = tuple(name_of[n.name] for n in members)
+        if names in known:
+            region = known[names]
+        else:
+            part = Subgraph(sub.index, "npu", sub.layer, True, [x.name], [n.name for n in members], list(names),
+                            [original[n.name] for n in members])
+            region = backend.lower_npu(part)
+        regions[names] = region
+        attr = f"linears_{i}"
+        gm.add_submodule(attr, region)
+        with gm.graph.inserting_before(members[0]):
+            call = gm.graph.call_module(attr, (x,))
+        for j, node in enumerate(members):
+            with gm.graph.inserting_before(node):
+                out = gm.graph.call_function(operator.getitem, (call, j))
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    setattr(gm, REGIONS, regions)
+    return gm
