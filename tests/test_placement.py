@@ -258,3 +258,15 @@ def test_the_engine_runs_a_placement_with_the_papers_numbers_on_the_npu_lane(eng
     assert any(moved in t for t in npu_ops)
     assert all(isinstance(s.fn, nn.Module) and not isinstance(s.fn, torch.fx.GraphModule)
                for s in engines["paper"].program.steps if s.sub.kind == "npu")     # linears-only regions
+
+
+def test_bench_times_the_engine_under_a_placement(capsys):
+    args = ["bench", "--model", "random:tiny-llama", "--prompt-len", "40", "--chunk", "16", "--repeats", "1",
+            "--quant", "fp32", "--policies", "ooo", "--no-progress"]
+    assert main(args + ["--placement", "block", "--json"]) == 0
+    block = json.loads(capsys.readouterr().out)
+    assert main(args + ["--json"]) == 0
+    paper = json.loads(capsys.readouterr().out)
+    assert (block["placement"], paper["placement"]) == ("block", "paper")
+    assert main(args + ["--placement", "norms"]) == 0
+    assert "placement norms" in capsys.readouterr().out

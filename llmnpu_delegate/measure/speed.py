@@ -25,6 +25,7 @@ from ..errors import LlmNpuError
 from ..hf import LlmNpuForCausalLM
 from ..kernels import int8_path
 from ..models import DEFAULT_MODEL, SMOLLM2_GGUF, LoadedModel, smollm2_folder
+from ..partitioner.placement import PAPER
 from ..generation import TokenClock
 from ..runtime.allocator import tune_malloc, tuned
 from ..runtime.engine import Prefiller
@@ -106,7 +107,7 @@ def llamacpp_prefill(lm: LoadedModel, ids: torch.Tensor, threads: int, repeats: 
 
 def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablation: bool = False,
           trace_dir: Path | None = None, repeats: int = 3, quant="w8a8-shadow", progress: bool = True,
-          attention: str = "auto") -> dict:
+          attention: str = "auto", placement: str = PAPER) -> dict:
     if prompt_len < 1:
         raise LlmNpuError(f"prompt length must be positive, got {prompt_len}")
     if repeats < 1:
@@ -125,7 +126,8 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
         _hf_once(lm.model, ids, threads)
         untuned = _median([_hf_once(lm.model, ids, threads) for _ in range(repeats)])
     tune_malloc()     # ...then every compared variant, the HF baseline included, runs with the tuned one
-    engine = Prefiller(lm, chunk, quant=quant, progress=progress, workers=workers, attention=attention)
+    engine = Prefiller(lm, chunk, quant=quant, progress=progress, workers=workers, attention=attention,
+                       placement=placement)
     engine(ids, policy="inorder")                 # warm-up; profiles the subgraphs on first use
     runs = {p: [] for p in policies}
     hf = []
@@ -136,7 +138,8 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
             engine(ids, policy=p)
             runs[p].append(engine.last_run)
     out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
-           "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention, "repeats": repeats,
+           "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention,
+           "placement": engine.config.placement, "repeats": repeats,
            "lane_help": workers.help, "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
     medians = {}
