@@ -10,37 +10,25 @@ import torch
 from torch import nn
 
 from llmnpu_delegate import backends
-from llmnpu_delegate.chunk_step import example_inputs, export_chunk_step
+from llmnpu_delegate.chunk_step import example_inputs
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.partitioner import partition_graph
 from llmnpu_delegate.partitioner.placement import PIECES, PRESETS, layer_of, parse_placement
-from llmnpu_delegate.partitioner.regions import ATTENTION_TARGETS, subgraph_module
+from llmnpu_delegate.partitioner.regions import subgraph_module
 from llmnpu_delegate.quantize import quantizable_linears
 from llmnpu_delegate.runtime.engine_config import EngineConfig
 from llmnpu_delegate.simulate import cost
 from llmnpu_delegate.simulate.device import matrix_ops_per_s
 from llmnpu_delegate.simulate.phone import choose_placement, prepare, simulate_prefill, soc_shadow_prices, with_shadowed
 
+from test_partitioner import CHUNK, _partition, exported, llama  # noqa: F401  (its tiny-llama step)
 from test_simulate import toy_device
 
-CHUNK = 16
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return load_model("random:tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def exported(llama):
-    return export_chunk_step(llama.model, CHUNK)
 
 
 def _cut(llama, exported, placement, shadowed=()):
-    return partition_graph(exported.module(), quantizable_linears(llama.model), prefix="model.",
-                           placement=placement, shadowed=shadowed)
+    return _partition(llama, exported, placement=placement, shadowed=shadowed)
 
 
 def _npu_nodes(partition):
