@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import time
 
+import torch
 from torch import nn
 
-from .chunk_step import export_chunk_step
+from .chunk_step import export_chunk_step, kv_shape
 from .errors import LlmNpuError
 from .models import LoadedModel
-from .partitioner.placement import PAPER, Placement
-from .partitioner.regions import Partition, partition_graph
+from .kernels.npu_attention import attention_ranges, widen
+from .partitioner.placement import PAPER, Placement, layer_of
+from .partitioner.regions import ATTENTION_TARGETS, Partition, partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .text import calibration_ids
 
@@ -56,3 +58,38 @@ def partition_step(model: nn.Module, chunk_len: int, plans: dict | None, placeme
                                 prefix="model.")
     timings["partition_s"] = time.perf_counter() - t
     return partition
+
+
+ATTENTION_CALIB_CHUNKS = 4     # chunks of calibration text whose attention ranges set the encodings
+
+
+def attention_ranges_of(lm: LoadedModel, chunk_len: int, chunks: int = ATTENTION_CALIB_CHUNKS) -> dict:
+    """Per decoder layer, the ranges of its attention's tensors (``kernels.npu_attention``
+    ``attention_ranges``, for its static encodings on an NPU): what the float chunk step shows over the
+    first ``chunks`` chunks of the calibration text, each chunk attending over the ones before it."""
+    step = export_chunk_step(lm.model, chunk_len).module()
+    ids = calibration_ids(lm)[: chunks * chunk_len]
+    if ids.numel() < chunk_len:
+        raise LlmNpuError(f"the calibration text holds {ids.numel()} tokens, fewer than a chunk of {chunk_len}")
+    ranges: dict[int, dict] = {}
+
+    class Observe(torch.fx.Interpreter):
+        def run_node(self, node):
+            out = super().run_node(node)
+            if node.op == "call_function" and node.target in ATTENTION_TARGETS:
+                q, k, v, mask, scaling, _ = self.fetch_args_kwargs_from_env(node)[0]
+                layer = layer_of(node)
+                ranges[layer] = widen(ranges.get(layer), attention_ranges(q, k, v, mask, scaling, out))
+            return out
+
+    shape = kv_shape(lm.model.config)
+    past_k = [torch.zeros(1, shape.kv_heads, 0, shape.head_dim) for _ in range(shape.layers)]
+    past_v = [torch.zeros(1, shape.kv_heads, 0, shape.head_dim) for _ in range(shape.layers)]
+    with torch.inference_mode():
+        for start in range(0, ids.numel() - chunk_len + 1, chunk_len):
+            feed = (ids[None, start:start + chunk_len], torch.arange(start, start + chunk_len),
+                    torch.tensor([chunk_len - 1]), past_k, past_v)
+            out = Observe(step).run(*torch.utils._pytree.tree_leaves(feed))
+            flat = torch.utils._pytree.tree_leaves(out)
+            past_k, past_v = flat[1:1 + shape.layers], flat[1 + shape.layers:1 + 2 * shape.layers]
+    return ranges

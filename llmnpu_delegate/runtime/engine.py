@@ -35,9 +35,10 @@ from ..kernels.attention import resolve_precision
 from ..models import LoadedModel
 from ..models import fingerprint as model_fingerprint
 from ..models import keep_first_blocks, load_model
-from ..partitioner.placement import PAPER
+from ..kernels.npu_attention import AttentionEncodings
+from ..partitioner.placement import PAPER, parse_placement
 from ..partitioner.regions import shadow_paths
-from ..prepare import default_calibration, partition_step, plan_and_partition
+from ..prepare import attention_ranges_of, default_calibration, partition_step, plan_and_partition
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
 from .allocator import give_back, tune_malloc
 from .chunk_runner import ChunkRunner
@@ -67,7 +68,9 @@ class Prefiller(ChunkRunner):
         calibration: a Calibration; by default the cached one on the shipped calibration text.
         placement: what the NPU regions run beside the linears (``partitioner/placement.py``):
             ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"`` or
-            pieces joined by '+'. On ``cpu-int8`` the pieces run in float on the NPU lane's thread.
+            pieces joined by '+'. On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
+            kernels, attention (quantized modes) as an NPU graph computes it (``kernels/npu_attention.py``).
+        npu_kv_bits: bits of that attention's K/V window (16 or 8).
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
         workers: threads and cores of the two workers (default: half the cores each).
@@ -86,8 +89,10 @@ class Prefiller(ChunkRunner):
                  quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
                  placement: str = PAPER, cache: GraphCache | None = None, progress: bool = True,
                  policy: str = "ooo", workers: Workers | None = None, attention: str = "auto",
-                 prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto"):
-        self._prepare(model, EngineConfig(chunk_len, backend, quant, placement, policy, attention, tail_len),
+                 prefix_cache: PrefixCache | None = None, tail_len: int | str | None = "auto",
+                 npu_kv_bits: int = 16):
+        self._prepare(model, EngineConfig(chunk_len, backend, quant, placement, npu_kv_bits, policy, attention,
+                                          tail_len),
                       calibration, cache, workers, prefix_cache, progress)
 
     @classmethod
@@ -128,7 +133,8 @@ class Prefiller(ChunkRunner):
         weights = self.quant.weights if self.quant else "channel"
         self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache)
         kv = kv_shape_of(model_config)
-        program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv.layers, progress, self.attention)
+        program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv.layers, progress, self.attention,
+                                     self._npu_attention(lm, config))
         self.timings["compile_s"] = time.perf_counter() - t
         tail_len = config.tail_rows()
         tail = self._build_tail(program, tail_len, placement) if tail_len else None
@@ -212,6 +218,17 @@ class Prefiller(ChunkRunner):
             return simulate(tasks, "ooo").wall_s
 
         return ShadowCost("host", seconds, makespan)
+
+    def _npu_attention(self, lm: LoadedModel | None, config: EngineConfig) -> dict | None:
+        """Per layer, the encodings of attention placed on the NPU (None: the float engine, or
+        attention on the CPU)."""
+        if self.quant is None or not parse_placement(config.placement).on_npu("attention"):
+            return None
+        if lm is None:
+            raise LlmNpuError("attention on the NPU needs its encodings calibrated on the shipped text: pass a "
+                              "LoadedModel (load_model(...)), or keep attention on the CPU")
+        ranges = attention_ranges_of(lm, config.chunk_len)
+        return {layer: AttentionEncodings.of_ranges(r, config.npu_kv_bits) for layer, r in ranges.items()}
 
     def _build_tail(self, program: ChunkProgram, tail_len: int, placement: str) -> ChunkProgram | None:
         """The tail program: the chunk step captured and partitioned at ``tail_len`` rows, run with

@@ -9,6 +9,7 @@ from .. import backends
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS
+from ..kernels.npu_attention import KV_BITS
 from ..partitioner.placement import PAPER
 from ..quantize import QuantConfig, resolve_quant
 from .schedule import check_policy
@@ -24,6 +25,8 @@ class EngineConfig:
         quant: ``"w8a8-shadow"``, ``"w8a8"``, ``"fp32"`` or a QuantConfig; held as a QuantConfig
             (None for the float reference).
         placement: what the NPU regions run beside the linears, where the backend allows it.
+        npu_kv_bits: bits of the K/V window that attention reads where it runs in an NPU graph of
+            a quantized engine (16, or 8: half the window's memory and reads).
         policy: the default scheduling policy (``schedule.POLICIES``).
         attention: precision of the float side's attention and LM head, ``"auto"``, ``"fp32"`` or ``"bf16"``.
         tail_len: rows of the tail program for a prompt's last few tokens: ``"auto"`` (a quarter chunk
@@ -33,6 +36,7 @@ class EngineConfig:
     backend: str = backends.DEFAULT
     quant: QuantConfig | str | None = "w8a8-shadow"
     placement: str = PAPER
+    npu_kv_bits: int = 16
     policy: str = "ooo"
     attention: str = "auto"
     tail_len: int | str | None = "auto"
@@ -43,6 +47,9 @@ class EngineConfig:
             raise LlmNpuError(f"chunk length must be a positive integer, got {self.chunk_len!r}")
         placement = backends.check_placement(backends.get(self.backend, engine=True), self.placement)
         object.__setattr__(self, "placement", placement.name)
+        if self.npu_kv_bits not in KV_BITS:
+            raise LlmNpuError(f"the NPU's K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, "
+                              f"got {self.npu_kv_bits!r}")
         check_policy(self.policy)
         if self.attention not in PRECISIONS:
             raise LlmNpuError(f"unknown attention precision '{self.attention}': use one of {', '.join(PRECISIONS)}")

@@ -13,7 +13,9 @@ import operator
 
 from torch import fx, nn
 
-from ..partitioner.regions import Partition, Subgraph, is_linear, subgraph_module
+from ..kernels.npu_attention import NpuAttention
+from ..partitioner.placement import layer_of
+from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_linear, subgraph_module
 
 REGIONS = "llmnpu_linear_regions"     # attribute of the graph: its linear groups' lowered regions by names
 
@@ -22,9 +24,12 @@ def holds_more_than_linears(sub: Subgraph) -> bool:
     return any(not is_linear(n) and n.op != "get_attr" for n in sub.nodes)
 
 
-def lower_graph(partition: Partition, sub: Subgraph, backend, like: fx.GraphModule | None = None) -> fx.GraphModule:
+def lower_graph(partition: Partition, sub: Subgraph, backend, like: fx.GraphModule | None = None,
+                attention: dict | None = None) -> fx.GraphModule:
     """``sub`` as a GraphModule whose linears call the backend's regions (``like``'s, where given: a
-    tail program's graph of the same subgraph at another row count shares its weights)."""
+    tail program's graph of the same subgraph at another row count shares its weights), and whose
+    attention runs as an NPU graph computes it (``kernels.npu_attention``) with ``attention``'s
+    encodings of its layer, where given (the quantized engine; the float one keeps float attention)."""
     gm = subgraph_module(partition, sub)
     name_of = dict(zip((n.name for n in sub.nodes if is_linear(n)), sub.linears))
     original = {n.name: n for n in sub.nodes}
@@ -52,6 +57,11 @@ def lower_graph(partition: Partition, sub: Subgraph, backend, like: fx.GraphModu
                 out = gm.graph.call_function(operator.getitem, (call, j))
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):
+        if attention is not None and node.op == "call_function" and node.target in ATTENTION_TARGETS:
+            attr = f"attention_{layer_of(node)}"
+            gm.add_submodule(attr, NpuAttention(attention[layer_of(node)]))
+            node.op, node.target = "call_module", attr
     gm.graph.eliminate_dead_code()
     gm.recompile()
     setattr(gm, REGIONS, regions)

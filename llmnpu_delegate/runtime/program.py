@@ -56,13 +56,14 @@ def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
 
 
 def build_steps(partition: Partition, backend, progress: bool = False, attention: str = "fp32",
-                like: "ChunkProgram | None" = None) -> tuple[list[Step], dict, dict]:
+                like: "ChunkProgram | None" = None, npu_attention: dict | None = None) -> tuple[list[Step], dict, dict]:
     """One callable per subgraph, in order: NPU ones lowered by ``backend``, the others as float
     GraphModules with their shadow paths bound and their attention in ``attention`` precision
     ("fp32" or "bf16", see ``kernels/attention.py``). Returns the steps, the bound shadow modules
     and the weight copies the graphs read.
     ``like``: a program of the same subgraphs whose NPU regions, shadow modules and weight copies
-    are used again (they take any number of rows): only the CPU graphs are built anew."""
+    are used again (they take any number of rows): only the CPU graphs are built anew.
+    ``npu_attention``: per layer, the encodings attention runs at where it sits in an NPU graph."""
     from tqdm.auto import tqdm
 
     shadow: dict[str, torch.nn.Module] = like.shadow if like is not None else {}
@@ -71,7 +72,7 @@ def build_steps(partition: Partition, backend, progress: bool = False, attention
     by_name = {n.name: n for n in partition.graph_module.graph.nodes}
     for i, sub in enumerate(tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress)):
         if sub.kind == "npu" and holds_more_than_linears(sub):     # a placement beyond the paper's
-            gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None)
+            gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None, npu_attention)
             fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention, copies)   # the CPU's own kernels
             steps.append(Step(sub, gm))
             continue
@@ -98,8 +99,10 @@ class ChunkProgram:
     ``build`` makes one from a partition and a backend; a ``.pte`` runner makes one from its methods."""
 
     def __init__(self, steps: list[Step], graph_outputs: list[str], chunk_len: int, layers: int,
-                 shadow: dict | None = None, attention: str = "fp32", copies: dict | None = None):
+                 shadow: dict | None = None, attention: str = "fp32", copies: dict | None = None,
+                 npu_attention: dict | None = None):
         self.steps, self.chunk_len, self.shadow = steps, chunk_len, shadow or {}
+        self.npu_attention = npu_attention    # layer -> encodings of attention in NPU graphs (kernels.npu_attention)
         self.copies = copies if copies is not None else {}   # weight copies the CPU graphs read (fuse.py)
         self.attention = attention      # the CPU subgraphs' attention precision (kernels/attention.py)
         outs = graph_outputs
@@ -109,19 +112,19 @@ class ChunkProgram:
 
     @classmethod
     def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False,
-              attention: str = "fp32") -> "ChunkProgram":
-        steps, shadow, copies = build_steps(partition, backend, progress, attention)
-        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention, copies)
+              attention: str = "fp32", npu_attention: dict | None = None) -> "ChunkProgram":
+        steps, shadow, copies = build_steps(partition, backend, progress, attention, npu_attention=npu_attention)
+        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention, copies, npu_attention)
 
     def tail(self, partition: Partition, backend, tail_len: int) -> "ChunkProgram":
         """The same program for chunks of ``tail_len`` rows, from ``partition`` (the step captured
         at that length, cut like this one's): its CPU graphs are its own, its NPU regions and shadow
         paths this program's. A prompt's last few tokens then run as ``tail_len`` rows instead of a
         padded chunk (on an NPU, a second static graph of that length)."""
-        steps, _, _ = build_steps(partition, backend, False, self.attention, like=self)
+        steps, _, _ = build_steps(partition, backend, False, self.attention, like=self, npu_attention=self.npu_attention)
         layers = len(self.out_k)
         return ChunkProgram(steps, partition.graph_outputs, tail_len, layers, self.shadow, self.attention,
-                            self.copies)
+                            self.copies, self.npu_attention)
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []

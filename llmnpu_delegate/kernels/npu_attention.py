@@ -1,0 +1,122 @@
+"""Chunk attention as an NPU graph computes it: the numerics every NPU form of it must match.
+
+On an integer NPU every tensor between two ops carries a static encoding (a scale and a zero point
+fixed at export, from calibration) and is rounded to it. Attention runs at 16-bit activations: an
+8-bit softmax input cannot tell apart the scores that decide which keys a query reads. So:
+
+- ``q`` (after RoPE) to 16 bits; the K/V window to ``kv_bits`` (16, or 8 to halve the window's
+  DRAM reads and memory), each on its layer's calibrated range;
+- ``Q K^T * scaling`` exactly on those values (an integer product accumulates in 32 bits), then
+  rounded to the scores' 16-bit encoding; the mask adds -inf where a query may not look;
+- softmax, its output to 16 bits over [0, 1];
+- ``P V`` exactly, then rounded to the output's 16-bit encoding.
+
+Unsigned asymmetric encodings, as QNN's: ``q = clamp(round(x / scale) + zero, 0, 2^bits - 1)``
+with ``scale = (max - min) / (2^bits - 1)`` and ``zero = round(-min / scale)`` over a range that
+holds 0. Computed here in float32 on the rounded values: what an exact integer pipeline gives, up
+to float32's rounding of the products' sums.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import LlmNpuError
+
+KV_BITS = (8, 16)
+ACT_BITS = 16
+
+
+@dataclass(frozen=True)
+class Encoding:
+    scale: float
+    zero: int
+    bits: int
+
+    @classmethod
+    def of_range(cls, lo: float, hi: float, bits: int) -> "Encoding":
+        """The encoding of ``bits`` whose grid spans [lo, hi] widened to hold 0."""
+        lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise LlmNpuError(f"an encoding needs a finite range, got [{lo}, {hi}]")
+        levels = 2 ** bits - 1
+        scale = (hi - lo) / levels if hi > lo else 1.0
+        return cls(scale, int(round(-lo / scale)), bits)
+
+    def round(self, x: Tensor) -> Tensor:
+        """``x`` rounded to this encoding's grid (and clamped to its range), as float32."""
+        q = torch.clamp(torch.round(x / self.scale) + self.zero, 0, 2 ** self.bits - 1)
+        return (q - self.zero) * self.scale
+
+
+@dataclass(frozen=True)
+class AttentionEncodings:
+    """One attention's static encodings: its query, K/V window, scores and output."""
+    q: Encoding
+    k: Encoding
+    v: Encoding
+    scores: Encoding
+    out: Encoding
+
+    @classmethod
+    def of_ranges(cls, ranges: dict[str, tuple[float, float]], kv_bits: int = 16) -> "AttentionEncodings":
+        if kv_bits not in KV_BITS:
+            raise LlmNpuError(f"the K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, got {kv_bits}")
+        bits = {"q": ACT_BITS, "k": kv_bits, "v": kv_bits, "scores": ACT_BITS, "out": ACT_BITS}
+        return cls(**{name: Encoding.of_range(*ranges[name], b) for name, b in bits.items()})
+
+
+PROBS = Encoding(1.0 / (2 ** ACT_BITS - 1), 0, ACT_BITS)     # softmax's output over [0, 1]
+
+
+def npu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, enc: AttentionEncodings) -> Tensor:
+    """q [1, H, C, d], k/v [1, KVH, L, d], mask [.., C, L] (bool: attend, or additive float) ->
+    [1, C, H, d], as ``kernels.attention.chunk_attention`` returns it."""
+    _, h, c, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    g = h // kvh
+    qr = enc.q.round(q.float()).reshape(kvh, g * c, d)
+    kr, vr = enc.k.round(k[0].float()), enc.v.round(v[0].float())
+    scores = enc.scores.round(torch.bmm(qr, kr.transpose(1, 2)) * scaling).view(kvh, g, c, length)
+    m = mask.reshape(mask.shape[-2], length)
+    scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+    probs = PROBS.round(torch.softmax(scores.reshape(kvh, g * c, length), dim=-1))
+    out = enc.out.round(torch.bmm(probs, vr)).view(1, h, c, d)
+    return out.transpose(1, 2).contiguous()
+
+
+class NpuAttention(torch.nn.Module):
+    """``chunk_attention``'s call form (q, k, v, mask, scaling, softcap) with one layer's encodings."""
+
+    def __init__(self, enc: AttentionEncodings):
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, softcap: float) -> Tensor:
+        if softcap:
+            raise LlmNpuError("attention with logit softcapping (Gemma-2) has no NPU form here: keep attention on "
+                              "the CPU (a placement without 'attention')")
+        return npu_attention(q, k, v, mask, scaling, self.enc)
+
+
+def attention_ranges(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float, out: Tensor) -> dict:
+    """The ranges one call of float attention shows (scores over the positions its mask allows)."""
+    _, h, c, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    g = h // kvh
+    scores = torch.bmm(q.float().reshape(kvh, g * c, d), k[0].float().transpose(1, 2)).mul_(scaling)
+    m = mask.reshape(mask.shape[-2], length)
+    allowed = m if m.dtype == torch.bool else torch.isfinite(m)
+    seen = scores.view(kvh, g, c, length)[:, :, allowed]
+    return {name: (float(t.min()), float(t.max())) for name, t in
+            (("q", q), ("k", k), ("v", v), ("scores", seen), ("out", out))}
+
+
+def widen(a: dict | None, b: dict) -> dict:
+    """The union of two ranges dicts (``attention_ranges``)."""
+    if a is None:
+        return dict(b)
+    return {name: (min(a[name][0], b[name][0]), max(a[name][1], b[name][1])) for name in b}
