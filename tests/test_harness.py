@@ -234,3 +234,15 @@ def test_the_lm_eval_command_line_scores_a_quantized_mode_as_the_adapter_does(us
     assert got == pytest.approx(ours, abs=1e-5)
     # what quantization changes is far larger than that (measured below)
     assert max(abs(a - b) for a, b in zip(ours, floats)) > 1e-2, (ours, floats)
+
+
+def test_the_lm_eval_door_opens_on_lm_evals_own_usage():
+    """``llmnpu-lm-eval --help``: lm_eval's usage first, no other library's import-time notices."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([str(Path(sys.executable).with_name("llmnpu-lm-eval")), "--help"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0
+    assert run.stdout.startswith("usage: lm-eval") and run.stderr == "", run.stderr[:500]

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .common import quiet_third_party_logs
+from ..logs import quiet_third_party_logs
 
 quiet_third_party_logs()     # before the commands import torchao and transformers, which log on import
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import warnings
 from pathlib import Path
 
 import torch
@@ -13,15 +11,6 @@ from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import parse_placement
 from ..quantize import CalibConfig
 from ..runtime.sampling import Sampling
-
-
-def quiet_third_party_logs() -> None:
-    # torchao (pulled in by transformers) logs missing CUDA kernels and pytree notices on import.
-    for name in ("torchao", "torch.utils._pytree", "transformers.modeling_utils",
-                 "transformers.distributed.tensor_parallel"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # torch's own deprecation notice, once per graph copied during export
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

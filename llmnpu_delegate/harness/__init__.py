@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import LlmNpuError
+from ..logs import quiet_third_party_logs
 
 
 def require_lm_eval() -> None:
@@ -19,6 +20,7 @@ def require_lm_eval() -> None:
 
 def main() -> None:
     """``llmnpu-lm-eval``: lm_eval's own command line, with ``--model llmnpu`` and the offline tasks."""
+    quiet_third_party_logs()    # a user's first screen of this door is lm_eval's own
     require_lm_eval()
     from lm_eval.__main__ import cli_evaluate
 
