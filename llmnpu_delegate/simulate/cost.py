@@ -143,7 +143,8 @@ def _window_past(node: Node, past: int, window: int | None) -> int:
 
 def _piece_output(node: Node, piece: str | None) -> bool:
     """Whether ``node`` hands its value out of its piece (to a linear, another piece, a view or the
-    graph's outputs): the elements the vector unit writes once per piece, as whole_npu.py counts them."""
+    graph's outputs): the elements the vector unit writes, once per piece (whole_npu.py, which
+    has no graph to look at, counts the gated activation and RoPE twice)."""
     return any(piece_of(u, ATTENTION_TARGETS) != piece or is_linear(u) for u in node.users) or not node.users
 
 
