@@ -14,6 +14,9 @@ from .errors import LlmNpuError
 from .format.sidecar import load_program_tokenizer, load_sidecar
 from .hf import LlmNpuForCausalLM
 from .kernels import int8_path
+from .lower.pte import PROGRAM_PLACEMENT
+from .partitioner.placement import PIECES, parse_placement
+from .runtime.engine import PRUNING_PROMPT
 from .runtime.native import run_native
 from .runtime.pte_runner import PteRunner
 from .runtime.rates import token_rates
@@ -74,6 +77,8 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
         "quant": "fp32" if wrapper.engine.quant is None else
                  ("w8a8-shadow" if wrapper.engine.quant.outliers == "shadow" else "w8a8"),
         "chunk": wrapper.engine.chunk_len,
+        "placement": wrapper.engine.config.placement,
+        "placement_predicted_s": (wrapper.engine.placement_choice or {}).get("predicted_s") or None,
         "prompt_tokens": int(ids.shape[1]),
         "new_tokens": int(new.numel()),
         "chunks": pre["chunks"],
@@ -132,7 +137,7 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
         "model": meta["model"].get("spec") or pte.name, "pte": str(pte),
         "backend": f".pte ({target} NPU methods, {engine})", "machine": int8_path.describe(),
         "quant": "w8a8-shadow" if quant.get("outliers") == "shadow" else "w8a8",
-        "chunk": meta["chunk_len"], "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
+        "chunk": meta["chunk_len"], "placement": PROGRAM_PLACEMENT, "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
         "chunks": out["chunks"], "ttft_s": round(out["ttft_s"], 4), "prefill_s": round(out["prefill_s"], 4),
         "prefill_tok_s": round(out["prompt_tokens"] / out["prefill_s"], 1),
         "decode_tok_s": round(out["decode_tok_s"], 1) if out["decode_tok_s"] else None,
@@ -158,6 +163,18 @@ def _chunks(s: dict) -> str:
     return text
 
 
+def _placement(s: dict) -> str:
+    text = f"placement {s['placement']} (NPU regions: the linears"
+    pieces = parse_placement(s["placement"]).pieces
+    text += "".join(f", {p}" for p in PIECES if p in pieces) + ")"
+    predicted = s.get("placement_predicted_s")
+    if predicted:
+        text += ("; chosen by this machine's profile, predicted prefill of "
+                 f"{PRUNING_PROMPT:,} tokens: "
+                 + ", ".join(f"{name} {1e3 * t:.0f} ms" for name, t in sorted(predicted.items(), key=lambda kv: kv[1])))
+    return text
+
+
 def format_summary(s: dict) -> str:
     decode = f"{s['decode_tok_s']:.1f} tok/s" if s["decode_tok_s"] else "n/a (one token)"
     lines = [
@@ -168,6 +185,8 @@ def format_summary(s: dict) -> str:
         f"prefill {s['prefill_tok_s']:.1f} tok/s ({1e3 * s['prefill_s']:.0f} ms)",
         f"decode  {decode} ({s['decode_mode']})",
     ]
+    if "placement" in s:
+        lines.append(_placement(s))
     if "machine" in s:
         m = s["machine"]
         lines.append(f"cpu {m['cpu']} ({m['isa']}); INT8 kernel {m['int8_kernel']}")

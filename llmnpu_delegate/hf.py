@@ -31,6 +31,7 @@ from .errors import LlmNpuError
 from .models import DEFAULT_MODEL, LoadedModel, check_family, fingerprint, load_model
 from .quantize import Calibration, QuantConfig, quant_config
 from .runtime.hf_decoder import DecodeCache, Int8Decoder, unsupported
+from .partitioner.placement import PAPER
 from .runtime.engine import Prefiller
 from .runtime.prefix_cache import PrefixCache
 
@@ -95,7 +96,9 @@ class LlmNpuForCausalLM:
     Args:
         model: a ``LoadedModel`` (``load_model(...)``) or a ``transformers`` causal LM.
         tokenizer: the model's tokenizer (taken from a ``LoadedModel`` when not given).
-        chunk_len, backend, quant, calibration, policy: as for ``Prefiller``.
+        chunk_len, backend, quant, calibration, policy, placement: as for ``Prefiller`` (placement
+            ``"auto"``: the fastest on this machine, chosen once and cached; ``llmnpu run`` and ``chat``
+            default to it).
         pruning_rate, clip_percentile: the shadow outlier knobs (default "auto": quantize/auto.py, and the
             99.5th percentile).
         decode: ``"int8"`` (``runtime/hf_decoder.Int8Decoder``), ``"fp32"`` (the model's own float forward,
@@ -115,7 +118,7 @@ class LlmNpuForCausalLM:
                  backend: str = backends.DEFAULT, quant: QuantConfig | str | None = "w8a8-shadow",
                  pruning_rate: float | None = None, clip_percentile: float | None = None,
                  calibration: Calibration | None = None, policy: str = "ooo", decode: str = "auto",
-                 prefix_cache: PrefixCache | bool = True, progress: bool = True):
+                 prefix_cache: PrefixCache | bool = True, progress: bool = True, placement: str = PAPER):
         if decode not in DECODE_MODES:
             raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(DECODE_MODES)}")
         if not isinstance(model, LoadedModel):
@@ -134,7 +137,8 @@ class LlmNpuForCausalLM:
         elif not isinstance(prefix_cache, PrefixCache):
             raise LlmNpuError(f"prefix_cache must be True, False or a PrefixCache, got {type(prefix_cache).__name__}")
         self.engine = Prefiller(model, chunk_len, backend, quant_config(quant, pruning_rate, clip_percentile),
-                                calibration, progress=progress, policy=policy, prefix_cache=prefix_cache)
+                                calibration, placement=placement, progress=progress, policy=policy,
+                                prefix_cache=prefix_cache)
         self.decoder = self._make_decoder(decode)
         self.last_prefill: dict = {}
         self._lock = threading.Lock()

@@ -296,3 +296,78 @@ def test_bench_times_the_engine_under_a_placement(capsys):
     assert (block["placement"], paper["placement"]) == ("block", "paper")
     assert main(args + ["--placement", "norms"]) == 0
     assert "placement norms" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the host's own choice
+def test_the_host_keeps_the_papers_split_unless_another_is_clearly_faster():
+    from llmnpu_delegate.runtime.engine import PLACEMENT_MARGIN, fastest_placement
+    assert PLACEMENT_MARGIN == 0.10
+    assert fastest_placement({"paper": 1.0, "norms": 0.95, "block": 0.91}) == "paper"    # inside the margin
+    assert fastest_placement({"paper": 1.0, "norms": 0.95, "block": 0.85}) == "block"
+    assert fastest_placement({"paper": 1.0, "block": 1.3}) == "paper"
+    assert fastest_placement({"norms": 1.0, "block": 0.99}) == "block"    # without the paper's: the fastest
+
+
+def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llama, engine, prompt, tmp_path,
+                                                                             monkeypatch):
+    import dataclasses
+
+    from llmnpu_delegate.prepare import default_calibration
+    from llmnpu_delegate.quantize import Calibration, quant_config
+    from llmnpu_delegate.runtime.engine import Prefiller, host_placement_choice, placement_key
+    calib = Calibration.load(default_calibration(llama, False).path)
+    calib.save(tmp_path / "calib.pt")               # a copy: the session's artefact stays as it was
+    quant = quant_config("w8a8-shadow", 0.0)
+    config = EngineConfig(64, quant=quant, placement="auto")
+    predicted = {"paper": 1.0, "norms": 0.97, "attention-half": 1.4, "block": 0.8}
+    timed = []
+
+    def predict(trial):
+        timed.append(trial.config.placement)
+        assert trial.quant == quant and trial.chunk_len == 64
+        return predicted[trial.config.placement]
+    choice = host_placement_choice(llama, calib, config, progress=False, predict=predict)
+    assert sorted(timed) == sorted(PRESETS)
+    assert choice == {"placement": "block", "predicted_s": predicted}
+    # kept with the calibration on disk: an engine made from it times nothing and runs the choice
+    monkeypatch.setattr(Prefiller, "predicted_prefill", lambda self, *a: pytest.fail("timed again"))
+    chosen = Prefiller(llama, 64, quant=quant, calibration=Calibration.load(tmp_path / "calib.pt"),
+                       placement="auto", progress=False)
+    assert chosen.config.placement == "block" and chosen.placement_choice == choice
+    want, got = engine("block", "w8a8-shadow")(prompt), chosen(prompt)
+    assert torch.equal(got.logits, want.logits)
+    # the choice holds for its settings only: another chunk length or pruning is chosen anew
+    others = [dataclasses.replace(config, chunk_len=32), dataclasses.replace(config, quant=quant_config("w8a8-shadow", 0.5)),
+              dataclasses.replace(config, npu_kv_bits=8)]
+    keys = {placement_key(c, calib) for c in [config, *others]}
+    assert len(keys) == 4
+    # the float reference has nothing to place
+    assert host_placement_choice(llama, None, EngineConfig(64, quant=None, placement="auto"))["placement"] == "paper"
+
+
+def test_a_malformed_placement_choice_in_the_calibration_is_a_one_line_error(llama, tmp_path):
+    from llmnpu_delegate.prepare import default_calibration
+    from llmnpu_delegate.quantize import Calibration
+    calib = Calibration.load(default_calibration(llama, False).path)
+    calib.placement["k"] = {"placement": "block", "predicted_s": {"block": "fast"}}
+    calib.save(tmp_path / "calib.pt")
+    with pytest.raises(LlmNpuError, match=r"malformed .*predicted_s\[block\].*delete it and recalibrate"):
+        Calibration.load(tmp_path / "calib.pt")
+
+
+def test_export_writes_the_papers_placement_and_refuses_an_engine_of_another(engine, tmp_path):
+    from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.pte import export_pte
+    with pytest.raises(LlmNpuError, match="holds? the linears only .*placement norms.*placement 'paper'"):
+        export_pte(engine("norms", "w8a8-shadow"), tmp_path / "x.pte", torch.zeros(192, dtype=torch.long),
+                   ExportConfig(target="cpu-int8", context=128, decode="fp32"))
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_prints_its_placement_and_a_program_refuses_one(capsys):
+    args = ["run", "--model", "random:tiny-llama", "--prompt", "one two three", "--max-new-tokens", "2",
+            "--chunk", "16", "--pruning-rate", "0", "--no-progress"]
+    assert main(args + ["--placement", "norms"]) == 0
+    assert "placement norms (NPU regions: the linears, norms)" in capsys.readouterr().out
+    assert main(["run", "--pte", "x.pte", "--prompt", "hi", "--placement", "paper"]) == 2
+    assert "drop --placement" in capsys.readouterr().err

@@ -7,11 +7,11 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
 from ..models import DEFAULT_MODEL, load_model
-from ..partitioner.placement import PAPER, PRESETS
+from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
 from ..generation import prompt_ids
 from ..runtime.schedule import POLICIES
-from .common import add_output_args, machine_line, placement_arg, read_prompt
+from .common import PLACEMENT_HELP, add_output_args, machine_line, placement_or_auto, read_prompt
 
 
 def add_parser(sub) -> None:
@@ -30,9 +30,7 @@ def add_parser(sub) -> None:
                    help="precision of the float side's attention and LM head (default auto: bf16 operands "
                         "and head weights with fp32 accumulation for the quantized modes where the CPU has "
                         "AVX-512 BF16)")
-    p.add_argument("--placement", type=placement_arg, default=PAPER,
-                   help=f"what the engine's NPU subgraphs run beside the linears (default {PAPER}; "
-                        f"{', '.join(PRESETS)}, or pieces joined by '+'): the stand-in NPU runs them on its lane")
+    p.add_argument("--placement", type=placement_or_auto, default=AUTO, help=PLACEMENT_HELP)
     p.add_argument("--ablation", action="store_true",
                    help="add the paper's Figure 19 steps (naive, + chunk-sharing, + shadow outliers, + out-of-order)")
     p.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces and timeline PNGs here")
@@ -79,7 +77,7 @@ def cmd_bench(args) -> dict:
         return result
     result = bench(lm, args.prompt_len, args.chunk, tuple(args.policies), args.ablation, args.trace_dir,
                    args.repeats, args.quant, progress=not args.no_progress, attention=args.attention,
-                   placement=args.placement.name)
+                   placement=str(args.placement))
     args.text = _format_bench(result)
     return result
 
@@ -87,6 +85,9 @@ def cmd_bench(args) -> dict:
 def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, placement {r['placement']}, median of {r['repeats']}", machine_line(r)]
+    if r.get("placement_predicted_s"):
+        lines.append("placement chosen by this machine's profile, predicted prefill of 1,024 tokens: " + ", ".join(
+            f"{name} {1e3 * t:.0f} ms" for name, t in sorted(r["placement_predicted_s"].items(), key=lambda kv: kv[1])))
     rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None, None)]
     if r.get("hf_fp32_default_malloc_tok_s"):
         rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None, None))

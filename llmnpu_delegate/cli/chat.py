@@ -12,9 +12,10 @@ from ..conversation import (COMMANDS, Conversation, PteResponder, WrapperRespond
                             read_turns)
 from ..errors import LlmNpuError
 from ..models import DEFAULT_MODEL
+from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
 from ..runtime.prefix_cache import DEFAULT_BYTES, PrefixCache
-from .common import pruning_rate, sampling_of
+from .common import PLACEMENT_HELP, placement_or_auto, pruning_rate, sampling_of
 
 
 def add_parser(sub) -> None:
@@ -51,13 +52,14 @@ def add_parser(sub) -> None:
     p.add_argument("--chunk", type=int, default=None,
                    help=f"chunk length (default {DEFAULT_CHUNK}; a later turn's few new tokens run on the "
                         "engine's tail program of a quarter of it)")
+    p.add_argument("--placement", type=placement_or_auto, default=None, help=PLACEMENT_HELP)
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto", help="decode (as for llmnpu run)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="no streaming; print every turn's record as one JSON object")
     p.set_defaults(func=cmd_chat)
 
 
-_MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
+_MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk", "placement")
 
 
 def cmd_chat(args) -> dict:
@@ -100,7 +102,8 @@ def _wrapper_responder(args, cache: PrefixCache, sampling) -> WrapperResponder:
 
     wrapper = LlmNpuForCausalLM(load_model(args.model or DEFAULT_MODEL), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
-                                pruning_rate=args.pruning_rate, decode=args.decode, prefix_cache=cache,
+                                pruning_rate=args.pruning_rate, placement=str(args.placement or AUTO),
+                                decode=args.decode, prefix_cache=cache,
                                 progress=not args.no_progress)
     if args.seed is not None:
         torch.manual_seed(args.seed)

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import LlmNpuError
 from ..models import DEFAULT_MODEL, load_model
-from ..partitioner.placement import parse_placement
+from ..partitioner.placement import AUTO, parse_placement
 from ..quantize import CalibConfig
 from ..runtime.sampling import Sampling
 
@@ -32,6 +32,16 @@ def placement_arg(text: str):
         return parse_placement(text)
     except LlmNpuError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+PLACEMENT_HELP = ("what the NPU regions run beside the linears: auto (default: the fastest on this machine, "
+                  "chosen once by timing each preset and cached with the calibration), paper, norms, "
+                  "attention-half, block, or pieces joined by '+'")
+
+
+def placement_or_auto(text: str):
+    """``--placement`` where the target may choose: ``auto`` or as ``placement_arg``."""
+    return AUTO if text == AUTO else placement_arg(text)
 
 
 def add_output_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:

@@ -93,5 +93,8 @@ def cmd_export(args) -> dict:
                  f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
                  f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
                  f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
+                 f"placement {summary['placement']}: the NPU methods hold the linears only, the one placement the "
+                 f"program format writes (the engine runs the others: llmnpu run --placement; their phone speed: "
+                 f"llmnpu simulate --model {args.model}{soc})\n"
                  f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary

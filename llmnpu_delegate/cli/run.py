@@ -9,9 +9,10 @@ from ..errors import LlmNpuError
 from ..generation import format_summary, run, run_pte
 from ..hf import LlmNpuForCausalLM
 from ..models import DEFAULT_MODEL, load_model
+from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
 from ..runtime.schedule import POLICIES
-from .common import pruning_rate, read_prompt, sampling_of
+from .common import PLACEMENT_HELP, placement_or_auto, pruning_rate, read_prompt, sampling_of
 
 
 def add_parser(sub) -> None:
@@ -44,6 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pruning-rate", type=pruning_rate, default=None,
                    help="share of layers without a shadow path (w8a8-shadow): auto (default) or a share in [0, 1]")
     p.add_argument("--chunk", type=int, default=None, help=f"chunk length (default {DEFAULT_CHUNK})")
+    p.add_argument("--placement", type=placement_or_auto, default=None, help=PLACEMENT_HELP)
     p.add_argument("--policy", choices=list(POLICIES), default="ooo", help="prefill schedule (default ooo)")
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto",
                    help="decode after the prompt: int8 (INT8 linears, static K/V cache), fp32 (Hugging Face's own "
@@ -73,7 +75,8 @@ def cmd_run(args) -> dict:
 
     wrapper = LlmNpuForCausalLM(load_model(args.model or DEFAULT_MODEL), chunk_len=args.chunk or DEFAULT_CHUNK,
                                 backend=args.backend or backends.DEFAULT, quant=args.quant or "w8a8-shadow",
-                                pruning_rate=args.pruning_rate, policy=args.policy, decode=args.decode,
+                                pruning_rate=args.pruning_rate, placement=str(args.placement or AUTO),
+                                policy=args.policy, decode=args.decode,
                                 prefix_cache=False, progress=not args.no_progress)   # one prompt: nothing to reuse
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -83,7 +86,7 @@ def cmd_run(args) -> dict:
     return summary
 
 
-_MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk")
+_MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk", "placement")
 
 
 def _run_pte(args, prompt: str, sampling) -> dict:

@@ -8,7 +8,7 @@ from ..chunk_step import DEFAULT_CHUNK
 from .. import backends
 from ..backends import placements
 from ..errors import LlmNpuError
-from ..partitioner.placement import PAPER, PIECES, PRESETS, parse_placement
+from ..partitioner.placement import AUTO, PAPER, PIECES, PRESETS, parse_placement
 from ..evaluate import SWEEP_PRUNING_RATES
 from ..models import DEFAULT_MODEL, RANDOM_SHAPES, model_config
 from ..runtime.schedule import POLICIES
@@ -18,9 +18,8 @@ from ..simulate.paper import format_validation, validate
 from ..simulate.phone import QUANT_MODES as SIM_QUANT, choose_placement, prepare, simulate_prefill, sweep
 from ..simulate.programs import PROGRAMS, get_program
 from ..simulate.whole_npu import predict
-from .common import add_output_args, placement_arg, pruning_rate
+from .common import add_output_args, placement_or_auto, pruning_rate
 
-AUTO = "auto"
 PHONE_BACKEND = "qnn"       # whose pieces the automatic placement chooses among
 
 # where `--validate` shows how an assumption moves our program's prediction
@@ -138,10 +137,6 @@ def _whole_npu(args) -> dict:
                                                   sorted(by.items(), key=lambda kv: -kv[1]) if v > 0)]
     args.text = "\n".join(lines)
     return r
-
-
-def placement_or_auto(text: str):
-    return AUTO if text == AUTO else placement_arg(text)
 
 
 def _assumption_ranges(progress: bool) -> list[dict]:

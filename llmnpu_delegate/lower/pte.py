@@ -44,6 +44,7 @@ from ..format import kv as kv_format
 from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
 from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
 from ..format.tasks import dependency_table
+from ..partitioner.placement import PAPER
 from ..partitioner.regions import is_linear
 from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
@@ -58,6 +59,10 @@ from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
 from .shared_methods import program_key
 from .xnnpack_forms import for_xnnpack
+
+# What the NPU methods hold beside their linears (partitioner/placement.py): the program format
+# writes the paper's split; the other placements run in the engine and the phone model
+PROGRAM_PLACEMENT = PAPER
 
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
 # time left covers the decode step too: it costs about this many per decoder block (``stage_seconds``
@@ -241,7 +246,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
-            "output_bits": output_bits,
+            "output_bits": output_bits, "placement": PROGRAM_PLACEMENT,
             "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
             "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
@@ -327,6 +332,10 @@ def _check_export_args(engine, context: int, calib_ids: Tensor) -> None:
     if engine.plans is None:
         raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
                           "(w8a8-shadow or w8a8), not fp32")
+    if engine.config.placement != PROGRAM_PLACEMENT:
+        raise LlmNpuError(f"the program's NPU methods hold the linears only (placement {PROGRAM_PLACEMENT}); this "
+                          f"engine runs placement {engine.config.placement}: prepare it with placement "
+                          f"'{PROGRAM_PLACEMENT}' to export")
     if not isinstance(context, int) or not engine.chunk_len <= context <= engine.context:
         raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.context} "
                           f"(chunk length .. the model's context), got {context!r}")

@@ -32,6 +32,7 @@ from ..errors import LlmNpuError
 
 PIECES = ("attention", "norms", "rope", "residual", "act", "merge")
 PAPER = "paper"
+AUTO = "auto"       # where a target chooses: the fastest placement its backend allows, by its own cost
 PRESETS = {
     "paper": (),                                   # the paper's split: linears only
     "norms": ("norms",),                           # norms folded into the regions they feed

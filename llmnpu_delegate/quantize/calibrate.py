@@ -55,7 +55,8 @@ class LayerStats:
 @dataclass
 class Calibration:
     """The calibration artefact. ``importance`` caches per-layer pruning rankings by key, ``pruning``
-    the automatic pruning choices by key (``quantize/auto.py``)."""
+    the automatic pruning choices by key (``quantize/auto.py``), ``placement`` the host's automatic
+    placement choices by key (``runtime/engine.py``: they follow the pruning made with this artefact)."""
     model_fingerprint: str
     config: CalibConfig
     text_sha: str
@@ -67,6 +68,7 @@ class Calibration:
     held_ids: Tensor | None = None
     pruning: dict[str, dict] = field(default_factory=dict)
     version: int = CALIB_VERSION
+    placement: dict[str, dict] = field(default_factory=dict)
     path: Path | None = None                 # where it was loaded from / saved to
 
     def threshold(self, name: str, percentile: float) -> float:
@@ -97,7 +99,7 @@ class Calibration:
                    "config": self.config.to_dict(), "text_sha": self.text_sha,
                    "layers": {n: s.to_dict() for n, s in self.layers.items()},
                    "probe_ids": self.probe_ids, "importance": self.importance, "held_ids": self.held_ids,
-                   "pruning": self.pruning}
+                   "pruning": self.pruning, "placement": self.placement}
         save_checked(payload, path, KIND)
         self.path = path
         return path
@@ -151,8 +153,11 @@ class Calibration:
             raise TypeError("held_ids is not a [n, L] int64 tensor")
         pruning = {key: _choice(choice, f"pruning[{key}]")
                    for key, choice in _typed(d.get("pruning", {}), dict, "pruning").items()}
+        placement = {key: _placement_choice(choice, f"placement[{key}]")
+                     for key, choice in _typed(d.get("placement", {}), dict, "placement").items()}
         return cls(_typed(d["model_fingerprint"], str, "model_fingerprint"), config,
-                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, held, pruning, d["version"], path)
+                   _typed(d["text_sha"], str, "text_sha"), layers, probe, importance, held, pruning, d["version"],
+                   placement=placement, path=path)
 
 
 def _choice(choice, what: str) -> dict:
@@ -168,6 +173,14 @@ def _choice(choice, what: str) -> dict:
             _typed(v, float, f"{what}.{k}")
     if "pruned" not in choice or "rate" not in choice:
         raise TypeError(f"{what} has no pruned layers or rate")
+    return choice
+
+
+def _placement_choice(choice, what: str) -> dict:
+    """An automatic placement choice: the placement and each candidate's predicted prefill seconds."""
+    _typed(_typed(choice, dict, what).get("placement"), str, f"{what}.placement")
+    for name, seconds in _typed(choice.get("predicted_s"), dict, f"{what}.predicted_s").items():
+        _typed(seconds, float, f"{what}.predicted_s[{name}]")
     return choice
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import logging
 import math
 import statistics
@@ -36,7 +37,7 @@ from ..models import LoadedModel
 from ..models import fingerprint as model_fingerprint
 from ..models import keep_first_blocks, load_model
 from ..kernels.npu_attention import AttentionEncodings
-from ..partitioner.placement import PAPER, parse_placement
+from ..partitioner.placement import AUTO, PAPER, parse_placement
 from ..partitioner.regions import shadow_paths
 from ..prepare import attention_ranges_of, default_calibration, partition_step, plan_and_partition
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
+# A placement beyond the paper's is chosen on the host only if it predicts a prefill this much shorter:
+# timings on a shared machine move by about 15 %, and the paper's split is what every program writes
+PLACEMENT_MARGIN = 0.10
 
 
 class Prefiller(ChunkRunner):
@@ -67,8 +71,9 @@ class Prefiller(ChunkRunner):
         quant: ``"w8a8-shadow"`` (default), ``"w8a8"``, ``"fp32"`` (the float reference) or a QuantConfig.
         calibration: a Calibration; by default the cached one on the shipped calibration text.
         placement: what the NPU regions run beside the linears (``partitioner/placement.py``):
-            ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"`` or
-            pieces joined by '+'. On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
+            ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"``,
+            pieces joined by '+', or ``"auto"``: the fastest by this machine's own profile
+            (``choose_host_placement``, cached with the calibration). On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
             kernels, attention (quantized modes) as an NPU graph computes it (``kernels/npu_attention.py``).
         npu_kv_bits: bits of that attention's K/V window (16 or 8).
         cache: the graph cache (default: on disk under the cache folder).
@@ -110,11 +115,10 @@ class Prefiller(ChunkRunner):
         self.fingerprint = lm.fingerprint if lm else model_fingerprint(self.model)
         model_config = self.model.config
         context = max_context(model_config)
-        chunk_len, placement = config.chunk_len, config.placement
+        chunk_len = config.chunk_len
         if chunk_len > context:
             raise LlmNpuError(f"chunk length must be an integer in 1..{context} (the model's context), "
                               f"got {chunk_len!r}")
-        self.config = config
         npu = backends.get(config.backend, engine=True)
         self.backend_name, self.quant = config.backend, config.quant
         self.attention = resolve_precision(config.attention, self.quant is not None)
@@ -125,6 +129,10 @@ class Prefiller(ChunkRunner):
             calibration = default_calibration(lm, progress)
         self.calibration = calibration          # the export's INT8 decode reads its outlier statistics too
         choose_host_pruning(model, calibration, self.quant, progress, config.attention)
+        self.placement_choice = host_placement_choice(model, calibration, config, progress)
+        if self.placement_choice is not None:
+            config = dataclasses.replace(config, placement=self.placement_choice["placement"])
+        self.config, placement = config, config.placement
         self.plans, self.partition = plan_and_partition(self.model, lm, self.fingerprint, chunk_len, self.quant,
                                                         calibration, placement, progress, self.timings)
 
@@ -219,6 +227,12 @@ class Prefiller(ChunkRunner):
 
         return ShadowCost("host", seconds, makespan)
 
+    def predicted_prefill(self, prompt_len: int = PRUNING_PROMPT) -> float:
+        """Seconds of a ``prompt_len``-token prefill under ``ooo``, predicted from this engine's
+        subgraphs timed in order, with every shadow path it keeps (as ``shadow_prices`` prices them)."""
+        cost = self.shadow_prices(prompt_len)
+        return cost.makespan(frozenset(cost.seconds))
+
     def _npu_attention(self, lm: LoadedModel | None, config: EngineConfig) -> dict | None:
         """Per layer, the encodings of attention placed on the NPU (None: the float engine, or
         attention on the CPU)."""
@@ -307,6 +321,54 @@ def choose_host_pruning(model: LoadedModel | nn.Module, calibration: Calibration
     cost = unpruned.shadow_prices()
     unpruned.release_runtime()
     plan_linears(base, calibration, quant, fingerprint, progress, cost)
+
+
+def fastest_placement(predicted: dict[str, float], margin: float = PLACEMENT_MARGIN) -> str:
+    """The placement with the shortest predicted prefill; the paper's unless the fastest is more
+    than ``margin`` shorter (a gain inside the timings' noise is no reason to leave it)."""
+    best = min(predicted, key=predicted.get)
+    if PAPER in predicted and predicted[best] > (1 - margin) * predicted[PAPER]:
+        return PAPER
+    return best
+
+
+def placement_key(config: EngineConfig, calibration: Calibration) -> str:
+    """Where a host's placement choice holds: the engine's settings that change its subgraphs' costs
+    (the pruning as resolved), on this CPU with these kernels."""
+    quant = auto.resolve(config.quant, calibration)
+    settings = (config.backend, config.chunk_len, sorted(quant.to_dict().items()), config.npu_kv_bits,
+                config.attention)
+    digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+    return f"placement1/{digest}/{auto.target_key(dataclasses.replace(quant, pruning_target='host'))}"
+
+
+def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibration | None, config: EngineConfig,
+                          progress: bool = True, predict=None) -> dict | None:
+    """The host's choice for an ``"auto"`` placement (None for a named one): {"placement", "predicted_s"}.
+
+    Every preset the backend runs is built as an engine and its prefill of a ``PRUNING_PROMPT``-token
+    prompt predicted from its own timed subgraphs (``Prefiller.predicted_prefill``); the fastest wins
+    (``fastest_placement``). The choice is cached in the calibration artefact: it is made once per
+    model, settings and machine. The float reference has nothing to place: the paper's split.
+    ``predict`` (engine -> seconds) replaces the timing, for tests."""
+    if config.placement != AUTO:
+        return None
+    candidates = backends.placements(backends.get(config.backend, engine=True))
+    if config.quant is None or calibration is None or candidates == [PAPER]:
+        return {"placement": PAPER, "predicted_s": {}}
+    key = placement_key(config, calibration)
+    if key not in calibration.placement:
+        predicted = {}
+        for name in candidates:
+            log.info("placement auto: timing the engine under placement %s", name)
+            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="inorder",
+                                                                     tail_len=None), calibration, progress=progress)
+            predicted[name] = predict(trial) if predict else trial.predicted_prefill()
+            trial.release_runtime()
+        calibration.placement[key] = {"placement": fastest_placement(predicted), "predicted_s": predicted}
+        if calibration.path is not None:
+            calibration.save()
+    return calibration.placement[key]
 
 
 _prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()

@@ -10,7 +10,7 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS
 from ..kernels.npu_attention import KV_BITS
-from ..partitioner.placement import PAPER
+from ..partitioner.placement import AUTO, PAPER
 from ..quantize import QuantConfig, resolve_quant
 from .schedule import check_policy
 
@@ -24,7 +24,8 @@ class EngineConfig:
         backend: an NPU backend whose engine runs here (``backends.names(engine=True)``).
         quant: ``"w8a8-shadow"``, ``"w8a8"``, ``"fp32"`` or a QuantConfig; held as a QuantConfig
             (None for the float reference).
-        placement: what the NPU regions run beside the linears, where the backend allows it.
+        placement: what the NPU regions run beside the linears, where the backend allows it; ``"auto"``
+            until the engine resolves it (the fastest by this machine's profile, ``runtime/engine.py``).
         npu_kv_bits: bits of the K/V window that attention reads where it runs in an NPU graph of
             a quantized engine (16, or 8: half the window's memory and reads).
         policy: the default scheduling policy (``schedule.POLICIES``).
@@ -45,8 +46,9 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.chunk_len, bool) or not isinstance(self.chunk_len, int) or self.chunk_len < 1:
             raise LlmNpuError(f"chunk length must be a positive integer, got {self.chunk_len!r}")
-        placement = backends.check_placement(backends.get(self.backend, engine=True), self.placement)
-        object.__setattr__(self, "placement", placement.name)
+        npu = backends.get(self.backend, engine=True)
+        if self.placement != AUTO:
+            object.__setattr__(self, "placement", backends.check_placement(npu, self.placement).name)
         if self.npu_kv_bits not in KV_BITS:
             raise LlmNpuError(f"the NPU's K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, "
                               f"got {self.npu_kv_bits!r}")
