@@ -18,8 +18,9 @@ def _turns(path, *lines) -> str:
 
 
 def _chat(capsys, *args) -> list[dict]:
-    # a fixed pruning: an automatic one is chosen by timing this machine's engine
-    assert main(["chat", "--max-new-tokens", "8", "--no-progress", "--json", "--pruning-rate", "0", *args]) == 0
+    # a fixed pruning and placement: automatic ones are chosen by timing this machine's engine
+    assert main(["chat", "--max-new-tokens", "8", "--no-progress", "--json", "--pruning-rate", "0",
+                 "--placement", "paper", *args]) == 0
     return [r for r in json.loads(capsys.readouterr().out)["turns"] if "text" in r]
 
 

@@ -231,3 +231,63 @@ def test_a_timeline_draws_after_the_sdk_is_activated(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ attention as a QNN method
+def _run_method(edge, method: str, inputs) -> torch.Tensor:
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(edge.to_executorch().buffer).load_method(method).execute(list(inputs))[0]
+
+
+def test_attention_as_one_htp_graph_computes_the_references_encodings():
+    """The chunk's attention against a fixed window (48 past keys, the chunk's 16, 64 empty slots)
+    lowered to one HTP context binary, run on the simulator, against ``npu_attention``."""
+    from llmnpu_delegate.kernels.attention import causal_mask, chunk_attention
+    from llmnpu_delegate.kernels.npu_attention import AttentionEncodings, attention_ranges, npu_attention
+    from llmnpu_delegate.lower.attention_method import graph_inputs, lower_attention, output_of, quantized_attention
+
+    h, kvh, c, past, window, d = 4, 2, 16, 48, 128, 32
+    scaling = d ** -0.5
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, c, d, generator=g) * 2
+    k = torch.randn(1, kvh, window, d, generator=g) * 3
+    v = torch.randn(1, kvh, window, d, generator=g)
+    allowed = torch.zeros(c, window, dtype=torch.bool)
+    allowed[:, :past + c] = causal_mask(c, past + c).reshape(c, -1)
+    want_float = chunk_attention(q, k[:, :, :past + c], v[:, :, :past + c], allowed[:, :past + c], scaling, 0.0)
+    enc = AttentionEncodings.of_ranges(attention_ranges(q, k, v, allowed, scaling, want_float), kv_bits=16)
+    ref = npu_attention(q, k, v, allowed, scaling, enc)
+    example = graph_inputs(q, k, v, allowed, scaling, enc)
+    edge = lower_attention("attention", enc, scaling, example, "SM8750")
+    (name,) = edge.methods
+    calls = [n for n in edge.exported_program(name).graph.nodes if n.op == "call_function"]
+    assert sum("executorch_call_delegate" in str(n.target) for n in calls) == 1
+    got = output_of(_run_method(edge, name, example), h)
+    # the converted graph (pt2e's own fake quantization of the same encodings) is the reference's
+    # arithmetic, up to float32 rounding at a tie (measured: 7 of 2,048 outputs 1 or 2 steps off)
+    conv = output_of(quantized_attention(enc, scaling, example)(*example), h)
+    off = ((conv - ref).abs() / enc.out.scale).round()
+    assert off.max() <= 2 and (off > 0).float().mean() < 0.01
+    # HTP's output is on the output's grid, near the reference: the scores land within 2 steps of
+    # theirs (measured alone), but HTP's softmax is its own approximation (measured alone: up to 43
+    # steps of 1/65535 from exact softmax rounded); through P V, measured: at most 16 steps of the
+    # output's encoding, 2.2 on average, on this window
+    codes = got / enc.out.scale + enc.out.zero
+    assert torch.allclose(codes, codes.round(), atol=1e-3)
+    steps = ((got - ref).abs() / enc.out.scale).round()
+    assert steps.max() <= 32 and steps.mean() <= 4
+    # ...which leaves it about as near float attention as the reference (measured: 2.2e-4 and
+    # 1.5e-4 of the output's span; an 8-bit window, 1e-2)
+    span = float(want_float.max() - want_float.min())
+    err_htp, err_ref = (float((x - want_float).abs().max()) / span for x in (got, ref))
+    assert err_htp < 4 * err_ref and err_htp < 1e-3
+    # the mask holds: whatever the window's empty slots hold, no query reads them
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, past + c:], v2[:, :, past + c:] = 50.0, -50.0
+    again = output_of(_run_method(edge, name, graph_inputs(q, k2, v2, allowed, scaling, enc)), h)
+    assert torch.equal(again, got)
+    with pytest.raises(LlmNpuError, match="16-bit K/V window, not 8-bit"):
+        lower_attention("attention", AttentionEncodings.of_ranges(attention_ranges(q, k, v, allowed, scaling,
+                                                                                   want_float), 8),
+                        scaling, example, "SM8750")

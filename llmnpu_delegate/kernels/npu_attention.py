@@ -4,17 +4,24 @@ On an integer NPU every tensor between two ops carries a static encoding (a scal
 fixed at export, from calibration) and is rounded to it. Attention runs at 16-bit activations: an
 8-bit softmax input cannot tell apart the scores that decide which keys a query reads. So:
 
-- ``q`` (after RoPE) to 16 bits; the K/V window to ``kv_bits`` (16, or 8 to halve the window's
-  DRAM reads and memory), each on its layer's calibrated range;
+- ``q`` (after RoPE) to 16 bits, unsigned on its layer's calibrated range; the K/V window to
+  ``kv_bits`` (16, or 8 to halve the window's DRAM reads and memory), *signed symmetric* on its
+  range: HTP's MatMul takes a 16-bit first operand only beside a symmetric second one
+  (ExecuTorch's HTP rules for MatMul say the same);
 - ``Q K^T * scaling`` exactly on those values (an integer product accumulates in 32 bits), then
-  rounded to the scores' 16-bit encoding; the mask adds -inf where a query may not look;
+  rounded to the scores' 16-bit encoding, whose range reaches ``MASK_DEPTH`` below the lowest
+  calibrated score: the mask is an add that drives a hidden key to that floor (what a static graph
+  with the mask as an input can do; no -inf on an integer grid), where softmax weighs it at most
+  e^-MASK_DEPTH of the row's largest, below half of the probabilities' step for any window;
 - softmax, its output to 16 bits over [0, 1];
 - ``P V`` exactly, then rounded to the output's 16-bit encoding.
 
-Unsigned asymmetric encodings, as QNN's: ``q = clamp(round(x / scale) + zero, 0, 2^bits - 1)``
+Unsigned encodings are QNN's asymmetric ones: ``q = clamp(round(x / scale) + zero, 0, 2^bits - 1)``
 with ``scale = (max - min) / (2^bits - 1)`` and ``zero = round(-min / scale)`` over a range that
-holds 0. Computed here in float32 on the rounded values: what an exact integer pipeline gives, up
-to float32's rounding of the products' sums.
+holds 0; signed symmetric ones have zero 0, codes within +-(2^(bits-1) - 1) and
+``scale = max|x| / (2^(bits-1) - 1)``. Computed here in float32 on the rounded values: what an exact
+integer pipeline gives, up to float32's rounding of the products' sums. ``lower/attention_method.py``
+writes the same graph for HTP.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from ..errors import LlmNpuError
 
 KV_BITS = (8, 16)
 ACT_BITS = 16
+MASK_DEPTH = 32.0     # e^-32 ~ 1e-14: a hidden key's weight, even summed over a 64K-key window
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,18 @@ class Encoding:
     scale: float
     zero: int
     bits: int
+    signed: bool = False        # symmetric: zero 0, codes within +-(2^(bits-1) - 1)
+
+    @property
+    def codes(self) -> tuple[int, int]:
+        if self.signed:
+            return -(2 ** (self.bits - 1) - 1), 2 ** (self.bits - 1) - 1
+        return 0, 2 ** self.bits - 1
+
+    @property
+    def floor(self) -> float:
+        """The lowest value on the grid."""
+        return (self.codes[0] - self.zero) * self.scale
 
     @classmethod
     def of_range(cls, lo: float, hi: float, bits: int) -> "Encoding":
@@ -46,9 +66,17 @@ class Encoding:
         scale = (hi - lo) / levels if hi > lo else 1.0
         return cls(scale, int(round(-lo / scale)), bits)
 
+    @classmethod
+    def symmetric(cls, absmax: float, bits: int) -> "Encoding":
+        """The signed symmetric encoding of ``bits`` whose grid reaches +-``absmax``."""
+        absmax = float(absmax)
+        if not math.isfinite(absmax):
+            raise LlmNpuError(f"an encoding needs a finite range, got +-{absmax}")
+        return cls(absmax / (2 ** (bits - 1) - 1) if absmax > 0 else 1.0, 0, bits, signed=True)
+
     def round(self, x: Tensor) -> Tensor:
         """``x`` rounded to this encoding's grid (and clamped to its range), as float32."""
-        q = torch.clamp(torch.round(x / self.scale) + self.zero, 0, 2 ** self.bits - 1)
+        q = torch.clamp(torch.round(x / self.scale) + self.zero, *self.codes)
         return (q - self.zero) * self.scale
 
 
@@ -65,8 +93,12 @@ class AttentionEncodings:
     def of_ranges(cls, ranges: dict[str, tuple[float, float]], kv_bits: int = 16) -> "AttentionEncodings":
         if kv_bits not in KV_BITS:
             raise LlmNpuError(f"the K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, got {kv_bits}")
-        bits = {"q": ACT_BITS, "k": kv_bits, "v": kv_bits, "scores": ACT_BITS, "out": ACT_BITS}
-        return cls(**{name: Encoding.of_range(*ranges[name], b) for name, b in bits.items()})
+        lo, hi = ranges["scores"]
+        return cls(q=Encoding.of_range(*ranges["q"], ACT_BITS),
+                   k=Encoding.symmetric(max(map(abs, ranges["k"])), kv_bits),
+                   v=Encoding.symmetric(max(map(abs, ranges["v"])), kv_bits),
+                   scores=Encoding.of_range(lo - MASK_DEPTH, hi, ACT_BITS),
+                   out=Encoding.of_range(*ranges["out"], ACT_BITS))
 
 
 PROBS = Encoding(1.0 / (2 ** ACT_BITS - 1), 0, ACT_BITS)     # softmax's output over [0, 1]
@@ -82,7 +114,8 @@ def npu_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float,
     kr, vr = enc.k.round(k[0].float()), enc.v.round(v[0].float())
     scores = enc.scores.round(torch.bmm(qr, kr.transpose(1, 2)) * scaling).view(kvh, g, c, length)
     m = mask.reshape(mask.shape[-2], length)
-    scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+    # the mask's add: a hidden key's score clamps to the grid's floor, an open one is unchanged
+    scores = enc.scores.round(scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m)
     probs = PROBS.round(torch.softmax(scores.reshape(kvh, g * c, length), dim=-1))
     out = enc.out.round(torch.bmm(probs, vr)).view(1, h, c, d)
     return out.transpose(1, 2).contiguous()
