@@ -23,6 +23,7 @@ import weakref
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from .. import backends
 from .. import kernels as K
@@ -359,10 +360,9 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     key = placement_key(config, calibration)
     if key not in calibration.placement:
         predicted = {}
-        for name in candidates:
-            log.info("placement auto: timing the engine under placement %s", name)
+        for name in tqdm(candidates, desc="choosing the placement (once)", unit="placement", disable=not progress):
             trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="inorder",
-                                                                     tail_len=None), calibration, progress=progress)
+                                                                     tail_len=None), calibration, progress=False)
             predicted[name] = predict(trial) if predict else trial.predicted_prefill()
             trial.release_runtime()
         calibration.placement[key] = {"placement": fastest_placement(predicted), "predicted_s": predicted}
