@@ -29,10 +29,11 @@ from llmnpu_delegate.qnn.sdk import activate
 from llmnpu_delegate.text import read_text, tokenize
 
 
-def captured_attention(lm, chunk: int) -> dict[int, tuple]:
-    """Per layer, (q, k, v, mask, scaling) of the float step's second chunk of the evaluation text."""
+def captured_attention(lm, chunk: int, ids=None) -> dict[int, tuple]:
+    """Per layer, (q, k, v, mask, scaling) of the float step's second chunk of ``ids`` (default: the
+    evaluation text)."""
     step = export_chunk_step(lm.model, chunk).module()
-    ids = tokenize(lm, read_text(None, "eval"))[: 2 * chunk]
+    ids = (tokenize(lm, read_text(None, "eval")) if ids is None else ids)[: 2 * chunk]
     shape = kv_shape(lm.model.config)
     past_k = [torch.zeros(1, shape.kv_heads, 0, shape.head_dim) for _ in range(shape.layers)]
     past_v = [torch.zeros(1, shape.kv_heads, 0, shape.head_dim) for _ in range(shape.layers)]

@@ -281,7 +281,7 @@ def test_quantized_attention_on_the_npu_lane_runs_at_its_encodings(engine, promp
 
     def sqnr(x):
         return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
-    # measured on tiny-llama: paper 45.7 dB, 16-bit attention 45.7, 8-bit window 44.0
+    # measured on tiny-llama: paper 45.7 dB, 16-bit attention 45.6, 8-bit window 44.1
     assert sqnr(npu16) > sqnr(paper) - 1.0
     assert sqnr(npu8) > sqnr(paper) - 3.0
 

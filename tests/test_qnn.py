@@ -265,20 +265,21 @@ def test_attention_as_one_htp_graph_computes_the_references_encodings():
     assert sum("executorch_call_delegate" in str(n.target) for n in calls) == 1
     got = output_of(_run_method(edge, name, example), h)
     # the converted graph (pt2e's own fake quantization of the same encodings) is the reference's
-    # arithmetic, up to float32 rounding at a tie (measured: 7 of 2,048 outputs 1 or 2 steps off)
+    # arithmetic, up to float32 rounding at a tie (measured: none off; 7 of 2,048 at 1 or 2 steps
+    # before the grids had headroom)
     conv = output_of(quantized_attention(enc, scaling, example)(*example), h)
     off = ((conv - ref).abs() / enc.out.scale).round()
     assert off.max() <= 2 and (off > 0).float().mean() < 0.01
     # HTP's output is on the output's grid, near the reference: the scores land within 2 steps of
     # theirs (measured alone), but HTP's softmax is its own approximation (measured alone: up to 43
-    # steps of 1/65535 from exact softmax rounded); through P V, measured: at most 16 steps of the
-    # output's encoding, 2.2 on average, on this window
+    # steps of 1/65535 from exact softmax rounded); through P V, measured: at most 27 steps of the
+    # output's encoding, 1.9 on average, on this window (the simulator is deterministic)
     codes = got / enc.out.scale + enc.out.zero
     assert torch.allclose(codes, codes.round(), atol=1e-3)
     steps = ((got - ref).abs() / enc.out.scale).round()
-    assert steps.max() <= 32 and steps.mean() <= 4
-    # ...which leaves it about as near float attention as the reference (measured: 2.2e-4 and
-    # 1.5e-4 of the output's span; an 8-bit window, 1e-2)
+    assert steps.max() <= 40 and steps.mean() <= 4
+    # ...which leaves it near float attention, if not as near as the reference (measured: 4.6e-4
+    # and 1.7e-4 of the output's span; an 8-bit window, 1e-2)
     span = float(want_float.max() - want_float.min())
     err_htp, err_ref = (float((x - want_float).abs().max()) / span for x in (got, ref))
     assert err_htp < 4 * err_ref and err_htp < 1e-3

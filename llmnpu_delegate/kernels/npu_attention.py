@@ -4,6 +4,7 @@ On an integer NPU every tensor between two ops carries a static encoding (a scal
 fixed at export, from calibration) and is rounded to it. Attention runs at 16-bit activations: an
 8-bit softmax input cannot tell apart the scores that decide which keys a query reads. So:
 
+- every 16-bit grid reaches ``HEADROOM`` times its layer's calibrated range;
 - ``q`` (after RoPE) to 16 bits, unsigned on its layer's calibrated range; the K/V window to
   ``kv_bits`` (16, or 8 to halve the window's DRAM reads and memory), *signed symmetric* on its
   range: HTP's MatMul takes a 16-bit first operand only beside a symmetric second one
@@ -36,6 +37,11 @@ from ..errors import LlmNpuError
 KV_BITS = (8, 16)
 ACT_BITS = 16
 MASK_DEPTH = 32.0     # e^-32 ~ 1e-14: a hidden key's weight, even summed over a 64K-key window
+# 16-bit grids reach this far beyond the calibrated range: text past it clamped the largest scores
+# and outputs (a layer of the embedded model at 36 dB from float attention on held-apart calibration
+# text; 63 with 1.5x, measured by benchmarks/attention_headroom.py), and 16 bits have resolution to
+# spare. An 8-bit window has none: it keeps the calibrated range.
+HEADROOM = 1.5
 
 
 @dataclass(frozen=True)
@@ -93,12 +99,17 @@ class AttentionEncodings:
     def of_ranges(cls, ranges: dict[str, tuple[float, float]], kv_bits: int = 16) -> "AttentionEncodings":
         if kv_bits not in KV_BITS:
             raise LlmNpuError(f"the K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, got {kv_bits}")
-        lo, hi = ranges["scores"]
-        return cls(q=Encoding.of_range(*ranges["q"], ACT_BITS),
-                   k=Encoding.symmetric(max(map(abs, ranges["k"])), kv_bits),
-                   v=Encoding.symmetric(max(map(abs, ranges["v"])), kv_bits),
+        def wide(name: str, bits: int = ACT_BITS) -> tuple[float, float]:
+            lo, hi = ranges[name]
+            h = HEADROOM if bits == ACT_BITS else 1.0
+            return min(lo, 0.0) * h, max(hi, 0.0) * h
+
+        lo, hi = wide("scores")
+        return cls(q=Encoding.of_range(*wide("q"), ACT_BITS),
+                   k=Encoding.symmetric(max(map(abs, wide("k", kv_bits))), kv_bits),
+                   v=Encoding.symmetric(max(map(abs, wide("v", kv_bits))), kv_bits),
                    scores=Encoding.of_range(lo - MASK_DEPTH, hi, ACT_BITS),
-                   out=Encoding.of_range(*ranges["out"], ACT_BITS))
+                   out=Encoding.of_range(*wide("out"), ACT_BITS))
 
 
 PROBS = Encoding(1.0 / (2 ** ACT_BITS - 1), 0, ACT_BITS)     # softmax's output over [0, 1]
