@@ -115,12 +115,13 @@ class Calibration:
         except (OSError, DamagedFile) as e:
             raise LlmNpuError(f"calibration artefact {path} is corrupt ({e}): delete it and recalibrate") from None
         version = d.get("version") if isinstance(d, dict) else None
-        if version != CALIB_VERSION:
+        if type(version) is not int or version != CALIB_VERSION:
             raise LlmNpuError(f"calibration artefact {path} has format version {version}, this release reads "
                               f"{CALIB_VERSION}: delete it and recalibrate")
         try:
             return cls._from_payload(d, path)
-        except (KeyError, TypeError, ValueError, AttributeError, LlmNpuError) as e:
+        # RuntimeError: a tensor where a number belongs (its truth value is ambiguous)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, LlmNpuError) as e:
             raise LlmNpuError(f"calibration artefact {path} is malformed ({type(e).__name__}: {e}): delete it and "
                               f"recalibrate") from None
 
