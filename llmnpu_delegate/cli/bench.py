@@ -72,7 +72,7 @@ def cmd_bench(args) -> dict:
     if args.e2e:
         ids = prompt_ids(lm.tokenizer, lm.spec, read_prompt(args), args.chat)[0]
         result = bench_e2e(lm, ids, args.max_new_tokens, args.chunk, args.repeats, args.quant,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, placement=str(args.placement))
         args.text = _format_e2e(result)
         return result
     result = bench(lm, args.prompt_len, args.chunk, tuple(args.policies), args.ablation, args.trace_dir,
@@ -121,7 +121,7 @@ def _format_e2e(r: dict) -> str:
     names = {"hf_eager": "HF eager generate", "wrapper_fp32_decode": "llmnpu, float decode",
              "wrapper_int8_decode": "llmnpu, INT8 decode", "llamacpp": "llama.cpp (same GGUF)"}
     lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, {r['threads']} threads, "
-             f"median of {r['repeats']}", machine_line(r),
+             f"placement {r['placement']}, median of {r['repeats']}", machine_line(r),
              f"{'':<26}{'TTFT':>9}{'vs hf':>8}{'decode':>12}{'vs hf':>8}"]
     for name, v in r["variants"].items():
         lines.append(f"{names.get(name, name):<26}{1e3 * v['ttft_s']:>7.0f}ms{v['ttft_vs_hf']:>7.2f}x"

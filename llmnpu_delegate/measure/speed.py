@@ -246,7 +246,7 @@ def llamacpp_generate(lm: LoadedModel, threads: int):
 
 
 def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, repeats: int = 3,
-              quant="w8a8-shadow", progress: bool = True) -> dict:
+              quant="w8a8-shadow", progress: bool = True, placement: str = PAPER) -> dict:
     """What a user waits for: time to first token and decode tok/s of one prompt, for Hugging Face eager
     ``generate``, the wrapper with float and with INT8 decode, and llama.cpp on the same GGUF;
     interleaved, medians of ``repeats``, ratios against Hugging Face."""
@@ -258,7 +258,7 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
     threads = Workers.auto().threads * 2
     # no prefix cache: every timed run repeats the same prompt, which it would serve from memory
     wrappers = {mode: LlmNpuForCausalLM(lm, chunk_len=chunk, quant=quant, decode=mode, prefix_cache=False,
-                                        progress=progress)
+                                        progress=progress, placement=placement)
                 for mode in ("fp32", "int8")}
     if wrappers["int8"].decode_mode != "int8":
         del wrappers["int8"]          # a family the INT8 decoder does not cover: nothing to time
@@ -281,7 +281,7 @@ def bench_e2e(lm: LoadedModel, ids: torch.Tensor, new_tokens: int, chunk: int, r
             runs[name].append(fn(ids, new_tokens))
     out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_tokens": int(ids.numel()), "new_tokens": new_tokens, "chunk": chunk,
            "quant": quant if isinstance(quant, str) else "custom", "threads": threads, "repeats": repeats,
-           "variants": {}}
+           "placement": next(iter(wrappers.values())).engine.config.placement, "variants": {}}
     for name, rs in runs.items():
         out["variants"][name] = {"ttft_s": _median([r["ttft_s"] for r in rs]),
                                  "decode_tok_s": _median([r["decode_tok_s"] for r in rs])}
