@@ -78,7 +78,7 @@ def run(wrapper: LlmNpuForCausalLM, prompt: str, max_new_tokens: int = 64, chat:
                  ("w8a8-shadow" if wrapper.engine.quant.outliers == "shadow" else "w8a8"),
         "chunk": wrapper.engine.chunk_len,
         "placement": wrapper.engine.config.placement,
-        "placement_predicted_s": (wrapper.engine.placement_choice or {}).get("predicted_s") or None,
+        "placement_prefill_s": (wrapper.engine.placement_choice or {}).get("prefill_s") or None,
         "prompt_tokens": int(ids.shape[1]),
         "new_tokens": int(new.numel()),
         "chunks": pre["chunks"],
@@ -167,11 +167,10 @@ def _placement(s: dict) -> str:
     text = f"placement {s['placement']} (NPU regions: the linears"
     pieces = parse_placement(s["placement"]).pieces
     text += "".join(f", {p}" for p in PIECES if p in pieces) + ")"
-    predicted = s.get("placement_predicted_s")
-    if predicted:
-        text += ("; chosen by this machine's profile, predicted prefill of "
-                 f"{PRUNING_PROMPT:,} tokens: "
-                 + ", ".join(f"{name} {1e3 * t:.0f} ms" for name, t in sorted(predicted.items(), key=lambda kv: kv[1])))
+    timed = s.get("placement_prefill_s")
+    if timed:
+        text += f"; chosen by timing each on this machine, {PRUNING_PROMPT:,}-token prefill: " + ", ".join(
+            f"{name} {1e3 * t:.0f} ms" for name, t in sorted(timed.items(), key=lambda kv: kv[1]))
     return text
 
 

@@ -319,18 +319,18 @@ def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llam
     calib.save(tmp_path / "calib.pt")               # a copy: the session's artefact stays as it was
     quant = quant_config("w8a8-shadow", 0.0)
     config = EngineConfig(64, quant=quant, placement="auto")
-    predicted = {"paper": 1.0, "norms": 0.97, "attention-half": 1.4, "block": 0.8}
+    seconds = {"paper": 1.0, "norms": 0.97, "attention-half": 1.4, "block": 0.8}
     timed = []
 
-    def predict(trial):
+    def measure(trial):
         timed.append(trial.config.placement)
         assert trial.quant == quant and trial.chunk_len == 64
-        return predicted[trial.config.placement]
-    choice = host_placement_choice(llama, calib, config, progress=False, predict=predict)
+        return seconds[trial.config.placement]
+    choice = host_placement_choice(llama, calib, config, progress=False, measure=measure)
     assert sorted(timed) == sorted(PRESETS)
-    assert choice == {"placement": "block", "predicted_s": predicted}
+    assert choice == {"placement": "block", "prefill_s": seconds}
     # kept with the calibration on disk: an engine made from it times nothing and runs the choice
-    monkeypatch.setattr(Prefiller, "predicted_prefill", lambda self, *a: pytest.fail("timed again"))
+    monkeypatch.setattr(Prefiller, "timed_prefill", lambda self, *a: pytest.fail("timed again"))
     chosen = Prefiller(llama, 64, quant=quant, calibration=Calibration.load(tmp_path / "calib.pt"),
                        placement="auto", progress=False)
     assert chosen.config.placement == "block" and chosen.placement_choice == choice
@@ -345,13 +345,19 @@ def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llam
     assert host_placement_choice(llama, None, EngineConfig(64, quant=None, placement="auto"))["placement"] == "paper"
 
 
+def test_the_choice_times_a_whole_prefill_out_of_order(engine):
+    e = engine("paper", "w8a8-shadow")
+    assert e.timed_prefill(100) > 0                   # what it takes is the schedule's own wall time
+    assert e.last_run.policy == "ooo" and e.last_run.wall_s > 0 and len(e.last_run.records) > 0
+
+
 def test_a_malformed_placement_choice_in_the_calibration_is_a_one_line_error(llama, tmp_path):
     from llmnpu_delegate.prepare import default_calibration
     from llmnpu_delegate.quantize import Calibration
     calib = Calibration.load(default_calibration(llama, False).path)
-    calib.placement["k"] = {"placement": "block", "predicted_s": {"block": "fast"}}
+    calib.placement["k"] = {"placement": "block", "prefill_s": {"block": "fast"}}
     calib.save(tmp_path / "calib.pt")
-    with pytest.raises(LlmNpuError, match=r"malformed .*predicted_s\[block\].*delete it and recalibrate"):
+    with pytest.raises(LlmNpuError, match=r"malformed .*prefill_s\[block\].*delete it and recalibrate"):
         Calibration.load(tmp_path / "calib.pt")
 
 

@@ -85,9 +85,9 @@ def cmd_bench(args) -> dict:
 def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, placement {r['placement']}, median of {r['repeats']}", machine_line(r)]
-    if r.get("placement_predicted_s"):
-        lines.append("placement chosen by this machine's profile, predicted prefill of 1,024 tokens: " + ", ".join(
-            f"{name} {1e3 * t:.0f} ms" for name, t in sorted(r["placement_predicted_s"].items(), key=lambda kv: kv[1])))
+    if r.get("placement_prefill_s"):
+        lines.append("placement chosen by timing each on this machine, 1,024-token prefill: " + ", ".join(
+            f"{name} {1e3 * t:.0f} ms" for name, t in sorted(r["placement_prefill_s"].items(), key=lambda kv: kv[1])))
     rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None, None)]
     if r.get("hf_fp32_default_malloc_tok_s"):
         rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None, None))

@@ -35,7 +35,7 @@ def placement_arg(text: str):
 
 
 PLACEMENT_HELP = ("what the NPU regions run beside the linears: auto (default: the fastest on this machine, "
-                  "chosen once by timing each preset and cached with the calibration), paper, norms, "
+                  "chosen once by timing each preset's prefill and cached with the calibration), paper, norms, "
                   "attention-half, block, or pieces joined by '+'")
 
 

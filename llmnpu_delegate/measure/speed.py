@@ -140,7 +140,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
     out = {"model": lm.spec, "machine": int8_path.describe(), "prompt_len": prompt_len, "chunk": chunk, "threads": threads,
            "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention,
            "placement": engine.config.placement,
-           "placement_predicted_s": (engine.placement_choice or {}).get("predicted_s") or None, "repeats": repeats,
+           "placement_prefill_s": (engine.placement_choice or {}).get("prefill_s") or None, "repeats": repeats,
            "lane_help": workers.help, "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
     medians = {}

@@ -178,10 +178,10 @@ def _choice(choice, what: str) -> dict:
 
 
 def _placement_choice(choice, what: str) -> dict:
-    """An automatic placement choice: the placement and each candidate's predicted prefill seconds."""
+    """An automatic placement choice: the placement and each candidate's timed prefill seconds."""
     _typed(_typed(choice, dict, what).get("placement"), str, f"{what}.placement")
-    for name, seconds in _typed(choice.get("predicted_s"), dict, f"{what}.predicted_s").items():
-        _typed(seconds, float, f"{what}.predicted_s[{name}]")
+    for name, seconds in _typed(choice.get("prefill_s"), dict, f"{what}.prefill_s").items():
+        _typed(seconds, float, f"{what}.prefill_s[{name}]")
     return choice
 
 

@@ -73,8 +73,8 @@ class Prefiller(ChunkRunner):
         calibration: a Calibration; by default the cached one on the shipped calibration text.
         placement: what the NPU regions run beside the linears (``partitioner/placement.py``):
             ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"``,
-            pieces joined by '+', or ``"auto"``: the fastest by this machine's own profile
-            (``choose_host_placement``, cached with the calibration). On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
+            pieces joined by '+', or ``"auto"``: the fastest on this machine, timed once
+            (``host_placement_choice``, cached with the calibration). On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
             kernels, attention (quantized modes) as an NPU graph computes it (``kernels/npu_attention.py``).
         npu_kv_bits: bits of that attention's K/V window (16 or 8).
         cache: the graph cache (default: on disk under the cache folder).
@@ -228,11 +228,23 @@ class Prefiller(ChunkRunner):
 
         return ShadowCost("host", seconds, makespan)
 
-    def predicted_prefill(self, prompt_len: int = PRUNING_PROMPT) -> float:
-        """Seconds of a ``prompt_len``-token prefill under ``ooo``, predicted from this engine's
-        subgraphs timed in order, with every shadow path it keeps (as ``shadow_prices`` prices them)."""
-        cost = self.shadow_prices(prompt_len)
-        return cost.makespan(frozenset(cost.seconds))
+    def timed_prefill(self, prompt_len: int = PRUNING_PROMPT) -> float:
+        """Wall seconds of this engine's ``ooo`` prefill of a ``prompt_len``-token prompt (held-apart
+        calibration text where it holds enough, else random ids): the median of ``PROFILE_RUNS`` runs
+        after one that warms up. Measured, not predicted from timed subgraphs: the scheduler's
+        model of the lanes leaves out the idle worker's help, which moved the verdict."""
+        n = min(prompt_len, self.context)
+        held = self.calibration.held_ids if self.calibration is not None else None
+        if held is not None and held.numel() >= n:
+            ids = held.flatten()[:n]
+        else:
+            ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        walls = []
+        with torch.inference_mode():
+            for _ in range(PROFILE_RUNS + 1):
+                self(ids, policy="ooo")
+                walls.append(self.last_run.wall_s)
+        return statistics.median(walls[1:])
 
     def _npu_attention(self, lm: LoadedModel | None, config: EngineConfig) -> dict | None:
         """Per layer, the encodings of attention placed on the NPU (None: the float engine, or
@@ -325,8 +337,8 @@ def choose_host_pruning(model: LoadedModel | nn.Module, calibration: Calibration
 
 
 def fastest_placement(predicted: dict[str, float], margin: float = PLACEMENT_MARGIN) -> str:
-    """The placement with the shortest predicted prefill; the paper's unless the fastest is more
-    than ``margin`` shorter (a gain inside the timings' noise is no reason to leave it)."""
+    """The placement with the shortest prefill; the paper's unless the fastest is more than
+    ``margin`` shorter (a gain inside the timings' noise is no reason to leave it)."""
     best = min(predicted, key=predicted.get)
     if PAPER in predicted and predicted[best] > (1 - margin) * predicted[PAPER]:
         return PAPER
@@ -344,28 +356,28 @@ def placement_key(config: EngineConfig, calibration: Calibration) -> str:
 
 
 def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibration | None, config: EngineConfig,
-                          progress: bool = True, predict=None) -> dict | None:
-    """The host's choice for an ``"auto"`` placement (None for a named one): {"placement", "predicted_s"}.
+                          progress: bool = True, measure=None) -> dict | None:
+    """The host's choice for an ``"auto"`` placement (None for a named one): {"placement", "prefill_s"}.
 
-    Every preset the backend runs is built as an engine and its prefill of a ``PRUNING_PROMPT``-token
-    prompt predicted from its own timed subgraphs (``Prefiller.predicted_prefill``); the fastest wins
+    Every preset the backend runs is built as an engine and its ``ooo`` prefill of a
+    ``PRUNING_PROMPT``-token prompt timed (``Prefiller.timed_prefill``); the fastest wins
     (``fastest_placement``). The choice is cached in the calibration artefact: it is made once per
     model, settings and machine. The float reference has nothing to place: the paper's split.
-    ``predict`` (engine -> seconds) replaces the timing, for tests."""
+    ``measure`` (engine -> seconds) replaces the timing, for tests."""
     if config.placement != AUTO:
         return None
     candidates = backends.placements(backends.get(config.backend, engine=True))
     if config.quant is None or calibration is None or candidates == [PAPER]:
-        return {"placement": PAPER, "predicted_s": {}}
+        return {"placement": PAPER, "prefill_s": {}}
     key = placement_key(config, calibration)
     if key not in calibration.placement:
-        predicted = {}
+        seconds = {}
         for name in tqdm(candidates, desc="choosing the placement (once)", unit="placement", disable=not progress):
-            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="inorder",
-                                                                     tail_len=None), calibration, progress=False)
-            predicted[name] = predict(trial) if predict else trial.predicted_prefill()
+            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="ooo"),
+                                          calibration, progress=False)
+            seconds[name] = measure(trial) if measure else trial.timed_prefill()
             trial.release_runtime()
-        calibration.placement[key] = {"placement": fastest_placement(predicted), "predicted_s": predicted}
+        calibration.placement[key] = {"placement": fastest_placement(seconds), "prefill_s": seconds}
         if calibration.path is not None:
             calibration.save()
     return calibration.placement[key]
