@@ -373,8 +373,9 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     if key not in calibration.placement:
         seconds = {}
         for name in tqdm(candidates, desc="choosing the placement (once)", unit="placement", disable=not progress):
-            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="ooo"),
-                                          calibration, progress=False)
+            # no tail program: the timed prompt is whole chunks
+            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="ooo",
+                                                                     tail_len=None), calibration, progress=False)
             seconds[name] = measure(trial) if measure else trial.timed_prefill()
             trial.release_runtime()
         calibration.placement[key] = {"placement": fastest_placement(seconds), "prefill_s": seconds}
