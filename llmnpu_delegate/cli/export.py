@@ -81,6 +81,7 @@ def cmd_export(args) -> dict:
     held = summary["rows_in_program"]
     cold = (f"; cold rows of {held} linears read from the program's own INT8 weights, of {sh['linears'] - held} "
             f"from a rows file of {summary['rows_bytes'] / 2**20:.1f} MiB" if sh["form"] == "sparse" else "")
+    soc = f" --soc {args.soc}" if backend.uses_soc else ""     # else the simulator's default phone
     fine = (f" ({summary['fine_outputs']} with a second encoding: +{100 * summary['fine_npu_share']:.1f} % NPU "
             f"work)" if summary["fine_outputs"] else "")
     args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
