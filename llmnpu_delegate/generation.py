@@ -163,11 +163,11 @@ def _chunks(s: dict) -> str:
     return text
 
 
-def _placement(s: dict) -> str:
-    text = f"placement {s['placement']} (NPU regions: the linears"
-    pieces = parse_placement(s["placement"]).pieces
+def placement_line(placement: str, timed: dict | None) -> str:
+    """What a summary says of its placement, with the timings it was chosen by (if it was)."""
+    text = f"placement {placement} (NPU regions: the linears"
+    pieces = parse_placement(placement).pieces
     text += "".join(f", {p}" for p in PIECES if p in pieces) + ")"
-    timed = s.get("placement_prefill_s")
     if timed:
         text += f"; chosen by timing each on this machine, {PRUNING_PROMPT:,}-token prefill: " + ", ".join(
             f"{name} {1e3 * t:.0f} ms" for name, t in sorted(timed.items(), key=lambda kv: kv[1]))
@@ -185,7 +185,7 @@ def format_summary(s: dict) -> str:
         f"decode  {decode} ({s['decode_mode']})",
     ]
     if "placement" in s:
-        lines.append(_placement(s))
+        lines.append(placement_line(s["placement"], s.get("placement_prefill_s")))
     if "machine" in s:
         m = s["machine"]
         lines.append(f"cpu {m['cpu']} ({m['isa']}); INT8 kernel {m['int8_kernel']}")

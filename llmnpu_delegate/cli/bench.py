@@ -9,7 +9,7 @@ from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
 from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
-from ..generation import prompt_ids
+from ..generation import placement_line, prompt_ids
 from ..runtime.schedule import POLICIES
 from .common import PLACEMENT_HELP, add_output_args, machine_line, placement_or_auto, read_prompt
 
@@ -86,8 +86,7 @@ def _format_bench(r: dict) -> str:
     lines = [f"prefill of {r['prompt_len']} tokens, {r['model']}, chunk {r['chunk']}, {r['threads']} threads, "
              f"{r['quant']}, placement {r['placement']}, median of {r['repeats']}", machine_line(r)]
     if r.get("placement_prefill_s"):
-        lines.append("placement chosen by timing each on this machine, 1,024-token prefill: " + ", ".join(
-            f"{name} {1e3 * t:.0f} ms" for name, t in sorted(r["placement_prefill_s"].items(), key=lambda kv: kv[1])))
+        lines.append(placement_line(r["placement"], r["placement_prefill_s"]))
     rows = [("hf fp32 (eager)", r["hf_fp32_tok_s"], None, None)]
     if r.get("hf_fp32_default_malloc_tok_s"):
         rows.append(("hf fp32, default malloc", r["hf_fp32_default_malloc_tok_s"], None, None))

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 PROFILE_RUNS = 3      # in-order runs of a two-chunk prompt that time the subgraphs for ooo / cp
 PRUNING_PROMPT = 1024  # tokens of the prompt whose predicted prefill an automatic pruning weighs
-# A placement beyond the paper's is chosen on the host only if it predicts a prefill this much shorter:
+# A placement beyond the paper's is chosen on the host only if its timed prefill is this much shorter:
 # timings on a shared machine move by about 15 %, and the paper's split is what every program writes
 PLACEMENT_MARGIN = 0.10
 
@@ -74,8 +74,9 @@ class Prefiller(ChunkRunner):
         placement: what the NPU regions run beside the linears (``partitioner/placement.py``):
             ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"``,
             pieces joined by '+', or ``"auto"``: the fastest on this machine, timed once
-            (``host_placement_choice``, cached with the calibration). On ``cpu-int8`` the pieces run on the NPU lane's thread with the CPU's
-            kernels, attention (quantized modes) as an NPU graph computes it (``kernels/npu_attention.py``).
+            (``host_placement_choice``, cached with the calibration). On ``cpu-int8`` the pieces
+            run on the NPU lane's thread with the CPU's kernels, attention (quantized modes) as an
+            NPU graph computes it (``kernels/npu_attention.py``).
         npu_kv_bits: bits of that attention's K/V window (16 or 8).
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
@@ -336,11 +337,11 @@ def choose_host_pruning(model: LoadedModel | nn.Module, calibration: Calibration
     plan_linears(base, calibration, quant, fingerprint, progress, cost)
 
 
-def fastest_placement(predicted: dict[str, float], margin: float = PLACEMENT_MARGIN) -> str:
+def fastest_placement(seconds: dict[str, float], margin: float = PLACEMENT_MARGIN) -> str:
     """The placement with the shortest prefill; the paper's unless the fastest is more than
     ``margin`` shorter (a gain inside the timings' noise is no reason to leave it)."""
-    best = min(predicted, key=predicted.get)
-    if PAPER in predicted and predicted[best] > (1 - margin) * predicted[PAPER]:
+    best = min(seconds, key=seconds.get)
+    if PAPER in seconds and seconds[best] > (1 - margin) * seconds[PAPER]:
         return PAPER
     return best
 
