@@ -156,24 +156,32 @@ def test_cold_rows_are_read_from_the_programs_own_weights(program, tmp_path):
 
 def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
     """The same sources cross-built for 64-bit Arm (XNNPACK's Arm kernels, the Arm float kernels), run
-    under qemu-aarch64: the x86 build's greedy tokens and cold-row count, and its logits within a few
-    float32 steps (XNNPACK's INT8 kernels agree; its float methods may sum in another order on Arm)."""
+    under qemu-aarch64: the x86 build's greedy tokens and cold-row count, and the prompt's logits as
+    close to x86's as the program's INT8 LM head is to a float head.
+
+    The head is XNNPACK's dynamic INT8 linear, and its x86 and Arm kernels do not give the same logits
+    on this program: measured 1 float32 step apart on a Zen 4 host, 1.1 at |logit| 58 (37.9 dB) on a
+    Zen 3 (AVX2) host, where the same program with a float head (``--decode fp32``) is 15 float32 steps
+    apart. The head's own error, INT8 against float head on one platform, measured 34-42 dB; a broken
+    Arm INT8 kernel (qemu's SME, docs/phone-program.md) is near 0 dB. The tiny model's float-decode
+    program keeps the bound of a few float32 steps (test_export.py)."""
+    from llmnpu_delegate.runtime.validate import sqnr_db
+
     pte, ids = program
     meta = json.loads(sidecar_path(pte).read_text())
     x86 = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "x86.bin")
     t0 = time.perf_counter()
     arm = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "arm.bin", binary=arm64_command())
     seconds = time.perf_counter() - t0
-    # the prompt's row: a decode step's dynamic INT8 rounding on Arm can move a later row by a code's
-    # worth (seen: 0.8 of a logit at one step, the same tokens), which the tokens check instead
+    # the prompt's row; a decode step's row follows a token whose K/V already differ, which the tokens check
     got, want = _logits(tmp_path, "arm.bin")[0], _logits(tmp_path, "x86.bin")[0]
-    steps = np.abs(got - want).max() / np.spacing(np.abs(want).max())
-    print(f"arm64 under qemu ({ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {steps:.1f} "
-          f"float32 steps from x86's at |logit| {np.abs(want).max():.1f}")
+    db = sqnr_db(torch.from_numpy(got), torch.from_numpy(want))
+    print(f"arm64 under qemu ({ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {db:.1f} dB "
+          f"from x86's (largest gap {np.abs(got - want).max():.2g} at |logit| {np.abs(want).max():.1f})")
     assert (arm.summary["platform"], x86.summary["platform"]) == ("linux-aarch64", "linux-x86_64")
     assert arm.tokens == x86.tokens
     assert arm.summary["cold_rows"] == x86.summary["cold_rows"] > 0
-    assert steps <= 4
+    assert db > 30
 
 
 @pytest.fixture(scope="module")
