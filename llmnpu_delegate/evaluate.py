@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
-from .models import LoadedModel
+from .models import LoadedModel, decoder_layers
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
 from .runtime.engine import choose_host_pruning
 from .text import calibration_ids
@@ -26,6 +26,9 @@ MODES: dict[str, QuantConfig | None] = {
     "w8a8-shadow-tensorw": QuantConfig(outliers="shadow", pruning_rate=0.0, weights="tensor"),
 }
 DEFAULT_MODE = "w8a8-shadow-pruned"     # the product's default: shadow outliers, automatic pruning
+# An exported program's numerics (lower/program_numerics.py): needs the program (--pte PATH)
+PROGRAM_MODE = "qnn"
+ALL_MODES = (*MODES, PROGRAM_MODE)
 
 
 def shadow_overrides(config: QuantConfig | None, overrides: dict | None) -> dict:
@@ -71,9 +74,29 @@ def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: 
     return model, quantize_(model, calib, config, lm.fingerprint, progress)
 
 
-def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, desc: str,
-                  progress: bool = True) -> dict:
-    """Quantize a copy of the model with ``config`` and measure its perplexity and outlier share."""
+def program_model(lm: LoadedModel, pte, calib=None, progress: bool = True):
+    """(a quantized copy of the model computing what the exported program ``pte`` computes, what that
+    changed): the ``qnn`` mode (``lower/program_numerics.py``)."""
+    from .format.sidecar import load_sidecar
+    from .lower.program_numerics import apply_program_numerics, check_program, program_quant
+
+    meta = load_sidecar(pte)
+    check_program(meta, pte)
+    if meta["model"]["fingerprint"] != lm.fingerprint or meta["model"]["layers"] != len(decoder_layers(lm.model)):
+        spec = meta["model"].get("spec", "another model")
+        raise LlmNpuError(f"{pte} was exported from {spec} ({meta['model']['layers']} blocks), not from {lm.spec} "
+                          f"({len(decoder_layers(lm.model))}): evaluate it with that model, or export the whole model")
+    model, _ = quantized_model(lm, program_quant(meta), calib, progress)
+    return model, apply_program_numerics(model, meta)
+
+
+def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig | None, desc: str,
+                  progress: bool = True, program=None) -> dict:
+    """Quantize a copy of the model with ``config`` (or as the exported ``program`` computes) and
+    measure its perplexity and outlier share."""
+    if program is not None:
+        model, changed = program_model(lm, program, calib, progress)
+        return {"ppl": perplexity(model, windows, desc, progress), "program": str(program), **changed}
     model, report = quantized_model(lm, config, calib, progress)
     entry = {"ppl": perplexity(model, windows, desc, progress)}
     c = outlier_counters(model)
@@ -94,16 +117,18 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig, 
 
 def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[str], window: int = 512,
              max_tokens: int = 4096, calib_config: CalibConfig = CalibConfig(),
-             overrides: dict | None = None, progress: bool = True) -> dict:
-    """Perplexity per mode. ``overrides`` replaces QuantConfig fields of the shadow modes."""
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise LlmNpuError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+             overrides: dict | None = None, progress: bool = True, program=None) -> dict:
+    """Perplexity per mode. ``overrides`` replaces QuantConfig fields of the shadow modes; ``program``:
+    the exported program the ``qnn`` mode reproduces."""
+    check_modes(modes, program)
     windows = eval_windows(eval_ids, window, max_tokens)
-    need_calib = any(MODES[m] is not None for m in modes)
+    need_calib = any(MODES.get(m) is not None for m in modes)
     calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress) if need_calib else None
     results = {}
     for mode in modes:
+        if mode == PROGRAM_MODE:
+            results[mode] = run_quantized(lm, windows, calib, None, mode, progress, program)
+            continue
         config = MODES[mode]
         if config is None:
             results[mode] = {"ppl": perplexity(lm.model, windows, mode, progress)}
@@ -114,6 +139,16 @@ def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[s
         results[mode] = run_quantized(lm, windows, calib, config, mode, progress)
     return {"model": lm.spec, "tokens": int(windows.numel() - windows.shape[0]), "window": window,
             "results": results}
+
+
+def check_modes(modes: list[str], program) -> None:
+    """Known modes, and the program the ``qnn`` mode needs (and nothing else takes)."""
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise LlmNpuError(f"unknown mode(s) {unknown}: choose from {', '.join(ALL_MODES)}")
+    if (PROGRAM_MODE in modes) != (program is not None):
+        raise LlmNpuError(f"the {PROGRAM_MODE} mode evaluates an exported program and only it takes one: give "
+                          f"both --modes ... {PROGRAM_MODE} and --pte PATH (a .pte from llmnpu export)")
 
 
 SWEEP_PRUNING_RATES = (0.0, 0.5, 0.7, 0.85, 0.95, 1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ..errors import LlmNpuError
-from ..evaluate import MODES, evaluate, sweep
+from ..evaluate import ALL_MODES, MODES, PROGRAM_MODE, check_modes, evaluate, sweep
 from ..quantize import load_or_calibrate
 from ..text import calibration_ids, read_text, tokenize
 from .common import add_model_args, pruning_rate, setup
@@ -20,7 +20,12 @@ def add_parser(sub) -> None:
                         "offline tasks are built from it")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="modes (default: all)")
+    p.add_argument("--modes", nargs="+", choices=list(ALL_MODES), default=None,
+                   help=f"modes (default: all; {PROGRAM_MODE} with --pte)")
+    p.add_argument("--pte", default=None,
+                   help=f"an exported program (llmnpu export) whose numerics the {PROGRAM_MODE} mode computes: its "
+                        "8-bit NPU output encodings, INT8 head and float16 table on the model (qnn, or cpu-int8 with "
+                        "--output-bits 8)")
     p.add_argument("--clip-percentile", type=float, default=None, help="shadow clipping percentile (default 99.5)")
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="pruning rate of pruned modes: auto (default: the paths whose time reaches this "
                         "machine's predicted prefill, within a KL budget on held-apart calibration text) or a "
@@ -50,9 +55,9 @@ def cmd_eval(args) -> dict:
         return _cmd_tasks(args, lm, calib_config, overrides)
     eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
     calib_ids = calibration_ids(lm, args.calib_text_file)
-    modes = args.modes or list(MODES)
+    modes = _modes(args, list(MODES))
     result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
-                      overrides, progress=not args.no_progress)
+                      overrides, progress=not args.no_progress, program=args.pte)
     if args.sweep:
         result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
                                 progress=not args.no_progress)
@@ -65,16 +70,23 @@ def _cmd_tasks(args, lm, calib_config, overrides) -> dict:
 
     if args.sweep or args.max_tokens != 4096 or args.window != 512:
         raise LlmNpuError("--sweep, --max-tokens and --window are for perplexity, not --tasks")
-    modes = args.modes or list(TABLE_MODES)
+    modes = _modes(args, list(TABLE_MODES))
     calib = None
-    if any(MODES[m] is not None for m in modes):
+    if any(MODES.get(m) is not None for m in modes):
         calib = load_or_calibrate(lm.model, calibration_ids(lm, args.calib_text_file), lm.fingerprint,
                                   calib_config, progress=not args.no_progress)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     result = run_tasks(lm, args.tasks, modes, args.include_path, limit, overrides, calib,
-                       text_file=args.text_file, progress=not args.no_progress)
+                       text_file=args.text_file, progress=not args.no_progress, program=args.pte)
     args.text = format_table(result)
     return result
+
+
+def _modes(args, default: list[str]) -> list[str]:
+    """The modes asked for; by default ``default``, and the program's mode when --pte gives one."""
+    modes = args.modes or default + ([PROGRAM_MODE] if args.pte else [])
+    check_modes(modes, args.pte)
+    return modes
 
 
 def format_eval(result: dict) -> str:

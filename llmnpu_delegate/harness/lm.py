@@ -9,7 +9,8 @@ logits, which the engine's chunk graphs do not (they return the last token's). G
 prefill and its decode.
 
 ``model_args`` take what the CLI takes: ``model=`` (default smollm2-135m), ``quant=`` (an ``llmnpu eval``
-mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default), ``pruning_rate=``,
+mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default; or ``qnn`` with
+``pte=`` a ``.pte``: that program's numerics, scores only), ``pruning_rate=``,
 ``clip_percentile=``, ``importance=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
 CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch_size`` is ignored
 (one sequence at a time, so scores never depend on padding).
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
-from ..evaluate import DEFAULT_MODE, MODES, quantized_model
+from ..evaluate import ALL_MODES, DEFAULT_MODE, MODES, PROGRAM_MODE, check_modes, program_model, quantized_model
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
 
 
@@ -36,17 +37,18 @@ from ..models import DEFAULT_MODEL, LoadedModel, load_model
 class LlmNpuLM(TemplateLM):
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, quant: str = DEFAULT_MODE, pruning_rate=None,
                  clip_percentile=None, importance=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
-                 max_length: int | None = None, calibration=None, progress: bool = False,
+                 max_length: int | None = None, calibration=None, progress: bool = False, pte=None,
                  batch_size=1, max_batch_size=None, device=None, **unknown):
         super().__init__()
         if unknown:
             raise LlmNpuError(f"unknown model_args {sorted(unknown)}: use model, quant, pruning_rate, "
-                              "clip_percentile, importance, chunk_len, decode, max_length")
-        if quant not in MODES:
-            raise LlmNpuError(f"unknown quant '{quant}': use one of {', '.join(MODES)}")
+                              "clip_percentile, importance, chunk_len, decode, max_length, pte")
+        if quant not in ALL_MODES:
+            raise LlmNpuError(f"unknown quant '{quant}': use one of {', '.join(ALL_MODES)}")
+        check_modes([quant], pte)
         self.lm = model if isinstance(model, LoadedModel) else load_model(str(model))
         self.quant_name = quant
-        self.config = MODES[quant]
+        self.config = MODES.get(quant)
         knobs = {k: v for k, v in (("pruning_rate", pruning_rate), ("clip_percentile", clip_percentile),
                                    ("importance", importance)) if v is not None}
         if knobs:
@@ -58,7 +60,10 @@ class LlmNpuLM(TemplateLM):
         limit = getattr(self.lm.model.config, "max_position_embeddings", 2048)
         self.max_length = int(max_length or min(limit, 2048))
         self.calibration = calibration     # None: the cached one on the shipped calibration text
-        self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
+        if pte is not None:
+            self.scorer = program_model(self.lm, pte, calibration, progress)[0]
+        else:
+            self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
         self._wrapper = None
 
     # ---------------------------------------------------------------- tokens
@@ -132,6 +137,9 @@ class LlmNpuLM(TemplateLM):
     # ---------------------------------------------------------------- generation
     @property
     def wrapper(self):
+        if self.quant_name == PROGRAM_MODE:
+            raise LlmNpuError(f"the {PROGRAM_MODE} mode scores (loglikelihood tasks) and does not generate: run the "
+                              f"program itself for generation (llmnpu run --pte PATH)")
         if self._wrapper is None:       # built on first use: scoring-only tasks never compile the engine
             from ..hf import LlmNpuForCausalLM
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from ..errors import LlmNpuError
-from ..evaluate import MODES, shadow_overrides
+from ..evaluate import MODES, PROGRAM_MODE, check_modes, shadow_overrides
 from ..models import LoadedModel
 from . import require_lm_eval
 from .offline_tasks import GROUP, task_dir
@@ -18,17 +18,16 @@ LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 
 def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path: str | None = None,
               limit: float | None = None, overrides: dict | None = None, calib=None, text_file=None,
-              progress: bool = True) -> dict:
-    """{mode: {task: {metric: (value, stderr)}}} and the sample counts, through ``lm_eval.simple_evaluate``."""
+              progress: bool = True, program=None) -> dict:
+    """{mode: {task: {metric: (value, stderr)}}} and the sample counts, through ``lm_eval.simple_evaluate``;
+    ``program``: the exported program the ``qnn`` mode scores."""
     require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from .lm import LlmNpuLM
 
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise LlmNpuError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}")
+    check_modes(modes, program)
     paths = [str(task_dir(text_file))] + ([include_path] if include_path else [])
     manager = TaskManager(include_path=paths, verbosity="ERROR")
     missing = [t for t in tasks if not manager.match_tasks([t])]
@@ -39,7 +38,8 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
     results, samples = {}, {}
     for mode in modes:
         model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress,
-                         **shadow_overrides(MODES[mode], overrides))
+                         pte=program if mode == PROGRAM_MODE else None,
+                         **shadow_overrides(MODES.get(mode), overrides))
         with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
             out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
                                   bootstrap_iters=1000, verbosity="ERROR")

@@ -32,6 +32,9 @@ class QuantLinear(nn.Module):
         self.clip = clip
         self.shadow = shadow
         self.pruned = shadow is None
+        # what the NPU does to the integer product before the CPU adds the shadow path: nothing in the
+        # engine (float outputs); an exported program's 8-bit output encodings (lower/program_numerics.py)
+        self.output_stage = None
         self.outlier_elements = 0   # activation elements that took the shadow path
         self.saturated_elements = 0  # elements beyond the full range (unseen in calibration): clipped
         self.seen_elements = 0
@@ -44,6 +47,8 @@ class QuantLinear(nn.Module):
         shadow = self.shadow is not None and not self.pruned
         scale = self.act_scale if shadow else self.full_scale
         y = K.w8a8_linear(x2, scale, self.weight_q, self.weight_scale, self.bias)   # [M, N]
+        if self.output_stage is not None:
+            y = self.output_stage(y)
         self.seen_elements += x2.numel()
         if not shadow:
             # A static full-range scale can still meet a value larger than any in calibration; it

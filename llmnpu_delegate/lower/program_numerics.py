@@ -1,0 +1,122 @@
+"""An exported program's numerics on a quantized copy of the float model (``llmnpu eval --modes qnn``).
+
+The engine's NPU regions return float outputs; an integer NPU program does not. What a program with
+8-bit outputs (``qnn``; ``cpu-int8 --output-bits 8`` has the same encodings on XNNPACK) computes, as
+its sidecar writes it, applied to a model quantized by ``quantize_`` with the program's config:
+
+- each decoder linear's integer product is requantized to its 8-bit output encoding before the CPU
+  adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
+  encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
+- the LM head is the dynamic INT8 linear (each row quantized over its own range, ``int8`` decode
+  programs); the embedding lookups read the float16 table (``embedding_head.TABLE_DTYPE``).
+
+Only the HTP's own rounding of a requantization is left out: the simulator's outputs are within a
+step of these (``tests/test_qnn.py``). The decoder's shapes are the model's, so every position of a
+window is scored, which the program (one answer row per prefill) does not return.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import LlmNpuError
+from ..format.npu_io import FineOutput, part_channels
+from ..kernels.ops import dynamic_linear, prepack_dynamic, quantize_weight
+from ..quantize.linear import QuantLinear
+from .embedding_head import TABLE_DTYPE
+
+MODE = "qnn"
+# programs whose NPU outputs carry 8-bit encodings: the ones this mode reproduces
+TARGETS = ("qnn", "cpu-int8")
+
+
+class OutputEncodings:
+    """One linear's 8-bit output encodings (sidecar ``linears[name]``) as a function of its product."""
+
+    def __init__(self, linear: dict, width: int):
+        splits = linear["split_channels"]
+        self.parts = [(part_channels(width, splits, p), enc)
+                      for p, enc in enumerate([linear["output"], *linear["split_outputs"]])]
+        self.fine = [(part_channels(width, splits, f["part"]), FineOutput(0, f["part"], f["scale"], *f["range"]))
+                     for f in linear["fine_outputs"]]
+
+    @staticmethod
+    def _grid(y: Tensor, scale: float, low: float, high: float) -> Tensor:
+        # round(y / s) + z clamped to the codes, back to float: the encoding's zero point is an
+        # integer, so this is y's nearest grid point inside [low, high]
+        return torch.clamp(torch.round(y / scale) * scale, low, high)
+
+    def __call__(self, y: Tensor) -> Tensor:
+        out = torch.empty_like(y)
+        for chans, enc in self.parts:
+            index = torch.tensor(chans, dtype=torch.long)
+            out[:, index] = self._grid(y[:, index], enc["scale"], *enc["range"])
+        for chans, f in self.fine:
+            index = torch.tensor(chans, dtype=torch.long)
+            out[:, index] = f.take(out[:, index], self._grid(y[:, index], f.scale, f.low, f.high))
+        return out
+
+
+class DynamicInt8Head(nn.Module):
+    """The program's LM head: INT8 weights per output channel, each row's activations quantized
+    over its own range at run time (XNNPACK's dynamic INT8 linear)."""
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        w_q, w_scale = quantize_weight(weight.detach().float(), "channel")
+        self.out_features = weight.shape[0]
+        self.packed = prepack_dynamic(w_q, w_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        out = torch.cat([dynamic_linear(r[None], self.packed) for r in rows])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def check_program(meta: dict, path) -> None:
+    """Refuse a program whose NPU outputs carry no 8-bit encodings, in one line."""
+    bits = sorted({lin["output"]["bits"] for lin in meta["linears"].values()})
+    if meta["target"] not in TARGETS or bits != [8]:
+        raise LlmNpuError(f"{path} has {'/'.join(map(str, bits))}-bit NPU outputs ({meta['target']}): the "
+                          f"{MODE} mode needs a program with 8-bit outputs (llmnpu export --backend qnn, or "
+                          f"--backend cpu-int8 --output-bits 8)")
+
+
+def program_quant(meta: dict):
+    """The QuantConfig to quantize the model with before ``apply_program_numerics``: the program's,
+    every shadow path kept (the program's own pruned layers are then pruned by name, whatever this
+    machine's automatic choice would be)."""
+    from dataclasses import replace
+
+    from ..quantize import QuantConfig
+
+    config = QuantConfig.from_dict(meta["quant"])
+    return replace(config, pruning_rate=0.0) if config.outliers == "shadow" else config
+
+
+def apply_program_numerics(model: nn.Module, meta: dict) -> dict:
+    """Make ``model`` (quantized by ``quantize_`` with ``program_quant(meta)`` and the program's
+    calibration) compute what the program ``meta`` (its sidecar) computes. Returns counts."""
+    quant = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    missing = sorted(set(meta["linears"]) - set(quant))
+    if missing:
+        raise LlmNpuError(f"the program quantizes {missing[0]}, which this model does not: it was exported "
+                          f"from another model")
+    pruned, fine = set(meta["pruned_layers"]), 0
+    for name, lin in meta["linears"].items():
+        q = quant[name]
+        if name in pruned:
+            q.pruned, q.shadow = True, None
+        scale = q.full_scale if q.pruned else q.act_scale
+        if abs(scale - lin["act_scale"]) > 1e-6 * lin["act_scale"]:
+            raise LlmNpuError(f"{name}'s activation scale differs from the program's: it was exported with another "
+                              f"calibration or quantization config; evaluate with the same ones or export again")
+        q.output_stage = OutputEncodings(lin, q.out_features)
+        fine += len(lin["fine_outputs"])
+    if meta["decode"]["mode"] == "int8":
+        head, table = model.get_output_embeddings(), model.get_input_embeddings()
+        model.set_output_embeddings(DynamicInt8Head(head.weight))
+        # the float16 table, untied from the head, whose INT8 weight came from the float one above
+        table.weight = nn.Parameter(table.weight.detach().to(TABLE_DTYPE).float(), requires_grad=False)
+    return {"linears": len(meta["linears"]), "pruned": len(pruned), "fine_outputs": fine,
+            "head": meta["decode"]["mode"]}

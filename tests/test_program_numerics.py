@@ -1,0 +1,142 @@
+"""The ``qnn`` evaluation mode (``lower/program_numerics.py``) against the program it reproduces.
+
+Here the program is the tiny model's cpu-int8 export with 8-bit outputs (the encodings a ``qnn``
+program has, run by XNNPACK on this host); tests/test_qnn.py holds the same checks against an HTP
+program on Qualcomm's simulator."""
+import json
+
+import pytest
+import torch
+from conftest import inject_outliers
+from test_export import CHUNK, tiny_engine
+
+from llmnpu_delegate import kernels as K
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.evaluate import evaluate, program_model, quantized_model
+from llmnpu_delegate.lower import npu_subgraphs
+from llmnpu_delegate.lower.export_config import ExportConfig
+from llmnpu_delegate.lower.pte import export_pte
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.quantize import QuantLinear
+from llmnpu_delegate.runtime.pte_runner import PteRunner
+from llmnpu_delegate.runtime.validate import capture_npu_io, element_steps, sqnr_db
+
+
+def tiny_lm():
+    """The tiny engine's model, as tiny_engine builds it (its weights and injected outliers)."""
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    return lm
+
+
+def export_8bit(engine, path, target="cpu-int8", soc=None, decode="int8", fine=True):
+    """``engine``'s program with 8-bit outputs, every output with a second encoding when ``fine``."""
+    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
+    with pytest.MonkeyPatch.context() as patch:
+        if fine:
+            patch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
+        export_pte(engine, path, ids, ExportConfig(target=target, soc=soc, context=4 * CHUNK, decode=decode,
+                                                   output_bits=8),
+                   model={"spec": "random:tiny-llama"}, workers=1, progress=False)
+    return path
+
+
+def method_steps_apart(engine, pte, model, ids) -> dict[str, float]:
+    """Per NPU linear: the largest distance, in steps of its output encoding, between what the
+    program's method returns and what the mode's linear computes before its shadow path, on the
+    engine's input rows of a chunk of ``ids``."""
+    runner = PteRunner(pte)
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    apart = {}
+    for io in capture_npu_io(engine, ids):
+        got = runner.program.steps[io.step].fn(io.rows)
+        for name, out in zip(io.names, got):
+            q = quant[name]
+            scale = q.full_scale if q.pruned else q.act_scale
+            ours = q.output_stage(K.w8a8_linear(io.rows, scale, q.weight_q, q.weight_scale, q.bias))
+            step, _ = element_steps(runner.meta["linears"][name], ours)
+            apart[name] = float(((out - ours).abs() / step).max())
+    return apart
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def program(engine, tmp_path_factory):
+    return export_8bit(engine, tmp_path_factory.mktemp("qnn_mode") / "tiny8.pte")
+
+
+@pytest.fixture(scope="module")
+def mode_model(engine, program):
+    return program_model(tiny_lm(), program, engine.calibration, progress=False)
+
+
+def test_every_npu_output_is_the_programs(engine, program, mode_model):
+    """Each NPU method's outputs (8-bit, split groups, second encodings merged) are the mode's
+    linears' grid points: both round the same integer product to the same encodings (measured: 0
+    steps apart on every linear; a requantization landing on a tie could round either way, which
+    HTP's does on the simulator, test_qnn.py)."""
+    model, changed = mode_model
+    meta = json.loads(program.with_suffix(".json").read_text())
+    assert changed["linears"] == len(meta["linears"]) and changed["fine_outputs"] >= len(meta["linears"])
+    assert changed["pruned"] == len(meta["pruned_layers"]) > 0 and changed["head"] == "int8"
+    ids = torch.randint(0, 1000, (CHUNK,), generator=torch.Generator().manual_seed(5))
+    apart = method_steps_apart(engine, program, model, ids)
+    assert len(apart) == len(meta["linears"])
+    assert max(apart.values()) < 1e-3, apart
+
+
+def test_prefill_logits_are_the_programs_not_the_engines(engine, program, mode_model):
+    """The mode's logits at a prompt's last token are the program's, far closer than the engine's
+    (float NPU outputs, float head) are: the test sees the requantization and the INT8 head. Measured
+    86 dB against the engine's 28; the gate asks for a tenth of the engine's gap (20 dB more)."""
+    model, _ = mode_model
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(4))
+    want = PteRunner(program)(ids).logits.reshape(-1)
+    with torch.inference_mode():
+        ours = model(input_ids=ids[None], use_cache=False).logits[0, -1].float()
+    engine_db, ours_db = sqnr_db(engine(ids).logits.reshape(-1), want), sqnr_db(ours, want)
+    print(f"logits against the program's: qnn mode {ours_db:.1f} dB, engine {engine_db:.1f} dB")
+    assert ours_db > engine_db + 20, (ours_db, engine_db)
+
+
+def test_eval_reports_the_program_and_refuses_what_it_cannot_reproduce(engine, program, tmp_path, monkeypatch):
+    """``evaluate`` with the mode gives a perplexity beside the others' and what it applied; a program
+    with float outputs, the mode without a program, and a program of another model are refused."""
+    from llmnpu_delegate import evaluate as harness
+
+    lm = tiny_lm()
+    monkeypatch.setattr(harness, "load_or_calibrate", lambda *a, **k: engine.calibration)   # the program's
+    ids = torch.randint(0, 1000, (600,), generator=torch.Generator().manual_seed(6))
+    result = evaluate(lm, ids, ids, ["w8a8-shadow", "qnn"], window=64, max_tokens=256, progress=False,
+                      program=program)
+    assert result["results"]["qnn"]["program"] == str(program) and result["results"]["qnn"]["ppl"] > 1
+    with pytest.raises(LlmNpuError, match="--pte PATH"):
+        evaluate(lm, ids, ids, ["qnn"], window=64, max_tokens=256, progress=False)
+    with pytest.raises(LlmNpuError, match="--pte PATH"):
+        evaluate(lm, ids, ids, ["w8a8"], window=64, max_tokens=256, progress=False, program=program)
+    floats = tmp_path / "float.pte"
+    export_pte(engine, floats, ids[:3 * CHUNK], ExportConfig(target="cpu-int8", context=4 * CHUNK, output_bits=32),
+               workers=1, progress=False)
+    with pytest.raises(LlmNpuError, match="32-bit NPU outputs .*--output-bits 8"):
+        program_model(lm, floats, engine.calibration, progress=False)
+    other = load_model("random:tiny-qwen3")
+    with pytest.raises(LlmNpuError, match="not from random:tiny-qwen3"):
+        program_model(other, program, engine.calibration, progress=False)
+
+
+def test_a_program_of_other_activation_scales_is_refused(program):
+    """The mode quantizes the model with the calibration it is given: one whose scales are not the
+    program's is refused in one line, not evaluated as if it were."""
+    with pytest.raises(LlmNpuError, match="activation scale differs from the program's"):
+        program_model(tiny_lm(), program, None, progress=False)
+
+
+def test_quantized_model_keeps_float_outputs_without_a_program(engine):
+    """The other modes are untouched: no output stage, the float head."""
+    model, _ = quantized_model(tiny_lm(), engine.quant, engine.calibration, progress=False)
+    assert all(m.output_stage is None for m in model.modules() if isinstance(m, QuantLinear))
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
