@@ -41,22 +41,28 @@ def export_8bit(engine, path, target="cpu-int8", soc=None, decode="int8", fine=T
     return path
 
 
-def method_steps_apart(engine, pte, model, ids) -> dict[str, float]:
-    """Per NPU linear: the largest distance, in steps of its output encoding, between what the
-    program's method returns and what the mode's linear computes before its shadow path, on the
-    engine's input rows of a chunk of ``ids``."""
+def method_gaps(engine, pte, model, ids) -> dict[str, dict]:
+    """Per NPU linear, between what the program's method returns and what the mode's linear computes
+    before its shadow path, on the engine's input rows of a chunk of ``ids``: the largest distance in
+    steps of its output encoding, the share of elements a code apart, and how far from halfway
+    between two codes the exact product of those elements lies (in steps; 0 when none are apart)."""
     runner = PteRunner(pte)
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    apart = {}
+    gaps = {}
     for io in capture_npu_io(engine, ids):
         got = runner.program.steps[io.step].fn(io.rows)
         for name, out in zip(io.names, got):
             q = quant[name]
-            scale = q.full_scale if q.pruned else q.act_scale
-            ours = q.output_stage(K.w8a8_linear(io.rows, scale, q.weight_q, q.weight_scale, q.bias))
+            exact = K.w8a8_linear(io.rows, q.full_scale if q.pruned else q.act_scale, q.weight_q, q.weight_scale,
+                                  q.bias)
+            ours = q.output_stage(exact)
             step, _ = element_steps(runner.meta["linears"][name], ours)
-            apart[name] = float(((out - ours).abs() / step).max())
-    return apart
+            apart = (out - ours).abs() / step
+            off = apart > 0.5
+            where = exact / step
+            gaps[name] = {"steps": float(apart.max()), "share": float(off.float().mean()),
+                          "tie": float(((where - where.floor())[off] - 0.5).abs().max()) if off.any() else 0.0}
+    return gaps
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +90,9 @@ def test_every_npu_output_is_the_programs(engine, program, mode_model):
     assert changed["linears"] == len(meta["linears"]) and changed["fine_outputs"] >= len(meta["linears"])
     assert changed["pruned"] == len(meta["pruned_layers"]) > 0 and changed["head"] == "int8"
     ids = torch.randint(0, 1000, (CHUNK,), generator=torch.Generator().manual_seed(5))
-    apart = method_steps_apart(engine, program, model, ids)
-    assert len(apart) == len(meta["linears"])
-    assert max(apart.values()) < 1e-3, apart
+    gaps = method_gaps(engine, program, model, ids)
+    assert len(gaps) == len(meta["linears"])
+    assert max(g["steps"] for g in gaps.values()) < 1e-3, gaps
 
 
 def test_prefill_logits_are_the_programs_not_the_engines(engine, program, mode_model):
@@ -140,3 +146,37 @@ def test_quantized_model_keeps_float_outputs_without_a_program(engine):
     model, _ = quantized_model(tiny_lm(), engine.quant, engine.calibration, progress=False)
     assert all(m.output_stage is None for m in model.modules() if isinstance(m, QuantLinear))
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
+
+
+def test_lm_eval_scores_with_the_programs_numerics(engine, program, mode_model):
+    """``--model llmnpu --model_args quant=qnn,pte=PATH``: the adapter's log-likelihoods are the mode's
+    own (not the engine's numerics, which score apart); it refuses to generate, in one line."""
+    from conftest import missing
+
+    pytest.importorskip("lm_eval", reason=missing("lm-eval (the eval extra)"))
+    from llmnpu_delegate.harness.lm import LlmNpuLM
+
+    ctx, cont = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(7)).tolist(), [7, 8, 9]
+    request = [(("", ""), ctx, cont)]
+    adapter = LlmNpuLM(tiny_lm(), quant="qnn", pte=str(program), calibration=engine.calibration)
+    got = adapter._loglikelihood_tokens(request)[0][0]
+    with torch.inference_mode():
+        logits = mode_model[0](input_ids=torch.tensor([ctx + cont]), use_cache=False).logits[0, len(ctx) - 1:-1]
+    want = float(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont)[:, None]).sum())
+    shadow = LlmNpuLM(tiny_lm(), quant="w8a8-shadow", calibration=engine.calibration)._loglikelihood_tokens(request)[0][0]
+    assert abs(got - want) < 1e-4 * abs(want), (got, want)
+    assert abs(shadow - got) > 100 * abs(got - want), (shadow, got, want)
+
+    class Request:
+        args = ("Once", {"max_gen_toks": 2})
+    with pytest.raises(LlmNpuError, match="does not generate"):
+        adapter.generate_until([Request()])
+
+
+def test_the_eval_command_asks_for_the_program(capsys):
+    """``llmnpu eval --modes qnn`` without ``--pte`` stops before loading anything, in one line."""
+    from llmnpu_delegate.cli import main
+
+    assert main(["eval", "--model", "random:tiny-llama", "--modes", "qnn", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--pte PATH" in err[0], err

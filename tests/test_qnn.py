@@ -199,6 +199,38 @@ def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engi
     assert sorted(gains.values())[len(gains) // 2] > 1.0, gains     # and better for most outputs
 
 
+def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, tmp_path):
+    """The ``qnn`` evaluation mode against an HTP program on Qualcomm's simulator (the tiny model, every
+    output with a second encoding, INT8 head). HTP requantizes an output by its own arithmetic: where
+    the exact product lies within a few hundredths of a step of halfway between two codes, it may
+    take the other one (measured: 2-3 % of each linear's elements, all within 0.06 of halfway, as
+    often up as down). So each method's outputs are within a code of the mode's, the codes apart are
+    few and next to halfway, and the prompt's logits are closer to the program's than the engine's
+    (float outputs) are by what those codes leave: their noise is about a third of the 8-bit
+    rounding's (a 2.5 % share of 1-step errors against step^2/12), measured 35.0 dB against 25.2."""
+    from test_program_numerics import export_8bit, method_gaps, tiny_lm
+
+    from llmnpu_delegate.evaluate import program_model
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+    from llmnpu_delegate.runtime.validate import sqnr_db
+
+    pte = export_8bit(engine, tmp_path / "tiny-htp.pte", target="qnn", soc="SM8650")
+    model, changed = program_model(tiny_lm(), pte, engine.calibration, progress=False)
+    assert changed["fine_outputs"] >= changed["linears"] > 0
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
+    gaps = method_gaps(engine, pte, model, ids)
+    print("HTP against the qnn mode, per linear:", gaps)
+    assert max(g["steps"] for g in gaps.values()) <= 1 + 1e-4, gaps      # a code, to float rounding
+    assert max(g["share"] for g in gaps.values()) < 0.05, gaps
+    assert max(g["tie"] for g in gaps.values()) < 0.1, gaps
+    want = PteRunner(pte)(ids).logits.reshape(-1)
+    with torch.inference_mode():
+        ours = model(input_ids=ids[None], use_cache=False).logits[0, -1].float()
+    ours_db, engine_db = sqnr_db(ours, want), sqnr_db(engine(ids).logits.reshape(-1), want)
+    print(f"logits against the HTP program's: qnn mode {ours_db:.1f} dB, engine {engine_db:.1f} dB")
+    assert ours_db > engine_db + 5, (ours_db, engine_db)
+
+
 @pytest.mark.slow
 def test_export_and_validate_commands_on_the_embedded_model(tmp_path, capsys):
     """The issue's commands on two blocks of the embedded model: QNN methods for SM8650, then

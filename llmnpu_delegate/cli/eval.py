@@ -47,6 +47,7 @@ def add_parser(sub) -> None:
 def cmd_eval(args) -> dict:
     if args.tasks is None and (args.include_path or args.limit is not None):
         raise LlmNpuError("--include-path and --limit go with --tasks")
+    _modes(args, [])                    # a mode without its program, or the reverse: before the model loads
     lm, calib_config = setup(args)
     overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
                                    ("pruning_rate", args.pruning_rate),
