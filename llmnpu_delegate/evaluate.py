@@ -12,6 +12,8 @@ from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
 from .models import LoadedModel, decoder_layers
+from .quantize.calibrate import calibration_samples
+from .recipes import RECIPES, recipe_model
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
 from .runtime.engine import choose_host_pruning
 from .text import calibration_ids
@@ -28,7 +30,8 @@ MODES: dict[str, QuantConfig | None] = {
 DEFAULT_MODE = "w8a8-shadow-pruned"     # the product's default: shadow outliers, automatic pruning
 # An exported program's numerics (lower/program_numerics.py): needs the program (--pte PATH)
 PROGRAM_MODE = "qnn"
-ALL_MODES = (*MODES, PROGRAM_MODE)
+# ExecuTorch's own Qualcomm quantization of the model (recipes.py), scored as a peer
+ALL_MODES = (*MODES, PROGRAM_MODE, *RECIPES)
 
 
 def shadow_overrides(config: QuantConfig | None, overrides: dict | None) -> dict:
@@ -128,6 +131,10 @@ def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[s
     for mode in modes:
         if mode == PROGRAM_MODE:
             results[mode] = run_quantized(lm, windows, calib, None, mode, progress, program)
+            continue
+        if mode in RECIPES:      # observed on the samples our calibration takes from the same text
+            scorer = recipe_model(lm, mode, calibration_samples(calib_ids, calib_config), progress)
+            results[mode] = {"ppl": perplexity(scorer, windows, mode, progress)}
             continue
         config = MODES[mode]
         if config is None:

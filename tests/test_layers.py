@@ -26,6 +26,7 @@ STAGES = {
     "compile": 10, "hf": 10, "evaluate": 10, "simulate": 10,
     "generation": 10, "conversation": 10, "measure": 10, "host_report": 10,
     "harness": 10,                                 # lm-eval's model over evaluate and hf
+    "recipes": 10,                                 # ExecuTorch's Qualcomm quantization, a peer to score
     "cli": 11,                                     # the doors, and the CLI over them
     "__init__": 4,                                 # the package itself: its version, errors, load_model
     "capture": 4, "prefill": 9,                    # deprecated re-exports of chunk_step and runtime.engine

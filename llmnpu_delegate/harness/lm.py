@@ -9,8 +9,9 @@ logits, which the engine's chunk graphs do not (they return the last token's). G
 prefill and its decode.
 
 ``model_args`` take what the CLI takes: ``model=`` (default smollm2-135m), ``quant=`` (an ``llmnpu eval``
-mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default; or ``qnn`` with
-``pte=`` a ``.pte``: that program's numerics, scores only), ``pruning_rate=``,
+mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default; ``qnn`` with
+``pte=`` a ``.pte``: that program's numerics; ``et-16a8w``, ``et-16a4w``, ``et-8a8w``: ExecuTorch's
+Qualcomm quantizer, ``recipes.py``; those three and ``qnn`` score only), ``pruning_rate=``,
 ``clip_percentile=``, ``importance=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
 CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch_size`` is ignored
 (one sequence at a time, so scores never depend on padding).
@@ -30,6 +31,10 @@ from tqdm.auto import tqdm
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..evaluate import ALL_MODES, DEFAULT_MODE, MODES, PROGRAM_MODE, check_modes, program_model, quantized_model
+from ..quantize import CalibConfig
+from ..quantize.calibrate import calibration_samples
+from ..recipes import RECIPES, recipe_model
+from ..text import calibration_ids
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
 
 
@@ -62,6 +67,9 @@ class LlmNpuLM(TemplateLM):
         self.calibration = calibration     # None: the cached one on the shipped calibration text
         if pte is not None:
             self.scorer = program_model(self.lm, pte, calibration, progress)[0]
+        elif quant in RECIPES:
+            samples = calibration_samples(calibration_ids(self.lm), CalibConfig())
+            self.scorer = recipe_model(self.lm, quant, samples, progress)
         else:
             self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
         self._wrapper = None
@@ -137,9 +145,9 @@ class LlmNpuLM(TemplateLM):
     # ---------------------------------------------------------------- generation
     @property
     def wrapper(self):
-        if self.quant_name == PROGRAM_MODE:
-            raise LlmNpuError(f"the {PROGRAM_MODE} mode scores (loglikelihood tasks) and does not generate: run the "
-                              f"program itself for generation (llmnpu run --pte PATH)")
+        if self.quant_name == PROGRAM_MODE or self.quant_name in RECIPES:
+            raise LlmNpuError(f"quant={self.quant_name} scores (loglikelihood tasks) and does not generate: "
+                              f"generation tasks run our engine's modes (and a program: llmnpu run --pte PATH)")
         if self._wrapper is None:       # built on first use: scoring-only tasks never compile the engine
             from ..hf import LlmNpuForCausalLM
 

@@ -1,0 +1,114 @@
+"""ExecuTorch's Qualcomm quantization as a scored peer (``recipes.py``): its encodings are the
+recipe's, the scorer is quantized by what the recipe says, and every door scores it alike."""
+import pytest
+import torch
+from conftest import missing
+
+from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.models import load_model
+from llmnpu_delegate.qnn import sdk as qsdk
+from llmnpu_delegate.quantize import CalibConfig
+from llmnpu_delegate.quantize.calibrate import calibration_samples
+from llmnpu_delegate.quantize.sqnr import sqnr_db
+from llmnpu_delegate.recipes import recipe_model
+from llmnpu_delegate.text import calibration_ids
+
+pytestmark = pytest.mark.skipif(qsdk.importlib.util.find_spec("onnxruntime_qnn") is None,
+                                reason=missing("the qnn extra (pip install -e '.[qnn]')"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("random:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def scorers(lm):
+    samples = calibration_samples(calibration_ids(lm), CalibConfig(samples=4, tokens=64))
+    return {mode: recipe_model(lm, mode, samples, progress=False) for mode in ("et-16a8w", "et-16a4w", "et-8a8w")}
+
+
+def _encodings(scorer) -> dict:
+    """The converted graph's encodings as (quant_min, quant_max): activations (its quantize nodes),
+    weights (the per-channel dequantize nodes of its constants)."""
+    acts, weights = set(), set()
+    for node in scorer.graph.graph.nodes:
+        name = str(node.target)
+        if name.endswith("quantize_per_tensor.default") and "dequantize" not in name:
+            acts.add(tuple(node.args[3:5]))
+        elif "dequantize_per_channel" in name and node.args[0].op == "get_attr":
+            weights.add(tuple(node.args[4:6]))
+    return {"acts": acts, "weights": weights}
+
+
+def test_the_graph_carries_the_recipes_encodings(scorers):
+    """Activations unsigned 16-bit in the 16-bit recipes (a matmul's second operand signed symmetric,
+    as HTP takes it), unsigned 8-bit in 8a8w; weights per output channel, symmetric, 8-bit or 4-bit."""
+    seen = {mode: _encodings(s) for mode, s in scorers.items()}
+    for mode in ("et-16a8w", "et-16a4w"):
+        assert (0, 65535) in seen[mode]["acts"] and seen[mode]["acts"] <= {(0, 65535), (-32767, 32767)}, seen
+    assert seen["et-8a8w"]["acts"] == {(0, 255)}, seen
+    assert seen["et-16a8w"]["weights"] == seen["et-8a8w"]["weights"] == {(-127, 127)}, seen
+    assert seen["et-16a4w"]["weights"] == {(-7, 7)}, seen
+
+
+def test_scores_move_with_the_recipes_precision(lm, scorers):
+    """Against the float model on held-out tokens: every recipe is off by its quantization (not a float
+    copy), 4-bit weights further than 8-bit, 8-bit activations further than 16-bit."""
+    ids = torch.randint(0, 1000, (1, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = lm.model(input_ids=ids, use_cache=False).logits
+        db = {mode: sqnr_db(s(ids).logits, want) for mode, s in scorers.items()}
+    print("logits SQNR against fp32:", {m: round(v, 1) for m, v in db.items()})
+    assert all(v < 80 for v in db.values()), db
+    assert db["et-16a8w"] > db["et-16a4w"] + 3 and db["et-16a8w"] > db["et-8a8w"] + 3, db
+
+
+def test_a_prefix_scores_as_in_the_whole_and_the_past_is_the_tokens(scorers):
+    """The harness scores a context once and continues each ending from its "past": here the tokens
+    themselves, run again; a prefix's logits are those of the whole (static encodings)."""
+    s = scorers["et-16a8w"]
+    ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = s(ids).logits
+        head = s(ids[:, :30], logits_to_keep=1)
+        tail = s(ids[:, 30:], past_key_values=head.past_key_values)
+    assert torch.equal(head.logits[:, -1], whole[:, 29]) and torch.equal(tail.logits, whole[:, 30:])
+
+
+def test_unknown_recipe_and_generation_are_refused(lm):
+    with pytest.raises(LlmNpuError, match="unknown ExecuTorch recipe 'et-4a4w'"):
+        recipe_model(lm, "et-4a4w", torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_eval_scores_a_recipe_beside_our_modes(lm, monkeypatch):
+    """``evaluate`` with a recipe mode: a perplexity on the same windows as the others'."""
+    from llmnpu_delegate.evaluate import evaluate
+
+    ids = torch.randint(0, 1000, (1200,), generator=torch.Generator().manual_seed(6))
+    result = evaluate(lm, ids, ids, ["fp32", "et-16a8w"], window=64, max_tokens=128, progress=False,
+                      calib_config=CalibConfig(samples=2, tokens=64))
+    fp32, ours = result["results"]["fp32"]["ppl"], result["results"]["et-16a8w"]["ppl"]
+    assert ours != fp32 and abs(ours / fp32 - 1) < 0.05, (ours, fp32)
+
+
+def test_lm_eval_scores_a_recipe_through_the_shared_context_path(lm):
+    """``quant=et-16a8w``: multiple-choice endings scored from one context (the "past" path) give the
+    log-likelihoods of scoring each whole sequence; generation is refused in one line."""
+    pytest.importorskip("lm_eval", reason=missing("lm-eval (the eval extra)"))
+    from llmnpu_delegate.harness.lm import LlmNpuLM
+
+    adapter = LlmNpuLM(lm, quant="et-16a8w")
+    ctx = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    endings = [[5, 6, 7], [9, 10]]
+    got = [score for score, _ in adapter._loglikelihood_tokens([(None, ctx, e) for e in endings])]
+    for ending, score in zip(endings, got):
+        with torch.no_grad():
+            logits = adapter.scorer(torch.tensor([ctx + ending])).logits[0, len(ctx) - 1:-1]
+        want = float(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ending)[:, None]).sum())
+        assert abs(score - want) < 1e-5 * abs(want), (score, want)
+
+    class Request:
+        args = ("Once", {"max_gen_toks": 2})
+    with pytest.raises(LlmNpuError, match="scores .* and does not generate"):
+        adapter.generate_until([Request()])
