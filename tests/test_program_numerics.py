@@ -180,3 +180,20 @@ def test_the_eval_command_asks_for_the_program(capsys):
     assert main(["eval", "--model", "random:tiny-llama", "--modes", "qnn", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--pte PATH" in err[0], err
+
+
+def test_the_head_quantizes_each_row_over_its_own_range():
+    """The mode's INT8 head against the kernels' plain-integer reference of a dynamic INT8 linear,
+    called one row at a time (each row its own range); one range over all rows would differ."""
+    from llmnpu_delegate.kernels.ops import dynamic_linear_reference, quantize_weight
+    from llmnpu_delegate.lower.program_numerics import DynamicInt8Head
+
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 64, generator=g)
+    x = torch.randn(5, 64, generator=g) * torch.tensor([0.1, 1.0, 10.0, 3.0, 0.5])[:, None]
+    w_q, w_scale = quantize_weight(weight, "channel")
+    got = DynamicInt8Head(weight)(x)
+    rows = torch.cat([dynamic_linear_reference(r[None], w_q, w_scale, reduce_range=False) for r in x])
+    one_range = dynamic_linear_reference(x, w_q, w_scale, reduce_range=False)
+    assert (got - rows).abs().max() <= 1e-6 * rows.abs().max()
+    assert (got - one_range).abs().max() > 1e-2 * rows[0].abs().max()
