@@ -4,6 +4,7 @@ Here the program is the tiny model's cpu-int8 export with 8-bit outputs (the enc
 program has, run by XNNPACK on this host); tests/test_qnn.py holds the same checks against an HTP
 program on Qualcomm's simulator."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from test_export import CHUNK, tiny_engine
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
+from llmnpu_delegate.format.sidecar import sidecar_digest
 from llmnpu_delegate.evaluate import evaluate, program_model, quantized_model
 from llmnpu_delegate.lower import npu_subgraphs
 from llmnpu_delegate.lower.export_config import ExportConfig
@@ -124,11 +126,14 @@ def test_eval_reports_the_program_and_refuses_what_it_cannot_reproduce(engine, p
         evaluate(lm, ids, ids, ["qnn"], window=64, max_tokens=256, progress=False)
     with pytest.raises(LlmNpuError, match="--pte PATH"):
         evaluate(lm, ids, ids, ["w8a8"], window=64, max_tokens=256, progress=False, program=program)
-    floats = tmp_path / "float.pte"
-    export_pte(engine, floats, ids[:3 * CHUNK], ExportConfig(target="cpu-int8", context=4 * CHUNK, output_bits=32),
-               workers=1, progress=False)
+    floats = json.loads(program.with_suffix(".json").read_text())      # as a float-output export writes it
+    for lin in floats["linears"].values():
+        lin.update(output={"bits": 32}, split_outputs=[], split_channels=[], fine_outputs=[])
+    floats["sidecar_sha256"] = sidecar_digest(floats)
+    shutil.copy(program, tmp_path / "float.pte")
+    (tmp_path / "float.json").write_text(json.dumps(floats))
     with pytest.raises(LlmNpuError, match="32-bit NPU outputs .*--output-bits 8"):
-        program_model(lm, floats, engine.calibration, progress=False)
+        program_model(lm, tmp_path / "float.pte", engine.calibration, progress=False)
     other = load_model("random:tiny-qwen3")
     with pytest.raises(LlmNpuError, match="not from random:tiny-qwen3"):
         program_model(other, program, engine.calibration, progress=False)
