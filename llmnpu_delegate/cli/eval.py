@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
     p.add_argument("--window", type=int, default=512, help="tokens per evaluation window (default 512)")
     p.add_argument("--modes", nargs="+", choices=list(ALL_MODES), default=None,
-                   help=f"modes (default: all; {PROGRAM_MODE} with --pte)")
+                   help=f"modes (default: fp32 and our quantization modes, and {PROGRAM_MODE} with --pte; "
+                        "the et- modes, ExecuTorch's Qualcomm quantizer, when named)")
     p.add_argument("--pte", default=None,
                    help=f"an exported program (llmnpu export) whose numerics the {PROGRAM_MODE} mode computes: its "
                         "8-bit NPU output encodings, INT8 head and float16 table on the model (qnn, or cpu-int8 with "
