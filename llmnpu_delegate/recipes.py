@@ -68,10 +68,10 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
         raise LlmNpuError(f"unknown ExecuTorch recipe {mode!r}: choose from {', '.join(RECIPES)}")
     from tqdm.auto import tqdm
 
-    from .qnn.sdk import activate
+    from .backends.qnn import qnn_quantizer
 
-    activate()
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    quantizer = qnn_quantizer()
+    from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
     from torchao.quantization.pt2e import MinMaxObserver
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -81,10 +81,6 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
     with torch.no_grad():
         graph = torch.export.export(_Logits(lm.model).eval(), (calib_windows[:1],), dynamic_shapes=({1: seq},),
                                     strict=False).module()
-    # the quantizer turns oneDNN off for the process on AMD hosts; the engine's bf16 attention needs it
-    enabled = torch.backends.mkldnn.enabled
-    quantizer = QnnQuantizer()
-    torch.backends.mkldnn.enabled = enabled
     quantizer.set_default_quant_config(getattr(QuantDtype, RECIPES[mode]), is_conv_per_channel=True,
                                        is_linear_per_channel=True, act_observer=MinMaxObserver)
     # the quantizer prints a line for every node of an op it has no config for (shape reads, clones,

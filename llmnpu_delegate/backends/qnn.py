@@ -83,16 +83,7 @@ class Qnn:
         check_soc(soc or DEFAULT_SOC)
 
     def quantizer(self, ours):
-        activate()
-        import torch
-        from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
-
-        # On an AMD host ExecuTorch's quantizer turns oneDNN off for the whole process (against a
-        # convolution crash; our graphs have none). oneDNN's brgemm is what the engine's bf16
-        # attention runs on, so a later prefill in the same process would fail: keep the setting.
-        enabled = torch.backends.mkldnn.enabled
-        quantizer = QnnQuantizer()
-        torch.backends.mkldnn.enabled = enabled
+        quantizer = qnn_quantizer()
         quantizer.add_custom_quant_annotations((ours.annotate,))
         return quantizer
 
@@ -104,3 +95,19 @@ class Qnn:
 
     def native_env(self) -> dict:
         return native_env()
+
+
+def qnn_quantizer():
+    """ExecuTorch's ``QnnQuantizer`` with the QNN libraries active, and this process's oneDNN setting kept.
+
+    On an AMD host ExecuTorch's quantizer turns oneDNN off for the whole process (against a
+    convolution crash; our graphs have none). oneDNN's brgemm is what the engine's bf16 attention
+    runs on, so a later prefill in the same process would fail: keep the setting."""
+    activate()
+    import torch
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
+
+    enabled = torch.backends.mkldnn.enabled
+    quantizer = QnnQuantizer()
+    torch.backends.mkldnn.enabled = enabled
+    return quantizer

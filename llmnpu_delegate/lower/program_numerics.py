@@ -35,9 +35,11 @@ class OutputEncodings:
 
     def __init__(self, linear: dict, width: int):
         splits = linear["split_channels"]
-        self.parts = [(part_channels(width, splits, p), enc)
-                      for p, enc in enumerate([linear["output"], *linear["split_outputs"]])]
-        self.fine = [(part_channels(width, splits, f["part"]), FineOutput(0, f["part"], f["scale"], *f["range"]))
+
+        def channels(part: int) -> Tensor:
+            return torch.tensor(part_channels(width, splits, part), dtype=torch.long)
+        self.parts = [(channels(p), enc) for p, enc in enumerate([linear["output"], *linear["split_outputs"]])]
+        self.fine = [(channels(f["part"]), FineOutput(0, f["part"], f["scale"], *f["range"]))
                      for f in linear["fine_outputs"]]
 
     @staticmethod
@@ -48,11 +50,9 @@ class OutputEncodings:
 
     def __call__(self, y: Tensor) -> Tensor:
         out = torch.empty_like(y)
-        for chans, enc in self.parts:
-            index = torch.tensor(chans, dtype=torch.long)
+        for index, enc in self.parts:
             out[:, index] = self._grid(y[:, index], enc["scale"], *enc["range"])
-        for chans, f in self.fine:
-            index = torch.tensor(chans, dtype=torch.long)
+        for index, f in self.fine:
             out[:, index] = f.take(out[:, index], self._grid(y[:, index], f.scale, f.low, f.high))
         return out
 
