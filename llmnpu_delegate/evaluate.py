@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
-from .models import LoadedModel, decoder_layers
+from .fanout import Job, Ran, as_dicts, run_jobs
+from .models import LoadedModel, decoder_layers, job_memory, load_same_model
 from .quantize.calibrate import calibration_samples
 from .recipes import RECIPES, recipe_model
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
@@ -56,14 +57,29 @@ def eval_windows(ids: Tensor, window: int, max_tokens: int) -> Tensor:
     return ids[: n * window].reshape(n, window)
 
 
-@torch.inference_mode()
 def perplexity(model: nn.Module, windows: Tensor, desc: str = "eval", progress: bool = True) -> float:
-    nll, count = 0.0, 0
+    return window_scores(model, windows, desc, progress)["ppl"]
+
+
+@torch.inference_mode()
+def window_scores(model: nn.Module, windows: Tensor, desc: str = "eval", progress: bool = True,
+                  reference: nn.Module | None = None) -> dict:
+    """{"ppl"} of ``model`` over ``windows`` and, with a ``reference`` (the float model), the SQNR of
+    its logits against the reference's: ExecuTorch's ``sqnr_eval`` (torchao's ``compute_error``,
+    20 log10 |ref| / |ref - logits| over every position and vocabulary entry), over all windows."""
+    nll, count, signal, noise = 0.0, 0, 0.0, 0.0
     for row in tqdm(windows, desc=desc, unit="window", disable=not progress, leave=False):
-        logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
-        nll += float(F.cross_entropy(logits, row[1:], reduction="sum"))
+        logits = model(input_ids=row[None], use_cache=False).logits[0].float()
+        nll += float(F.cross_entropy(logits[:-1], row[1:], reduction="sum"))
         count += row.numel() - 1
-    return math.exp(nll / count)
+        if reference is not None:
+            ref = reference(input_ids=row[None], use_cache=False).logits[0].double()
+            signal += float(ref.square().sum())
+            noise += float((ref - logits.double()).square().sum())
+    out = {"ppl": math.exp(nll / count)}
+    if reference is not None:
+        out["logits_sqnr_db"] = 10 * math.log10(signal / noise) if noise > 0 else math.inf
+    return out
 
 
 def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: bool = True):
@@ -80,8 +96,17 @@ def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: 
 def program_model(lm: LoadedModel, pte, calib=None, progress: bool = True):
     """(a quantized copy of the model computing what the exported program ``pte`` computes, what that
     changed): the ``qnn`` mode (``lower/program_numerics.py``)."""
+    from .lower.program_numerics import apply_program_numerics, program_quant
+
+    meta = program_of(lm, pte)
+    model, _ = quantized_model(lm, program_quant(meta), calib, progress)
+    return model, apply_program_numerics(model, meta)
+
+
+def program_of(lm: LoadedModel, pte) -> dict:
+    """The sidecar of ``pte``, a program the ``qnn`` mode can score for ``lm``; else a one-line error."""
     from .format.sidecar import load_sidecar
-    from .lower.program_numerics import apply_program_numerics, check_program, program_quant
+    from .lower.program_numerics import check_program
 
     meta = load_sidecar(pte)
     check_program(meta, pte)
@@ -89,8 +114,7 @@ def program_model(lm: LoadedModel, pte, calib=None, progress: bool = True):
         spec = meta["model"].get("spec", "another model")
         raise LlmNpuError(f"{pte} was exported from {spec} ({meta['model']['layers']} blocks), not from {lm.spec} "
                           f"({len(decoder_layers(lm.model))}): evaluate it with that model, or export the whole model")
-    model, _ = quantized_model(lm, program_quant(meta), calib, progress)
-    return model, apply_program_numerics(model, meta)
+    return meta
 
 
 def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig | None, desc: str,
@@ -99,9 +123,9 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig |
     measure its perplexity and outlier share."""
     if program is not None:
         model, changed = program_model(lm, program, calib, progress)
-        return {"ppl": perplexity(model, windows, desc, progress), "program": str(program), **changed}
+        return {**window_scores(model, windows, desc, progress, lm.model), "program": str(program), **changed}
     model, report = quantized_model(lm, config, calib, progress)
-    entry = {"ppl": perplexity(model, windows, desc, progress)}
+    entry = window_scores(model, windows, desc, progress, lm.model)
     c = outlier_counters(model)
     # share of elements beyond a full-range (calibrated absmax) scale, clipped by saturation
     entry["saturated_fraction"] = c["saturated_elements"] / max(c["seen_elements"], 1)
@@ -120,32 +144,66 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig |
 
 def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[str], window: int = 512,
              max_tokens: int = 4096, calib_config: CalibConfig = CalibConfig(),
-             overrides: dict | None = None, progress: bool = True, program=None) -> dict:
+             overrides: dict | None = None, progress: bool = True, program=None, ray: str | None = None) -> dict:
     """Perplexity per mode. ``overrides`` replaces QuantConfig fields of the shadow modes; ``program``:
-    the exported program the ``qnn`` mode reproduces."""
+    the exported program the ``qnn`` mode reproduces; ``ray``: the modes as Ray tasks (``fanout.py``:
+    ``"local"`` or a cluster's address), a failed one reported as ``{"error": cause}``."""
     check_modes(modes, program)
+    if program is not None:     # a bad program fails here, before any row runs
+        program_of(lm, program)
     windows = eval_windows(eval_ids, window, max_tokens)
     need_calib = any(MODES.get(m) is not None for m in modes)
     calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress) if need_calib else None
-    results = {}
+    samples = calibration_samples(calib_ids, calib_config) if any(m in RECIPES for m in modes) else None
+    jobs = []
     for mode in modes:
-        if mode == PROGRAM_MODE:
-            results[mode] = run_quantized(lm, windows, calib, None, mode, progress, program)
-            continue
-        if mode in RECIPES:      # observed on the samples our calibration takes from the same text
-            scorer = recipe_model(lm, mode, calibration_samples(calib_ids, calib_config), progress)
-            results[mode] = {"ppl": perplexity(scorer, windows, mode, progress)}
-            continue
-        config = MODES[mode]
-        if config is None:
-            results[mode] = {"ppl": perplexity(lm.model, windows, mode, progress)}
-            continue
-        knobs = shadow_overrides(config, overrides)
-        if knobs:
-            config = replace(config, **knobs)
-        results[mode] = run_quantized(lm, windows, calib, config, mode, progress)
+        jobs.append((mode, (mode_config(mode, overrides), mode, program if mode == PROGRAM_MODE else None,
+                            samples if mode in RECIPES else None)))
+    ran = _score_all(lm, windows, calib, jobs, progress, ray)
     return {"model": lm.spec, "tokens": int(windows.numel() - windows.shape[0]), "window": window,
-            "results": results}
+            "results": as_dicts(ran.results), **({"ray": ran.report(ray)} if ray else {})}
+
+
+def mode_config(mode: str, overrides: dict | None = None) -> QuantConfig | None:
+    """The QuantConfig a mode of ``MODES`` scores with (``overrides`` applied); None otherwise."""
+    config = MODES.get(mode)
+    knobs = shadow_overrides(config, overrides)
+    return replace(config, **knobs) if knobs else config
+
+
+def score(lm, windows: Tensor, calib, config: QuantConfig | None, desc: str, program=None,
+          recipe_samples: Tensor | None = None, progress: bool = True) -> dict:
+    """One row of an evaluation: the perplexity (and what the mode reports) of the float model
+    (``config`` None), a quantization mode, an exported ``program``'s numerics, or an ExecuTorch
+    recipe (``desc`` names it; observed on ``recipe_samples``). ``lm``: the model, or (spec,
+    fingerprint) for a process that loads it (a Ray task)."""
+    if not isinstance(lm, LoadedModel):
+        lm = load_same_model(*lm)
+    if desc in RECIPES:
+        scorer = recipe_model(lm, desc, recipe_samples, progress)
+        return window_scores(scorer, windows, desc, progress, lm.model)
+    if config is None and program is None:
+        return {"ppl": perplexity(lm.model, windows, desc, progress)}
+    return run_quantized(lm, windows, calib, config, desc, progress, program)
+
+
+def _score_all(lm: LoadedModel, windows: Tensor, calib, jobs: list[tuple[str, tuple]], progress: bool,
+               ray: str | None) -> Ran:
+    """{row name: score(...)} for ``jobs`` [(name, (config, desc, program, recipe samples))], here or on
+    Ray. On Ray the automatic pruning choices are made here first, on this machine's engine, and
+    travel in the calibration: every task prunes as this process would."""
+    if ray is None:
+        return run_jobs([Job(name, score, (lm, windows, calib, *spec, progress)) for name, spec in jobs])
+    for _, (config, *_rest) in jobs:
+        if calib is not None:
+            choose_host_pruning(lm, calib, config, progress)
+    threads, memory = torch.get_num_threads(), eval_memory(lm.model)
+    ref = (lm.spec, lm.fingerprint)
+    return run_jobs([Job(name, score, (ref, windows, calib, *spec, False), threads, memory) for name, spec in jobs], ray)
+
+
+def eval_memory(model: nn.Module) -> int:
+    return job_memory(sum(p.numel() * 4 for p in model.parameters()))
 
 
 def check_modes(modes: list[str], program) -> None:
@@ -162,16 +220,17 @@ SWEEP_PRUNING_RATES = (0.0, 0.5, 0.7, 0.85, 0.95, 1.0)
 
 
 def sweep(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, window: int = 512, max_tokens: int = 4096,
-          calib_config: CalibConfig = CalibConfig(), progress: bool = True) -> list[dict]:
-    """The trade-off curve (paper Fig. 16): clipping percentile (no pruning), then pruning rate."""
+          calib_config: CalibConfig = CalibConfig(), progress: bool = True, ray: str | None = None) -> list[dict]:
+    """The trade-off curve (paper Fig. 16): clipping percentile (no pruning), then pruning rate; its
+    rows as Ray tasks with ``ray`` (as ``evaluate``; a failed row holds ``error``)."""
     windows = eval_windows(eval_ids, window, max_tokens)
     calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress)
-    rows = []
-    for p in calib_config.percentiles:
-        cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=0.0)
-        rows.append({"clip_percentile": p, "pruning_rate": 0.0, **run_quantized(lm, windows, calib, cfg, f"p{p}", progress)})
-    for rate in SWEEP_PRUNING_RATES[1:]:
-        cfg = QuantConfig(outliers="shadow", pruning_rate=rate)
-        rows.append({"clip_percentile": cfg.clip_percentile, "pruning_rate": rate,
-                     **run_quantized(lm, windows, calib, cfg, f"prune {rate}", progress)})
-    return rows
+    points = [(p, 0.0) for p in calib_config.percentiles]
+    points += [(QuantConfig().clip_percentile, rate) for rate in SWEEP_PRUNING_RATES[1:]]
+    jobs = []
+    for p, rate in points:
+        cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=rate)
+        name = f"p{p}" if rate == 0.0 else f"prune {rate}"
+        jobs.append((name, (cfg, name, None, None)))
+    results = as_dicts(_score_all(lm, windows, calib, jobs, progress, ray).results)
+    return [{"clip_percentile": p, "pruning_rate": rate, **results[name]} for (p, rate), (name, _) in zip(points, jobs)]

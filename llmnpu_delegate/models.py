@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,16 @@ def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
         )
     model.eval()
     return LoadedModel(spec, model, tok, fingerprint(model))
+
+
+def load_same_model(spec: str, expected_fingerprint: str) -> LoadedModel:
+    """``load_model(spec)`` where another process (a Ray worker) must see the very weights its caller
+    saw: a node whose files differ is an error, not a silently different result."""
+    lm = load_model(spec)
+    if lm.fingerprint != expected_fingerprint:
+        raise LlmNpuError(f"the model '{spec}' on this node ({os.uname().nodename}) has other weights than the "
+                          f"caller's: give every node of the Ray cluster the same model files")
+    return lm
 
 
 def keep_first_blocks(lm: LoadedModel, blocks: int) -> LoadedModel:
@@ -210,6 +221,22 @@ def model_skeleton(spec: str) -> nn.Module:
                           f"or a Hugging Face model folder")
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def fp32_weight_bytes(spec: str) -> int:
+    """Bytes of ``spec``'s weights in float32: from its shapes where it has a shapes-only form."""
+    try:
+        model = model_skeleton(spec)
+    except LlmNpuError:
+        model = load_model(spec).model
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def job_memory(weight_bytes: int) -> int:
+    """Bytes one job over a model (an evaluation row, an export) is declared to need on a Ray node:
+    the float model, a quantized copy with its shadow rows, and a runtime's working set. A bound
+    for scheduling, not a measurement."""
+    return 3 * weight_bytes + 2**30
 
 
 def _available_ram() -> int | None:

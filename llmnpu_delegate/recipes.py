@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 # mode name -> ExecuTorch's QuantDtype member
 RECIPES = {"et-16a8w": "use_16a8w", "et-16a4w": "use_16a4w", "et-8a8w": "use_8a8w"}
 
+# ExecuTorch's CI floor for its QNN program of a model we ship (backends/qualcomm/tests/
+# test_qnn_delegate.py, LlmSpecs): logits SQNR against the float model (its sqnr_eval, on one
+# wikitext prompt of up to 1,024 tokens), a measure relative to fp32 and so comparable on our
+# text. Its other floor, wikitext word perplexity <= 23, is absolute and wikitext's: on our
+# Wikipedia extract fp32 itself scores 56 (docs/results.md), so it is not checked here.
+ET_CI_GATES = {"smollm2-135m": {"logits_sqnr_db": 19.0}}
+
 
 class _Logits(nn.Module):
     def __init__(self, model: nn.Module):

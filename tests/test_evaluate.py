@@ -8,7 +8,7 @@ import torch
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.cli import main
-from llmnpu_delegate.evaluate import eval_windows, perplexity
+from llmnpu_delegate.evaluate import eval_windows, perplexity, window_scores
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.text import read_text
 
@@ -30,6 +30,32 @@ def test_perplexity_matches_hf_loss():
     with torch.no_grad():
         losses = [lm.model(input_ids=r[None], labels=r[None]).loss for r in ids]
     assert perplexity(lm.model, ids, progress=False) == pytest.approx(float(torch.stack(losses).mean().exp()), rel=1e-4)
+
+
+def test_logits_sqnr_is_executorchs_over_all_windows_at_once():
+    """The SQNR column is torchao's compute_error (ExecuTorch's sqnr_eval) of the concatenated logits,
+    not a mean of per-window decibels: one window here is far noisier than the other."""
+    import copy
+
+    from torchao.quantization.utils import compute_error
+
+    lm = load_model("random:tiny-llama")
+    noisy = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.05 * torch.randn_like(p) * p.abs().mean())
+    ids = torch.randint(0, 3000, (2, 40), generator=torch.Generator().manual_seed(3))
+    ids[1] = ids[1].flip(0)
+    got = window_scores(noisy, ids, progress=False, reference=lm.model)
+    with torch.no_grad():
+        ref = torch.cat([lm.model(input_ids=r[None]).logits[0] for r in ids]).double()
+        out = torch.cat([noisy(input_ids=r[None]).logits[0] for r in ids]).double()
+        per_window = [float(compute_error(ref[i * 40:(i + 1) * 40], out[i * 40:(i + 1) * 40])) for i in range(2)]
+    pooled = float(compute_error(ref, out))
+    assert got["logits_sqnr_db"] == pytest.approx(pooled, abs=1e-6)
+    assert abs(sum(per_window) / 2 - pooled) > 1e-4      # what a mean of decibels would have given
+    assert got["ppl"] == perplexity(noisy, ids, progress=False) and 5 < pooled < 60
+    assert window_scores(lm.model, ids, progress=False, reference=lm.model)["logits_sqnr_db"] == float("inf")
 
 
 def test_read_text_errors(tmp_path):

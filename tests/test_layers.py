@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmnpu_delegate"
 # what every stage may use: the kernels, the platform SDK, the shipped text, the program format.
 STAGES = {
     "errors": 0, "logs": 0, "paths": 1,
+    "fanout": 1,                                   # independent jobs here or as Ray tasks: any stage's sweeps
     "kernels": 2, "qnn": 2, "text": 2,
     "format": 3,                                   # the program format: lower/ writes it, runtime/ reads it
     "families": 4, "models": 4, "chunk_step": 4,   # the model, and its chunk step captured by torch.export

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LlmNpuError
+from ..fanout import LOCAL, check_ray
 from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import AUTO, parse_placement
 from ..quantize import CalibConfig
@@ -42,6 +43,30 @@ PLACEMENT_HELP = ("what the NPU regions run beside the linears: auto (default: t
 def placement_or_auto(text: str):
     """``--placement`` where the target may choose: ``auto`` or as ``placement_arg``."""
     return AUTO if text == AUTO else placement_arg(text)
+
+
+def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--ray", action="store_true",
+                   help=f"run {what} as Ray tasks on a Ray instance started on this machine for this run (the ray "
+                        "extra); results as without Ray, a failed one reported and the others kept")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="as --ray, on the running Ray cluster at ADDR (host:port of its head; every node needs this "
+                        "package and the same model files)")
+
+
+def ray_target(args) -> str | None:
+    """What ``--ray`` and ``--ray-address`` ask for: None (no Ray), ``fanout.LOCAL`` or the address."""
+    target = args.ray_address or (LOCAL if args.ray else None)
+    if target is not None:
+        check_ray(target)
+    return target
+
+
+def ray_line(report: dict, jobs: int, what: str) -> str:
+    """One line on a sweep's run on Ray: where, on how many nodes, how long."""
+    where = "a local Ray instance" if report["address"] == LOCAL else f"the Ray cluster at {report['address']}"
+    return (f"{jobs} {what} as Ray tasks on {where}, {len(set(report['nodes'].values()))} node(s): "
+            f"{report['seconds']:.0f} s")
 
 
 def add_output_args(p: argparse.ArgumentParser, json_help: str = "print one JSON object") -> None:

@@ -6,8 +6,9 @@ import json
 from ..errors import LlmNpuError
 from ..evaluate import ALL_MODES, MODES, PROGRAM_MODE, check_modes, evaluate, sweep
 from ..quantize import load_or_calibrate
+from ..recipes import ET_CI_GATES
 from ..text import calibration_ids, read_text, tokenize
-from .common import add_model_args, pruning_rate, setup
+from .common import add_model_args, add_ray_args, pruning_rate, ray_line, ray_target, setup
 
 
 def add_parser(sub) -> None:
@@ -41,6 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--include-path", default=None, help="a folder of your own lm-eval task YAML files")
     p.add_argument("--limit", type=float, default=None,
                    help="with --tasks: documents per task (a count, or a share below 1; default all)")
+    add_ray_args(p, "the modes (and --sweep's points)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
@@ -49,25 +51,27 @@ def cmd_eval(args) -> dict:
     if args.tasks is None and (args.include_path or args.limit is not None):
         raise LlmNpuError("--include-path and --limit go with --tasks")
     _modes(args, [])                    # a mode without its program, or the reverse: before the model loads
+    ray = ray_target(args)
     lm, calib_config = setup(args)
     overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
                                    ("pruning_rate", args.pruning_rate),
                                    ("importance", args.importance)) if v is not None}
     if args.tasks is not None:
-        return _cmd_tasks(args, lm, calib_config, overrides)
+        return _cmd_tasks(args, lm, calib_config, overrides, ray)
     eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
     calib_ids = calibration_ids(lm, args.calib_text_file)
     modes = _modes(args, list(MODES))
     result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
-                      overrides, progress=not args.no_progress, program=args.pte)
+                      overrides, progress=not args.no_progress, program=args.pte, ray=ray)
     if args.sweep:
         result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, ray=ray)
+    args.failed = any("error" in r for r in [*result["results"].values(), *result.get("sweep", [])])
     args.text = format_eval(result)
     return result
 
 
-def _cmd_tasks(args, lm, calib_config, overrides) -> dict:
+def _cmd_tasks(args, lm, calib_config, overrides, ray) -> dict:
     from ..harness.suite import TABLE_MODES, format_table, run_tasks
 
     if args.sweep or args.max_tokens != 4096 or args.window != 512:
@@ -79,8 +83,9 @@ def _cmd_tasks(args, lm, calib_config, overrides) -> dict:
                                   calib_config, progress=not args.no_progress)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     result = run_tasks(lm, args.tasks, modes, args.include_path, limit, overrides, calib,
-                       text_file=args.text_file, progress=not args.no_progress, program=args.pte)
-    args.text = format_table(result)
+                       text_file=args.text_file, progress=not args.no_progress, program=args.pte, ray=ray)
+    args.failed = any("error" in r for r in result["results"].values())
+    args.text = format_table(result) + ("\n" + ray_line(result["ray"], len(modes), "modes") if "ray" in result else "")
     return result
 
 
@@ -94,10 +99,20 @@ def _modes(args, default: list[str]) -> list[str]:
 def format_eval(result: dict) -> str:
     lines = [f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}"]
     base = result["results"].get("fp32", {}).get("ppl")
-    lines.append(f"{'mode':<22}{'ppl':>9}{'vs fp32':>9}{'outliers':>10}")
+    gate = ET_CI_GATES.get(result["model"], {}).get("logits_sqnr_db")
+    lines.append(f"{'mode':<22}{'ppl':>9}{'vs fp32':>9}{'SQNR dB':>9}{'outliers':>10}")
     for mode, r in result["results"].items():
+        if "error" in r:
+            lines.append(f"{mode:<22}failed: {r['error']}")
+            continue
         rel = f"{r['ppl'] / base:.3f}x" if base else ""
         frac = f"{100 * r['outlier_fraction']:.2f}%" if "outlier_fraction" in r else ""
-        lines.append(f"{mode:<22}{r['ppl']:>9.3f}{rel:>9}{frac:>10}")
+        sqnr = f"{r['logits_sqnr_db']:.1f}" if "logits_sqnr_db" in r else ""
+        mark = "" if gate is None or not sqnr else ("  meets" if r["logits_sqnr_db"] >= gate else "  below")
+        lines.append(f"{mode:<22}{r['ppl']:>9.3f}{rel:>9}{sqnr:>9}{frac:>10}{mark}")
+    lines.append("SQNR: the logits against fp32's over every window (ExecuTorch's sqnr_eval)"
+                 + (f"; meets/below: ExecuTorch's CI floor for this model's QNN program, {gate:g} dB" if gate else ""))
     lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
+    if "ray" in result:
+        lines.append(ray_line(result["ray"], len(result["results"]), "modes"))
     return "\n".join(lines)

@@ -1,20 +1,25 @@
 """``llmnpu export``."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from pathlib import Path
 
 from .. import backends
 from ..backends.qnn import DEFAULT_SOC
 from ..chunk_step import DEFAULT_CHUNK
+from ..errors import LlmNpuError
+from ..fanout import Failure, Job, as_dicts, run_jobs
 from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
+from ..lower.lowering_pool import default_workers
 from ..lower.npu_subgraphs import FINE_BELOW_DB
 from ..lower.pte import export_pte
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_pruning
 from ..text import calibration_ids
-from .common import add_output_args, pruning_rate
+from .common import add_output_args, add_ray_args, pruning_rate, ray_line, ray_target
 
 
 def add_parser(sub) -> None:
@@ -28,7 +33,9 @@ def add_parser(sub) -> None:
                    help=f"{DEFAULT_MODEL} (default), a Hugging Face folder, a .gguf file or random:<shape>")
     p.add_argument("--backend", choices=list(backends.names()), default="qnn",
                    help="NPU backend the NPU methods are lowered for (default qnn)")
-    p.add_argument("--soc", default=DEFAULT_SOC, help=f"Snapdragon SoC for qnn (default {DEFAULT_SOC}, 8 Gen 3)")
+    p.add_argument("--soc", default=DEFAULT_SOC,
+                   help=f"Snapdragon SoC for qnn (default {DEFAULT_SOC}, 8 Gen 3), or several joined by commas: a "
+                        f"program each, named after --out with the SoC added (m.pte -> m-SM8650.pte)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help=f"chunk length (default {DEFAULT_CHUNK})")
     p.add_argument("--context", type=int, default=None,
                    help=f"longest prompt the .pte serves (default {DEFAULT_CONTEXT} or the model's context)")
@@ -57,11 +64,39 @@ def add_parser(sub) -> None:
                         "same for any number")
     p.add_argument("--out", required=True, help="the .pte to write (beside it: .json sidecar, .tokenizer/ folder, "
                                                 "and .rows.bin cold shadow rows if the program does not hold them)")
+    add_ray_args(p, "one export per SoC")
     add_output_args(p, "print the summary as JSON")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args) -> dict:
+    socs = [s.strip() for s in args.soc.split(",")]
+    if not all(socs) or len(set(socs)) != len(socs):
+        raise LlmNpuError(f"--soc takes SoC names joined by commas, each once: got '{args.soc}'")
+    ray = ray_target(args)
+    if len(socs) == 1 and ray is None:
+        summary, args.text = export_one(args)
+        return summary
+    if not backends.get(args.backend).uses_soc:     # its pruning is priced on the exporting machine: this one
+        raise LlmNpuError(f"--backend {args.backend} has no SoC to fan out over: drop --ray and give one --soc, or "
+                          f"use --backend qnn for a program per SoC")
+    for soc in socs:        # every SoC known before the first export starts
+        ExportConfig(args.backend, soc)
+    out = Path(args.out)
+    one = {soc: argparse.Namespace(**{**vars(args), "soc": soc, "no_progress": True, "workers": args.workers or default_workers(),
+                                      "out": str(out if len(socs) == 1 else out.with_name(f"{out.stem}-{soc}{out.suffix}"))})
+           for soc in socs}
+    memory = job_memory(fp32_weight_bytes(args.model))
+    ran = run_jobs([Job(soc, export_one, (a,), a.workers, memory) for soc, a in one.items()], ray)
+    programs = as_dicts({soc: r if isinstance(r, Failure) else r[0] for soc, r in ran.results.items()})
+    lines = [f"{soc}: failed ({r.cause})" if isinstance(r, Failure) else r[1] for soc, r in ran.results.items()]
+    args.failed = any(isinstance(r, Failure) for r in ran.results.values())
+    args.text = "\n".join(lines + ([ray_line(ran.report(ray), len(socs), "exports")] if ray else []))
+    return {"programs": programs, **({"ray": ran.report(ray)} if ray else {})}
+
+
+def export_one(args) -> tuple[dict, str]:
+    """One program, for the one SoC of ``args.soc``: (its summary, the lines the command prints)."""
     quant = quant_config(args.quant, args.pruning_rate)
     # checked before the model is loaded and planned
     config = ExportConfig(args.backend, args.soc, args.context, args.shadow_branch, args.decode,
@@ -84,18 +119,18 @@ def cmd_export(args) -> dict:
     soc = f" --soc {args.soc}" if backend.uses_soc else ""     # else the simulator's default phone
     fine = (f" ({summary['fine_outputs']} with a second encoding: +{100 * summary['fine_npu_share']:.1f} % NPU "
             f"work)" if summary["fine_outputs"] else "")
-    args.text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
-                 f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
-                 f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
-                 f"{summary['output_bits']}-bit outputs{fine}, decode {summary['decode']} on XNNPACK) and "
-                 f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
-                 f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
-                 f"worker(s) (their seconds: {stages})\n"
-                 f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
-                 f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
-                 f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
-                 f"placement {summary['placement']}: the NPU methods hold the linears only, the one placement the "
-                 f"program format writes (the engine runs the others: llmnpu run --placement; their phone speed: "
-                 f"llmnpu simulate --model {args.model}{soc})\n"
-                 f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
-    return summary
+    text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
+            f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
+            f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
+            f"{summary['output_bits']}-bit outputs{fine}, decode {summary['decode']} on XNNPACK) and "
+            f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
+            f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
+            f"worker(s) (their seconds: {stages})\n"
+            f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
+            f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
+            f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
+            f"placement {summary['placement']}: the NPU methods hold the linears only, the one placement the "
+            f"program format writes (the engine runs the others: llmnpu run --placement; their phone speed: "
+            f"llmnpu simulate --model {args.model}{soc})\n"
+            f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
+    return summary, text

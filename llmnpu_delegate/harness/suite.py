@@ -6,9 +6,13 @@ import contextlib
 import logging
 import sys
 
+import torch
+
 from ..errors import LlmNpuError
-from ..evaluate import MODES, PROGRAM_MODE, check_modes, shadow_overrides
-from ..models import LoadedModel
+from ..evaluate import MODES, PROGRAM_MODE, check_modes, eval_memory, mode_config, program_of, shadow_overrides
+from ..fanout import Job, as_dicts, run_jobs
+from ..models import LoadedModel, load_same_model
+from ..runtime.engine import choose_host_pruning
 from . import require_lm_eval
 from .offline_tasks import GROUP, task_dir
 
@@ -18,39 +22,71 @@ LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 
 def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path: str | None = None,
               limit: float | None = None, overrides: dict | None = None, calib=None, text_file=None,
-              progress: bool = True, program=None) -> dict:
+              progress: bool = True, program=None, ray: str | None = None) -> dict:
     """{mode: {task: {metric: (value, stderr)}}} and the sample counts, through ``lm_eval.simple_evaluate``;
-    ``program``: the exported program the ``qnn`` mode scores."""
-    require_lm_eval()
+    ``program``: the exported program the ``qnn`` mode scores; ``ray``: the modes as Ray tasks
+    (``fanout.py``), a failed one as ``{"error": cause}``."""
+    check_modes(modes, program)
+    _task_manager(tasks, include_path, text_file)       # unknown tasks, a bad program: errors before any row runs
+    if program is not None:
+        program_of(lm, program)
+    if ray is not None:     # the automatic pruning choices made here, as in ``evaluate``
+        for mode in modes:
+            if calib is not None:
+                choose_host_pruning(lm, calib, mode_config(mode, overrides), progress)
+    ref = lm if ray is None else (lm.spec, lm.fingerprint)
+    threads, memory = torch.get_num_threads(), eval_memory(lm.model)
+    jobs = [Job(mode, task_row, (ref, tasks, mode, include_path, limit, overrides, calib, text_file,
+                                 progress and ray is None, program if mode == PROGRAM_MODE else None), threads, memory)
+            for mode in modes]
+    ran = run_jobs(jobs, ray)
+    results, samples = {}, {}
+    for mode, row in as_dicts(ran.results).items():
+        results[mode] = row.get("results", row)
+        samples.update(row.get("samples", {}))
+    return {"model": lm.spec, "limit": limit, "samples": samples, "results": results,
+            **({"ray": ran.report(ray)} if ray else {})}
+
+
+def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: float | None,
+             overrides: dict | None, calib, text_file, progress: bool, program) -> dict:
+    """One mode's row: {"results": {task: {metric: (value, stderr)}}, "samples": {task: count}};
+    ``lm``: the model, or (spec, fingerprint) for a process that loads it (a Ray task)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     from .lm import LlmNpuLM
 
-    check_modes(modes, program)
+    if not isinstance(lm, LoadedModel):
+        lm = load_same_model(*lm)
+    manager = _task_manager(tasks, include_path, text_file)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, pte=program,
+                     **shadow_overrides(MODES.get(mode), overrides))
+    with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
+        out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
+                              bootstrap_iters=1000, verbosity="ERROR")
+    results, samples = {}, {}
+    for task, metrics in out["results"].items():
+        if task in out.get("groups", {}) or task == GROUP:
+            continue
+        results[task] = {m.split(",")[0]: (v, metrics.get(m.replace(",", "_stderr,", 1)))
+                         for m, v in metrics.items() if "," in m and "_stderr" not in m}
+        samples[task] = out.get("n-samples", {}).get(task, {}).get("effective")
+    return {"results": results, "samples": samples}
+
+
+def _task_manager(tasks: list[str], include_path: str | None, text_file):
+    """lm-eval's task manager over the offline tasks (and ``include_path``); an unknown task is an error."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
     paths = [str(task_dir(text_file))] + ([include_path] if include_path else [])
     manager = TaskManager(include_path=paths, verbosity="ERROR")
     missing = [t for t in tasks if not manager.match_tasks([t])]
     if missing:
         raise LlmNpuError(f"unknown task(s) {missing}: use {GROUP} ({', '.join(manager.match_tasks(['llmnpu_*']))}), "
                           "an lm-eval task name, or give --include-path DIR with your own task YAML")
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    results, samples = {}, {}
-    for mode in modes:
-        model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress,
-                         pte=program if mode == PROGRAM_MODE else None,
-                         **shadow_overrides(MODES.get(mode), overrides))
-        with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
-            out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
-                                  bootstrap_iters=1000, verbosity="ERROR")
-        results[mode] = {}
-        for task, metrics in out["results"].items():
-            if task in out.get("groups", {}) or task == GROUP:
-                continue
-            results[mode][task] = {m.split(",")[0]: (v, metrics.get(m.replace(",", "_stderr,", 1)))
-                                   for m, v in metrics.items() if "," in m and "_stderr" not in m}
-            samples[task] = out.get("n-samples", {}).get(task, {}).get("effective")
-    return {"model": lm.spec, "limit": limit, "samples": samples, "results": results}
+    return manager
 
 
 def _cell(value: float, stderr, base: float | None, lower_better: bool) -> str:
@@ -66,12 +102,17 @@ def format_table(result: dict) -> str:
     """Rows: modes; columns: each task's metrics. Accuracies in points with their difference to fp32
     in points; perplexities with their ratio to fp32."""
     fp32 = result["results"].get("fp32", {})
-    columns = [(t, m) for t, ms in next(iter(result["results"].values())).items() for m in ms]
+    scored = [r for r in result["results"].values() if "error" not in r]
+    columns = [(t, m) for t, ms in (scored[0] if scored else {}).items() for m in ms]
     lines = [f"model {result['model']}: lm-eval tasks ("
              + ", ".join(f"{t}: {n} samples" for t, n in result["samples"].items()) + ")"]
     head = ["mode"] + [f"{t.removeprefix('llmnpu_')} {m}" for t, m in columns]
     rows = [head]
+    failed = []
     for mode, tasks in result["results"].items():
+        if "error" in tasks:
+            failed.append(f"{mode}: failed ({tasks['error']})")
+            continue
         row = [mode]
         for t, m in columns:
             value, err = tasks[t][m]
@@ -80,4 +121,4 @@ def format_table(result: dict) -> str:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + failed)
