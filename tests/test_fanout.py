@@ -159,6 +159,25 @@ def test_eval_on_two_nodes_gives_the_sequential_numbers(cluster, tmp_path, capsy
 
 
 @needs_ray
+def test_lm_eval_rows_on_two_nodes_give_the_sequential_scores(cluster, tmp_path, capsys):
+    """`eval --tasks` with a mode per Ray task: lm-eval's scores and bootstrapped standard errors
+    (cloze perplexity is bootstrapped: lm-eval's process pool hung in a Ray worker) as in one process."""
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip(missing("the eval extra (lm-eval)"))
+    (tmp_path / "c.txt").write_text(_words(900, 7))
+    cmd = ["eval", "--model", "random:tiny-llama", "--tasks", "llmnpu_cloze", "--limit", "4", "--modes", "fp32",
+           "w8a8", "--calib-text-file", str(tmp_path / "c.txt"), "--calib-samples", "2", "--calib-tokens", "64",
+           "--threads", str(NODE_CPUS), "--no-progress", "--json"]
+    assert main(cmd) == 0
+    sequential = json.loads(capsys.readouterr().out)
+    assert main(cmd + ["--ray-address", cluster]) == 0
+    on_ray = json.loads(capsys.readouterr().out)
+    assert on_ray["results"] == sequential["results"] and on_ray["samples"] == sequential["samples"]
+    assert isinstance(on_ray["results"]["w8a8"]["llmnpu_cloze"]["perplexity"][1], float)   # a bootstrapped stderr
+    assert len(set(on_ray["ray"]["nodes"].values())) == 2
+
+
+@needs_ray
 def test_a_failed_job_is_reported_and_the_others_finish(cluster):
     """A node whose model differs from the caller's (its fingerprint does not match) and a job no node
     can hold: each a Failure with its cause; the job beside them returns the sequential number."""

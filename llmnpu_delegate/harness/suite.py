@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 
 import torch
@@ -62,7 +63,10 @@ def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: f
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, pte=program,
                      **shadow_overrides(MODES.get(mode), overrides))
-    with contextlib.redirect_stdout(sys.stderr):    # lm-eval prints progress notes: keep stdout for results
+    # lm-eval prints progress notes: stdout is kept for results. Its bootstrap of a stderr forks a
+    # process pool, which hangs in a Ray worker (a forked copy of its threads): its single-process
+    # form draws the same seeded resamples, here and on Ray.
+    with contextlib.redirect_stdout(sys.stderr), _env("DISABLE_MULTIPROC", "1"):
         out = simple_evaluate(model=model, tasks=tasks, limit=limit, task_manager=manager, log_samples=False,
                               bootstrap_iters=1000, verbosity="ERROR")
     results, samples = {}, {}
@@ -73,6 +77,19 @@ def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: f
                          for m, v in metrics.items() if "," in m and "_stderr" not in m}
         samples[task] = out.get("n-samples", {}).get(task, {}).get("effective")
     return {"results": results, "samples": samples}
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def _task_manager(tasks: list[str], include_path: str | None, text_file):
