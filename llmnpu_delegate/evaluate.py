@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .errors import LlmNpuError
 from .fanout import Job, Ran, as_dicts, run_jobs
-from .models import LoadedModel, decoder_layers, job_memory, load_same_model
+from .models import LoadedModel, decoder_layers, job_memory, loaded
 from .quantize.calibrate import calibration_samples
 from .recipes import RECIPES, recipe_model
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
@@ -177,8 +177,7 @@ def score(lm, windows: Tensor, calib, config: QuantConfig | None, desc: str, pro
     (``config`` None), a quantization mode, an exported ``program``'s numerics, or an ExecuTorch
     recipe (``desc`` names it; observed on ``recipe_samples``). ``lm``: the model, or (spec,
     fingerprint) for a process that loads it (a Ray task)."""
-    if not isinstance(lm, LoadedModel):
-        lm = load_same_model(*lm)
+    lm = loaded(lm)
     if desc in RECIPES:
         scorer = recipe_model(lm, desc, recipe_samples, progress)
         return window_scores(scorer, windows, desc, progress, lm.model)
@@ -189,17 +188,24 @@ def score(lm, windows: Tensor, calib, config: QuantConfig | None, desc: str, pro
 
 def _score_all(lm: LoadedModel, windows: Tensor, calib, jobs: list[tuple[str, tuple]], progress: bool,
                ray: str | None) -> Ran:
-    """{row name: score(...)} for ``jobs`` [(name, (config, desc, program, recipe samples))], here or on
-    Ray. On Ray the automatic pruning choices are made here first, on this machine's engine, and
-    travel in the calibration: every task prunes as this process would."""
+    """{row name: score(...)} for ``jobs`` [(name, (config, desc, program, recipe samples))]."""
+    shown = progress and ray is None
+    return run_rows(lm, calib, [(name, spec[0], score, (windows, calib, *spec, shown)) for name, spec in jobs],
+                    progress, ray)
+
+
+def run_rows(lm: LoadedModel, calib, rows: list[tuple], progress: bool, ray: str | None) -> Ran:
+    """The rows of an evaluation [(name, QuantConfig or None, fn, args)], each ``fn(lm, *args)``: here,
+    or as Ray tasks that load the model themselves (``fn`` gets (spec, fingerprint) for ``lm``). On
+    Ray the automatic pruning choices are made here first, on this machine's engine, and travel in
+    the calibration: every task prunes as this process would."""
     if ray is None:
-        return run_jobs([Job(name, score, (lm, windows, calib, *spec, progress)) for name, spec in jobs])
-    for _, (config, *_rest) in jobs:
-        if calib is not None:
+        return run_jobs([Job(name, fn, (lm, *args)) for name, _, fn, args in rows])
+    if calib is not None:
+        for _, config, _, _ in rows:
             choose_host_pruning(lm, calib, config, progress)
-    threads, memory = torch.get_num_threads(), eval_memory(lm.model)
-    ref = (lm.spec, lm.fingerprint)
-    return run_jobs([Job(name, score, (ref, windows, calib, *spec, False), threads, memory) for name, spec in jobs], ray)
+    threads, memory, ref = torch.get_num_threads(), eval_memory(lm.model), (lm.spec, lm.fingerprint)
+    return run_jobs([Job(name, fn, (ref, *args), threads, memory) for name, _, fn, args in rows], ray)
 
 
 def eval_memory(model: nn.Module) -> int:

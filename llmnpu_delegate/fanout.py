@@ -96,8 +96,9 @@ def _run_on_ray(jobs: list[Job], address: str) -> tuple[dict[str, Any], dict[str
     try:
         task = ray.remote(_on_worker)
         pending, results, nodes = {}, {}, {}
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         for j in jobs:
-            unplaceable = _unplaceable(ray, j)
+            unplaceable = _unplaceable(alive, j)
             if unplaceable:         # Ray would hold it pending for ever
                 results[j.name] = Failure(j.name, unplaceable)
                 continue
@@ -133,9 +134,8 @@ def check_ray(target: str, timeout: float = 5.0) -> None:
                           f"or drop --ray-address to use a local Ray instance") from None
 
 
-def _unplaceable(ray, job: Job) -> str | None:
-    """Why no live node of the cluster can ever run ``job`` (its CPUs or memory), or None."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+def _unplaceable(nodes: list[dict], job: Job) -> str | None:
+    """Why none of the live nodes (their resources) can ever run ``job`` (its CPUs or memory), or None."""
     if any(r.get("CPU", 0) >= job.num_cpus and r.get("memory", 0) >= job.memory for r in nodes):
         return None
     biggest = max(nodes, key=lambda r: (r.get("CPU", 0), r.get("memory", 0)), default={})

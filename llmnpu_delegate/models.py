@@ -69,6 +69,11 @@ def load_same_model(spec: str, expected_fingerprint: str) -> LoadedModel:
     return lm
 
 
+def loaded(model: LoadedModel | tuple[str, str]) -> LoadedModel:
+    """``model`` itself, or the model of a (spec, fingerprint) that another process sent (a Ray task)."""
+    return model if isinstance(model, LoadedModel) else load_same_model(*model)
+
+
 def keep_first_blocks(lm: LoadedModel, blocks: int) -> LoadedModel:
     """Cut ``lm`` (in place) to its first ``blocks`` decoder blocks: a quick stand-in for slow checks
     (the QNN simulator) that still runs real weights end to end. The fingerprint stays the model's:

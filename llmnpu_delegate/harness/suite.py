@@ -7,13 +7,10 @@ import logging
 import os
 import sys
 
-import torch
-
 from ..errors import LlmNpuError
-from ..evaluate import MODES, PROGRAM_MODE, check_modes, eval_memory, mode_config, program_of, shadow_overrides
-from ..fanout import Job, as_dicts, run_jobs
-from ..models import LoadedModel, load_same_model
-from ..runtime.engine import choose_host_pruning
+from ..evaluate import MODES, PROGRAM_MODE, check_modes, mode_config, program_of, run_rows, shadow_overrides
+from ..fanout import as_dicts
+from ..models import LoadedModel, loaded
 from . import require_lm_eval
 from .offline_tasks import GROUP, task_dir
 
@@ -31,16 +28,10 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
     _task_manager(tasks, include_path, text_file)       # unknown tasks, a bad program: errors before any row runs
     if program is not None:
         program_of(lm, program)
-    if ray is not None:     # the automatic pruning choices made here, as in ``evaluate``
-        for mode in modes:
-            if calib is not None:
-                choose_host_pruning(lm, calib, mode_config(mode, overrides), progress)
-    ref = lm if ray is None else (lm.spec, lm.fingerprint)
-    threads, memory = torch.get_num_threads(), eval_memory(lm.model)
-    jobs = [Job(mode, task_row, (ref, tasks, mode, include_path, limit, overrides, calib, text_file,
-                                 progress and ray is None, program if mode == PROGRAM_MODE else None), threads, memory)
-            for mode in modes]
-    ran = run_jobs(jobs, ray)
+    shown = progress and ray is None
+    ran = run_rows(lm, calib, [(mode, mode_config(mode, overrides), task_row,
+                                (tasks, mode, include_path, limit, overrides, calib, text_file, shown,
+                                 program if mode == PROGRAM_MODE else None)) for mode in modes], progress, ray)
     results, samples = {}, {}
     for mode, row in as_dicts(ran.results).items():
         results[mode] = row.get("results", row)
@@ -57,8 +48,7 @@ def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: f
 
     from .lm import LlmNpuLM
 
-    if not isinstance(lm, LoadedModel):
-        lm = load_same_model(*lm)
+    lm = loaded(lm)
     manager = _task_manager(tasks, include_path, text_file)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, pte=program,
