@@ -8,7 +8,8 @@ it is split into). Nothing is fetched at run time: get the wheel and unpack it, 
     unzip -q /tmp/aihub/qai_hub_models-0.65.0-py3-none-any.whl -d /tmp/aihub/w
     python benchmarks/published/aihub_rows.py /tmp/aihub/w
 
-writes `llmnpu_delegate/simulate/data/aihub.csv` (what the fit and `--validate` read).
+writes `llmnpu_delegate/simulate/data/aihub.csv` (what the fit and `--validate` read) and
+`llmnpu_delegate/simulate/data/aihub_graph_execute.csv` (what one graph execute costs, below).
 
 What a row means (read from the package's own code, `models/templates/llm/perf_collection.py`
 and `utils/llm/{genie,geniex}/jobs.py`):
@@ -21,6 +22,11 @@ and `utils/llm/{genie,geniex}/jobs.py`):
 - `genie`: Genie's own prompt-processing rate and time to first token on one short prompt; their
   product is that prompt's token count (36 for the Qwen tokenizer, 56 for Llama's), kept as
   `prompt_tokens`.
+- `aihub_graph_execute.csv`: the fastest whole-model QNN rows per SoC (`qnn_dlc` or
+  `qnn_context_binary`, every layer on the NPU): `inference_time_milliseconds` of a small model is
+  one graph execute on that phone's NPU, so it bounds from above what any graph execute costs
+  before its work (`npu.graph_launch_s`). SM8550 has no phone among the package's devices; its
+  rows are AI Hub's "QCS8550 (Proxy)", the same silicon.
 Only phones the simulator has profiles for, text-only models whose shape `families.py` declares,
 and rows with a non-zero rate are kept; the rest is listed on stderr with the reason.
 """
@@ -34,8 +40,13 @@ from pathlib import Path
 import yaml
 
 PACKAGE = "qai-hub-models==0.65.0"
-OUT = Path(__file__).resolve().parents[2] / "llmnpu_delegate" / "simulate" / "data" / "aihub.csv"
+DATA = Path(__file__).resolve().parents[2] / "llmnpu_delegate" / "simulate" / "data"
+OUT, EXECUTES = DATA / "aihub.csv", DATA / "aihub_graph_execute.csv"
 PHONES = {"Samsung Galaxy S25": "SM8750", "Samsung Galaxy S26": "SM8850"}
+# devices whose single-graph rows bound a graph execute (the LLM rows' phones and two older SoCs)
+EXECUTE_DEVICES = {**PHONES, "Samsung Galaxy S24": "SM8650", "QCS8550 (Proxy)": "SM8550"}
+QNN_GRAPH_RUNTIMES = ("qnn_dlc", "qnn_context_binary")
+FASTEST = 5         # rows kept per SoC: the fit reads the fastest, the others show it is not a lone figure
 # AI Hub model id -> (our random: shape, nominal size in billions of parameters)
 MODELS = {
     "qwen3_0_6b": ("qwen3-0.6b", 0.6), "qwen3_1_7b": ("qwen3-1.7b", 1.7), "qwen3_4b": ("qwen3-4b", 4.0),
@@ -46,6 +57,8 @@ MODELS = {
     "llama_v3_elyza_jp_8b": ("llama-8b", 8.0), "smollm2_1_7b_it": ("smollm2-1.7b", 1.7),
     "falcon_v3_7b_instruct": ("falcon3-7b", 7.0),
 }
+EXECUTE_COLUMNS = ["source", "device", "soc", "model_id", "component", "precision", "runtime", "layers",
+                   "inference_ms"]
 COLUMNS = ["source", "device", "soc", "model_id", "shape", "size_b", "precision", "runtime", "context",
            "prompt_tokens", "graphs", "prefill_tok_s"]
 
@@ -67,6 +80,38 @@ def rows(root: Path):
                     for runtime, rd in dd.items():
                         for m in (rd or {}).get("llm_metrics") or []:
                             yield model_id, precision, device, runtime, m, perf.parent
+
+
+def graph_execute_rows(root: Path) -> list[dict]:
+    """The ``FASTEST`` whole-model QNN rows per SoC with every layer on the NPU."""
+    by_soc: dict[str, list[dict]] = {}
+    for perf in sorted((root / "qai_hub_models" / "models").glob("*/perf.yaml")):
+        doc = yaml.safe_load(perf.read_text()) or {}
+        for precision, pd in (doc.get("precisions") or {}).items():
+            for component, cd in (pd.get("components") or {}).items():
+                for device, dd in (cd.get("performance_metrics") or {}).items():
+                    for runtime, m in (dd or {}).items():
+                        counts = (m or {}).get("layer_counts") or {}
+                        if (device not in EXECUTE_DEVICES or runtime not in QNN_GRAPH_RUNTIMES
+                                or not m.get("inference_time_milliseconds") or not counts.get("total")
+                                or counts.get("npu") != counts["total"]):
+                            continue
+                        by_soc.setdefault(EXECUTE_DEVICES[device], []).append({
+                            "source": f"{PACKAGE} models/{perf.parent.name}/perf.yaml", "device": device,
+                            "soc": EXECUTE_DEVICES[device], "model_id": perf.parent.name, "component": component,
+                            "precision": precision, "runtime": runtime, "layers": counts["total"],
+                            "inference_ms": float(m["inference_time_milliseconds"])})
+    return [r for soc in sorted(by_soc) for r in sorted(by_soc[soc], key=lambda r: r["inference_ms"])[:FASTEST]]
+
+
+def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, columns)
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(path)
 
 
 def prompt_tokens(root: Path) -> dict[int, int]:
@@ -112,16 +157,12 @@ def main(argv: list[str]) -> int:
                      "runtime": runtime, "context": int(m["context_length"]), "prompt_tokens": prompt,
                      "graphs": graphs or "", "prefill_tok_s": round(rate, 1)})
     kept.sort(key=lambda r: (r["soc"], r["runtime"], r["model_id"], r["precision"], r["context"]))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        w.writeheader()
-        w.writerows(kept)
-    tmp.replace(OUT)
+    write_csv(OUT, COLUMNS, kept)
+    executes = graph_execute_rows(Path(argv[0]))
+    write_csv(EXECUTES, EXECUTE_COLUMNS, executes)
     for why, what in skipped.items():
         print(f"skipped ({why}): {', '.join(sorted(what))}", file=sys.stderr)
-    print(f"{len(kept)} rows -> {OUT}")
+    print(f"{len(kept)} rows -> {OUT}\n{len(executes)} rows -> {EXECUTES}")
     return 0
 
 

@@ -33,7 +33,7 @@ from torch.fx import Node
 
 from ..partitioner.placement import movable, piece_of
 from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
-from .device import Device, matrix_ops_per_s
+from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import PROGRAMS, Program
 
 OURS = PROGRAMS["ours"]
@@ -160,7 +160,7 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
     vector = device["npu.vector_elems_per_s"]
     rows_past = past if window is None else 0       # the past a graph's own tensors are sized at
     parts = dict.fromkeys(NPU_PARTS, 0.0)
-    parts["launch"] = device["npu.graph_launch_s"]
+    parts["launch"] = graph_launch_s(device, program.rates)
     io = merge = 0.0
     for node in sub.nodes:
         if is_linear(node):

@@ -23,7 +23,7 @@ PARAMETERS = (
     "npu.dram_bytes_per_s", "npu.graph_launch_s", "npu.io_bytes_per_s",
     "npu.power_busy_w", "npu.power_idle_w",
     # the paper's 2024 implementation on the NPU (its Table 3)
-    "paper.int8_ops_per_s", "paper.weight_bytes_per_s",
+    "paper.int8_ops_per_s", "paper.weight_bytes_per_s", "paper.graph_launch_s",
     "cpu.float_ops_per_s", "cpu.memory_bytes_per_s", "cpu.op_launch_s", "cpu.float_bytes",
     "cpu.kv_update_bytes_per_s", "cpu.power_busy_w", "cpu.power_idle_w",
 )
@@ -39,6 +39,12 @@ def matrix_ops_per_s(device: "Device", activations: str) -> float:
         return device["npu.fp16_ops_per_s"]
     a16 = device["npu.a16_ops_per_s"]
     return a16 * device["npu.a8_speedup"] if activations == "a8" else a16
+
+
+def graph_launch_s(device: "Device", rates: str) -> float:
+    """What one graph execute costs before its work, for a program of ``rates`` (``programs.Program``):
+    a QNN graph's as AI Hub measures small models, or the paper's runtime's (Table 3's intercept)."""
+    return device["paper.graph_launch_s"] if rates == "paper" else device["npu.graph_launch_s"]
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
 """The device profiles' fitted numbers, from the measurements in the repository.
 
-Two fits, each by least squares on the relative error, deterministic:
+Three fits, deterministic:
 
-- **The phone's NPU as QNN programs reach it** (``fit_phone``): the parameters of ``FITTED`` on
-  SM8750, so that ``whole_npu.predict`` reproduces the training rows of ``data/aihub.csv``
+- **What one graph execute costs before its work** (``fit_launch``): per SoC, the fastest whole-model
+  QNN execute in ``data/aihub_graph_execute.csv`` (a small model with every layer on the NPU): an
+  upper bound on ``npu.graph_launch_s``, since that row's own work is in it too.
+
+- **The phone's NPU as QNN programs reach it** (``fit_phone``, least squares on the relative
+  error): the parameters of ``FITTED`` on SM8750, with the launch above, so that ``whole_npu.predict`` reproduces the training rows of ``data/aihub.csv``
   (``measured.py`` says which rows train; the others are never read here). Levenberg-Marquardt on
   the logarithms of the parameters.
 - **The paper's implementation** (``fit_roofline``): Table 3's INT8 MatMul micro-benchmarks (SM8650),
   ``t = launch + max(flops / rate, weight_bytes / bandwidth)`` per processor, over a log grid
-  refined around the best point. The NPU column gives the ``paper.*`` rates, the CPU column the
-  CPU's float rate.
+  refined around the best point. The NPU column gives the ``paper.*`` rates and launch (its
+  runtime's, ten times a QNN graph execute's), the CPU column the CPU's float rate.
 
 ``python -m llmnpu_delegate.simulate.fit`` prints both; ``--write`` stores them in the device files
 (what ``tests/test_simulate.py`` checks they hold).
@@ -119,18 +123,36 @@ def fit_phone(rows, device: Device) -> dict:
             "unidentified": [n for n, v, s in zip(names, best, start) if abs(v - s) > SPAN - 1e-6]}
 
 
-def fit_all() -> dict:
-    """Both fits from the files in the repository: {"SM8750": {param: value}, "SM8650": {...}, errors}."""
-    from .measured import measurements
+def fit_launch(rows) -> dict[str, tuple[float, str]]:
+    """Per SoC: (seconds, source) of its fastest single-graph execute (``measured.GraphExecute``s)."""
+    out = {}
+    for soc in sorted({r.soc for r in rows}):
+        best = min((r for r in rows if r.soc == soc), key=lambda r: r.seconds)
+        out[soc] = (best.seconds, f"fit: the fastest whole-model QNN execute in AI Hub's tables for {soc}, "
+                                  f"{best.label}, {best.seconds * 1e3:.3g} ms for {best.layers} NPU layers "
+                                  "(data/aihub_graph_execute.csv; llmnpu_delegate/simulate/fit.py): an upper "
+                                  "bound on what a graph execute costs before its work")
+    return out
 
+
+def fit_all() -> dict:
+    """Every fit from the files in the repository: {soc: {param: value}}, the sources of the values
+    written whole ({soc: {param: source}}), the phone fit's unidentified parameters and each fit's errors."""
+    from .measured import graph_executes, measurements
+
+    launch = fit_launch(graph_executes())
     rows = [m for m in measurements() if m.training]
-    phone = fit_phone(rows, load_device(FIT_SOC))
+    phone = fit_phone(rows, load_device(FIT_SOC).with_params({"npu.graph_launch_s": launch[FIT_SOC][0]}))
     table3 = load_device("SM8650")
     npu = fit_roofline(table3_rows(table3, "npu_int8_ms"))
     cpu = fit_roofline(table3_rows(table3, "cpu_int8_ms"))
-    return {FIT_SOC: phone["params"], "unidentified": phone["unidentified"],
-            "SM8650": {"paper.int8_ops_per_s": npu["ops_per_s"], "paper.weight_bytes_per_s": npu["bytes_per_s"],
-                       "npu.graph_launch_s": npu["launch_s"], "cpu.float_ops_per_s": 0.5 * cpu["ops_per_s"]},
+    fits = {soc: {"npu.graph_launch_s": seconds} for soc, (seconds, _) in launch.items()}
+    fits[FIT_SOC].update(phone["params"])
+    fits.setdefault("SM8650", {}).update({
+        "paper.int8_ops_per_s": npu["ops_per_s"], "paper.weight_bytes_per_s": npu["bytes_per_s"],
+        "paper.graph_launch_s": npu["launch_s"], "cpu.float_ops_per_s": 0.5 * cpu["ops_per_s"]})
+    return {"params": fits, "sources": {soc: {"npu.graph_launch_s": source} for soc, (_, source) in launch.items()},
+            "unidentified": phone["unidentified"],
             "errors": {"aihub": dict(zip((m.label for m in rows), phone["row_errors"])),
                        "table3_npu": npu["row_errors"], "table3_cpu": cpu["row_errors"]}}
 
@@ -143,11 +165,13 @@ def write(fits: dict) -> None:
     """Store the fitted values in the device files (each parameter keeps its source)."""
     if fits["unidentified"]:
         raise SystemExit(f"not written: the training rows do not decide {', '.join(fits['unidentified'])}")
-    for soc in (FIT_SOC, "SM8650"):
+    for soc, params in fits["params"].items():
         path = DEVICES_DIR / f"{soc}.json"
         doc = json.loads(path.read_text())
-        for name, value in fits[soc].items():
-            doc["params"][name]["value"] = _round(value)
+        for name, value in params.items():
+            source = fits["sources"].get(soc, {}).get(name)
+            doc["params"][name] = ({"value": _round(value), "source": source} if source
+                                   else {**doc["params"][name], "value": _round(value)})
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         tmp.replace(path)
@@ -156,9 +180,10 @@ def write(fits: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     fits = fit_all()
-    out = {k: (d if k == "unidentified" else {n: _round(v) for n, v in d.items()} if k != "errors" else
-               {n: ({m: round(e, 3) for m, e in v.items()} if isinstance(v, dict) else [round(e, 3) for e in v])
-                for n, v in d.items()}) for k, d in fits.items()}
+    errors = {n: ({m: round(e, 3) for m, e in v.items()} if isinstance(v, dict) else [round(e, 3) for e in v])
+              for n, v in fits["errors"].items()}
+    out = {**{soc: {n: _round(v) for n, v in p.items()} for soc, p in fits["params"].items()},
+           "unidentified": fits["unidentified"], "errors": errors}
     json.dump(out, sys.stdout, indent=1)
     print()
     if "--write" in argv:

@@ -1,5 +1,6 @@
-"""Published phone prefill measurements (``data/aihub.csv``, written by
-``benchmarks/published/aihub_rows.py``) and the program each one ran.
+"""Published phone measurements (written by ``benchmarks/published/aihub_rows.py``): prefill rates
+(``data/aihub.csv``) with the program each one ran, and single-graph executes
+(``data/aihub_graph_execute.csv``: small models whose whole QNN graph runs on the NPU).
 
 The split between fitting and checking is a rule, not a choice per row: the fit reads only the
 training rows (Snapdragon 8 Elite, models of at most 2B parameters, Qualcomm's QNN runtimes);
@@ -17,6 +18,7 @@ from .programs import get_program
 from .whole_npu import predict
 
 DATA = Path(__file__).parent / "data" / "aihub.csv"
+EXECUTES = Path(__file__).parent / "data" / "aihub_graph_execute.csv"
 TRAIN_SOC, TRAIN_MAX_B, QNN_RUNTIMES = "SM8750", 2.0, ("genie", "geniex_qairt")
 # (runtime, AI Hub precision) -> our program
 PROGRAM_OF = {("genie", "w4a16"): "genie", ("geniex_qairt", "w4a16"): "genie",
@@ -65,6 +67,32 @@ def measurements() -> tuple[Measurement, ...]:
             if m.program:
                 out.append(m)
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class GraphExecute:
+    """One execute of a small model's whole QNN graph on a phone's NPU, as AI Hub times it."""
+    source: str
+    device: str
+    soc: str
+    model_id: str
+    component: str
+    precision: str
+    runtime: str
+    layers: int
+    seconds: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_id}/{self.component} {self.precision} {self.runtime} on {self.device}"
+
+
+@lru_cache(maxsize=1)
+def graph_executes() -> tuple[GraphExecute, ...]:
+    with EXECUTES.open() as f:
+        return tuple(GraphExecute(r["source"], r["device"], r["soc"], r["model_id"], r["component"], r["precision"],
+                                  r["runtime"], int(r["layers"]), float(r["inference_ms"]) / 1e3)
+                     for r in csv.DictReader(f))
 
 
 @lru_cache(maxsize=None)

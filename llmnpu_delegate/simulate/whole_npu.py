@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from .device import Device, matrix_ops_per_s
+from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import Program
 
 KINDS = ("linears", "head", "attention", "softmax", "elementwise", "kv_read", "launch", "kv_update")
@@ -61,7 +61,7 @@ def chunk_seconds(s: dict, program: Program, device: Device, rows: int, keys: in
         "elementwise": layers * float(c * (4 * s["hidden"] + 2 * (heads * s["head_dim"] + kv_dim) + 2 * s["ffn"]))
                        / vector,
         "kv_read": layers * 2.0 * keys * kv_dim * kv_bytes / dram,
-        "launch": graphs * device["npu.graph_launch_s"],
+        "launch": graphs * graph_launch_s(device, program.rates),
         "kv_update": (layers * 2.0 * context * kv_dim * kv_bytes / device["cpu.kv_update_bytes_per_s"]
                       if program.kv_update else 0.0),
     }
