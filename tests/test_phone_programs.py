@@ -141,6 +141,30 @@ def test_simulate_predicts_a_peer_program(capsys):
     assert "must hold the prompt of 600 tokens" in capsys.readouterr().err
 
 
+def test_our_program_is_set_beside_the_peer_on_the_same_model(capsys):
+    """`llmnpu simulate` of ours carries the Genie form's prediction for the same model, SoC and
+    prompt (what `--program genie` prints), and its ratios are ooo's against it."""
+    import json
+
+    from llmnpu_delegate.cli.simulate import _format_simulate
+
+    args = ["simulate", "--model", "random:tiny-llama", "--soc", "SM8750", "--prompt-len", "200", "--chunk", "16",
+            "--placement", "paper", "--pruning-rate", "1.0", "--policies", "ooo", "--no-progress", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    want = predict(model_config("random:tiny-llama"), PROGRAMS["genie"], load_device("SM8750"), 200, 256)
+    assert r["peer"]["program"] == "genie" and r["peer"]["tok_s"] == pytest.approx(want["tok_s"])
+    assert main(["simulate", "--model", "random:tiny-llama", "--soc", "SM8750", "--prompt-len", "200",
+                 "--program", "genie", "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["tok_s"] == pytest.approx(want["tok_s"])
+    line = next(ln for ln in _format_simulate(r).splitlines() if ln.startswith("beside --program genie"))
+    ooo = r["policies"]["ooo"]
+    assert f"{ooo['tok_s'] / want['tok_s']:.2f}x its speed" in line
+    assert f"{ooo['energy_j'] / want['energy_j']:.2f}x its energy" in line
+    assert main(args[:6] + ["32", *args[7:], "--past", "16"]) == 0
+    assert "peer" not in json.loads(capsys.readouterr().out)      # no fixed-window form of a kept past
+
+
 def test_our_program_is_bounded_by_the_lane_the_breakdown_names():
     from llmnpu_delegate.simulate.phone import prepare, simulate_prefill
 

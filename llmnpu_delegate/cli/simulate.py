@@ -21,6 +21,7 @@ from ..simulate.whole_npu import predict
 from .common import add_output_args, placement_or_auto, pruning_rate
 
 PHONE_BACKEND = "qnn"       # whose pieces the automatic placement chooses among
+PEER = "genie"              # the program a user would pick instead: ours is set beside it
 
 # where `--validate` shows how an assumption moves our program's prediction
 ASSUMPTION_PROBE = ("random:qwen3-1.7b", "SM8750", 1024)
@@ -115,13 +116,27 @@ def cmd_simulate(args) -> dict:
     result["placement"] = scn.partition.placement.name
     if choice is not None:
         result["placement_choice"] = choice
+    if not args.past:       # a fixed-window peer has no form of a later turn's past
+        result["peer"] = _peer_prediction(args.model, args.soc, args.prompt_len)
     args.text = _format_simulate(result)
     return result
 
 
+def _peer_prediction(model: str, soc: str, prompt_len: int) -> dict:
+    """The peer program's prediction on the same model, SoC and prompt (its window: the prompt rounded
+    up to its chunk), by the same device model."""
+    program = get_program(PEER)
+    return predict(model_config(model), program, load_device(soc), prompt_len, _window(program, prompt_len))
+
+
+def _window(program, prompt_len: int) -> int:
+    """A fixed-window program's default context: the prompt rounded up to its chunk."""
+    return math.ceil(prompt_len / program.chunk) * program.chunk
+
+
 def _whole_npu(args) -> dict:
     program = args.program
-    context = args.context or math.ceil(args.prompt_len / program.chunk) * program.chunk
+    context = args.context or _window(program, args.prompt_len)
     if args.prompt_len < 1 or context < args.prompt_len:
         raise LlmNpuError(f"--context {context} must hold the prompt of {args.prompt_len} tokens (and the prompt at least 1)")
     r = predict(model_config(args.model), program, load_device(args.soc), args.prompt_len, context)
@@ -207,6 +222,12 @@ def _format_simulate(r: dict) -> str:
         parts = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(lanes[p].items(), key=lambda kv: -kv[1]) if v > 0)
         lines.append(f"{p.upper()} lane {1e3 * busy[p]:.0f} ms: {parts}"
                      + (" (the longer lane: it bounds the prefill)" if busy[p] >= max(busy.values()) else ""))
+    if "peer" in r and "ooo" in r["policies"]:
+        peer, ours = r["peer"], r["policies"]["ooo"]
+        lines.append(f"beside --program {peer['program']} on the same model and prompt: {peer['tok_s']:.0f} tok/s "
+                     f"(NPU {1e3 * peer['npu_busy_s']:.0f} ms, CPU {1e3 * peer['cpu_busy_s']:.0f} ms, "
+                     f"{peer['energy_j']:.2f} J); ours (ooo) {ours['tok_s'] / peer['tok_s']:.2f}x its speed, "
+                     f"{ours['energy_j'] / peer['energy_j']:.2f}x its energy")
     return "\n".join(lines)
 
 
