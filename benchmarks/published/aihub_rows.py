@@ -70,37 +70,40 @@ def splits(model_dir: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def rows(root: Path):
-    for perf in sorted((root / "qai_hub_models" / "models").glob("*/perf.yaml")):
-        model_id = perf.parent.name
-        doc = yaml.safe_load(perf.read_text()) or {}
-        for precision, pd in (doc.get("precisions") or {}).items():
-            for cd in (pd.get("components") or {}).values():
-                for device, dd in (cd.get("performance_metrics") or {}).items():
-                    for runtime, rd in dd.items():
-                        for m in (rd or {}).get("llm_metrics") or []:
-                            yield model_id, precision, device, runtime, m, perf.parent
-
-
-def graph_execute_rows(root: Path) -> list[dict]:
-    """The ``FASTEST`` whole-model QNN rows per SoC with every layer on the NPU."""
-    by_soc: dict[str, list[dict]] = {}
+def entries(root: Path) -> list[tuple]:
+    """Every (model dir, precision, component, device, runtime, metrics) of the package's perf tables,
+    each file parsed once."""
+    out = []
     for perf in sorted((root / "qai_hub_models" / "models").glob("*/perf.yaml")):
         doc = yaml.safe_load(perf.read_text()) or {}
         for precision, pd in (doc.get("precisions") or {}).items():
             for component, cd in (pd.get("components") or {}).items():
                 for device, dd in (cd.get("performance_metrics") or {}).items():
                     for runtime, m in (dd or {}).items():
-                        counts = (m or {}).get("layer_counts") or {}
-                        if (device not in EXECUTE_DEVICES or runtime not in QNN_GRAPH_RUNTIMES
-                                or not m.get("inference_time_milliseconds") or not counts.get("total")
-                                or counts.get("npu") != counts["total"]):
-                            continue
-                        by_soc.setdefault(EXECUTE_DEVICES[device], []).append({
-                            "source": f"{PACKAGE} models/{perf.parent.name}/perf.yaml", "device": device,
-                            "soc": EXECUTE_DEVICES[device], "model_id": perf.parent.name, "component": component,
-                            "precision": precision, "runtime": runtime, "layers": counts["total"],
-                            "inference_ms": float(m["inference_time_milliseconds"])})
+                        out.append((perf.parent, precision, component, device, runtime, m or {}))
+    return out
+
+
+def rows(perf: list[tuple]):
+    for model_dir, precision, _, device, runtime, rd in perf:
+        for m in rd.get("llm_metrics") or []:
+            yield model_dir.name, precision, device, runtime, m, model_dir
+
+
+def graph_execute_rows(perf: list[tuple]) -> list[dict]:
+    """The ``FASTEST`` whole-model QNN rows per SoC with every layer on the NPU."""
+    by_soc: dict[str, list[dict]] = {}
+    for model_dir, precision, component, device, runtime, m in perf:
+        counts = m.get("layer_counts") or {}
+        if (device not in EXECUTE_DEVICES or runtime not in QNN_GRAPH_RUNTIMES
+                or not m.get("inference_time_milliseconds") or not counts.get("total")
+                or counts.get("npu") != counts["total"]):
+            continue
+        by_soc.setdefault(EXECUTE_DEVICES[device], []).append({
+            "source": f"{PACKAGE} models/{model_dir.name}/perf.yaml", "device": device,
+            "soc": EXECUTE_DEVICES[device], "model_id": model_dir.name, "component": component,
+            "precision": precision, "runtime": runtime, "layers": counts["total"],
+            "inference_ms": float(m["inference_time_milliseconds"])})
     return [r for soc in sorted(by_soc) for r in sorted(by_soc[soc], key=lambda r: r["inference_ms"])[:FASTEST]]
 
 
@@ -138,7 +141,8 @@ def main(argv: list[str]) -> int:
         return 2
     kept, skipped = [], {}
     perf_prompt = prompt_tokens(Path(argv[0]))
-    for model_id, precision, device, runtime, m, model_dir in rows(Path(argv[0])):
+    perf = entries(Path(argv[0]))
+    for model_id, precision, device, runtime, m, model_dir in rows(perf):
         if m.get("desired_compute_unit", "npu") != "npu":
             continue
         why = ("not a phone with a profile" if device not in PHONES else
@@ -158,7 +162,7 @@ def main(argv: list[str]) -> int:
                      "graphs": graphs or "", "prefill_tok_s": round(rate, 1)})
     kept.sort(key=lambda r: (r["soc"], r["runtime"], r["model_id"], r["precision"], r["context"]))
     write_csv(OUT, COLUMNS, kept)
-    executes = graph_execute_rows(Path(argv[0]))
+    executes = graph_execute_rows(perf)
     write_csv(EXECUTES, EXECUTE_COLUMNS, executes)
     for why, what in skipped.items():
         print(f"skipped ({why}): {', '.join(sorted(what))}", file=sys.stderr)
