@@ -13,6 +13,8 @@ from tqdm.auto import tqdm
 from .errors import LlmNpuError
 from .fanout import Job, Ran, as_dicts, run_jobs
 from .models import LoadedModel, decoder_layers, job_memory, loaded
+from .partitioner.placement import PAPER
+from .placed_numerics import apply_placement, check_kv_bits, row_name
 from .quantize.calibrate import calibration_samples
 from .recipes import RECIPES, recipe_model
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
@@ -118,14 +120,16 @@ def program_of(lm: LoadedModel, pte) -> dict:
 
 
 def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig | None, desc: str,
-                  progress: bool = True, program=None) -> dict:
+                  progress: bool = True, program=None, placed: tuple = (PAPER, 16)) -> dict:
     """Quantize a copy of the model with ``config`` (or as the exported ``program`` computes) and
-    measure its perplexity and outlier share."""
+    measure its perplexity and outlier share; ``placed``: (placement, NPU K/V bits) of its attention
+    (``placed_numerics.py``)."""
     if program is not None:
         model, changed = program_model(lm, program, calib, progress)
         return {**window_scores(model, windows, desc, progress, lm.model), "program": str(program), **changed}
     model, report = quantized_model(lm, config, calib, progress)
-    entry = window_scores(model, windows, desc, progress, lm.model)
+    where = apply_placement(lm, model, *placed)
+    entry = {**window_scores(model, windows, desc, progress, lm.model), **where}
     c = outlier_counters(model)
     # share of elements beyond a full-range (calibrated absmax) scale, clipped by saturation
     entry["saturated_fraction"] = c["saturated_elements"] / max(c["seen_elements"], 1)
@@ -144,11 +148,14 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig |
 
 def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[str], window: int = 512,
              max_tokens: int = 4096, calib_config: CalibConfig = CalibConfig(),
-             overrides: dict | None = None, progress: bool = True, program=None, ray: str | None = None) -> dict:
+             overrides: dict | None = None, progress: bool = True, program=None, ray: str | None = None,
+             placements=(PAPER,), npu_kv_bits: int = 16) -> dict:
     """Perplexity per mode. ``overrides`` replaces QuantConfig fields of the shadow modes; ``program``:
     the exported program the ``qnn`` mode reproduces; ``ray``: the modes as Ray tasks (``fanout.py``:
-    ``"local"`` or a cluster's address), a failed one reported as ``{"error": cause}``."""
+    ``"local"`` or a cluster's address), a failed one reported as ``{"error": cause}``; ``placements``:
+    a row per placement for each quantization mode of ``MODES`` (``placed_rows``)."""
     check_modes(modes, program)
+    check_kv_bits(npu_kv_bits)
     if program is not None:     # a bad program fails here, before any row runs
         program_of(lm, program)
     windows = eval_windows(eval_ids, window, max_tokens)
@@ -156,12 +163,25 @@ def evaluate(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, modes: list[s
     calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress) if need_calib else None
     samples = calibration_samples(calib_ids, calib_config) if any(m in RECIPES for m in modes) else None
     jobs = []
-    for mode in modes:
-        jobs.append((mode, (mode_config(mode, overrides), mode, program if mode == PROGRAM_MODE else None,
-                            samples if mode in RECIPES else None)))
+    for name, mode, placement in placed_rows(modes, placements):
+        jobs.append((name, (mode_config(mode, overrides), name, program if mode == PROGRAM_MODE else None,
+                            samples if mode in RECIPES else None, (placement, npu_kv_bits))))
     ran = _score_all(lm, windows, calib, jobs, progress, ray)
     return {"model": lm.spec, "tokens": int(windows.numel() - windows.shape[0]), "window": window,
             "results": as_dicts(ran.results), **({"ray": ran.report(ray)} if ray else {})}
+
+
+def placed_rows(modes: list[str], placements=(PAPER,)) -> list[tuple[str, str, str]]:
+    """[(row name, mode, placement)]: each quantization mode of ``MODES`` under each placement (its
+    attention where the placement puts it: ``placed_numerics.py``); the float model, an exported
+    program (its own placement) and ExecuTorch's recipes (their own graph) once, as they are."""
+    rows = []
+    for mode in modes:
+        if MODES.get(mode) is None:
+            rows.append((mode, mode, PAPER))
+            continue
+        rows += [(row_name(mode, p), mode, p) for p in placements]
+    return rows
 
 
 def mode_config(mode: str, overrides: dict | None = None) -> QuantConfig | None:
@@ -172,26 +192,27 @@ def mode_config(mode: str, overrides: dict | None = None) -> QuantConfig | None:
 
 
 def score(lm, windows: Tensor, calib, config: QuantConfig | None, desc: str, program=None,
-          recipe_samples: Tensor | None = None, progress: bool = True) -> dict:
+          recipe_samples: Tensor | None = None, progress: bool = True, placed: tuple = (PAPER, 16)) -> dict:
     """One row of an evaluation: the perplexity (and what the mode reports) of the float model
-    (``config`` None), a quantization mode, an exported ``program``'s numerics, or an ExecuTorch
-    recipe (``desc`` names it; observed on ``recipe_samples``). ``lm``: the model, or (spec,
-    fingerprint) for a process that loads it (a Ray task)."""
+    (``config`` None), a quantization mode (its attention as ``placed`` puts it), an exported
+    ``program``'s numerics, or an ExecuTorch recipe (``desc`` names it; observed on
+    ``recipe_samples``). ``lm``: the model, or (spec, fingerprint) for a process that loads it (a Ray
+    task)."""
     lm = loaded(lm)
     if desc in RECIPES:
         scorer = recipe_model(lm, desc, recipe_samples, progress)
         return window_scores(scorer, windows, desc, progress, lm.model)
     if config is None and program is None:
         return {"ppl": perplexity(lm.model, windows, desc, progress)}
-    return run_quantized(lm, windows, calib, config, desc, progress, program)
+    return run_quantized(lm, windows, calib, config, desc, progress, program, placed)
 
 
 def _score_all(lm: LoadedModel, windows: Tensor, calib, jobs: list[tuple[str, tuple]], progress: bool,
                ray: str | None) -> Ran:
-    """{row name: score(...)} for ``jobs`` [(name, (config, desc, program, recipe samples))]."""
+    """{row name: score(...)} for ``jobs`` [(name, (config, desc, program, recipe samples, placed))]."""
     shown = progress and ray is None
-    return run_rows(lm, calib, [(name, spec[0], score, (windows, calib, *spec, shown)) for name, spec in jobs],
-                    progress, ray)
+    return run_rows(lm, calib, [(name, config, score, (windows, calib, config, desc, program, samples, shown, placed))
+                                for name, (config, desc, program, samples, placed) in jobs], progress, ray)
 
 
 def run_rows(lm: LoadedModel, calib, rows: list[tuple], progress: bool, ray: str | None) -> Ran:
@@ -237,6 +258,6 @@ def sweep(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, window: int = 51
     for p, rate in points:
         cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=rate)
         name = f"p{p}" if rate == 0.0 else f"prune {rate}"
-        jobs.append((name, (cfg, name, None, None)))
+        jobs.append((name, (cfg, name, None, None, (PAPER, 16))))
     results = as_dicts(_score_all(lm, windows, calib, jobs, progress, ray).results)
     return [{"clip_percentile": p, "pruning_rate": rate, **results[name]} for (p, rate), (name, _) in zip(points, jobs)]

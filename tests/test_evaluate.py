@@ -90,6 +90,32 @@ def test_cli_eval_json(tmp_path, capsys):
     assert 0.0 <= out["results"]["w8a8-shadow-pruned"]["pruning_rate"] <= 1.0
 
 
+def test_cli_eval_scores_each_placement_of_each_quantization_mode(tmp_path, capsys):
+    """A row per placement of each quantization mode, the float model once. Only attention changes what
+    a placement computes: norms on the NPU score as the paper's split, attention on the NPU does not."""
+    (tmp_path / "e.txt").write_text(_words(600))
+    args = ["eval", "--model", "random:tiny-llama", "--text-file", str(tmp_path / "e.txt"), "--max-tokens", "120",
+            "--window", "32", "--calib-samples", "2", "--calib-tokens", "64", "--no-progress",
+            "--modes", "fp32", "w8a8-shadow", "--pruning-rate", "0"]
+    assert main([*args, "--placement", "paper", "norms", "attention-half", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert list(rows) == ["fp32", "w8a8-shadow", "w8a8-shadow@norms", "w8a8-shadow@attention-half"]
+    assert rows["w8a8-shadow@norms"]["ppl"] == rows["w8a8-shadow"]["ppl"]
+    npu = rows["w8a8-shadow@attention-half"]
+    assert npu["ppl"] != rows["w8a8-shadow"]["ppl"] and npu["npu_kv_bits"] == 16
+    assert npu["placement"] == "attention-half" and "npu_kv_bits" not in rows["w8a8-shadow@norms"]
+    assert main([*args, "--placement", "block", "--npu-kv-bits", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "w8a8-shadow@block" in out and "K/V window at 8 bits" in out
+    assert main([*args, "--placement", "norms", "--npu-kv-bits", "8"]) == 2
+    assert "--npu-kv-bits sets the K/V window of attention on the NPU" in capsys.readouterr().err
+    assert main([*args[:-5], "--modes", "fp32", "--placement", "block"]) == 2
+    assert "--placement applies to the quantization modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--placement", "wings"])
+    assert "unknown placement 'wings'" in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "short.txt").write_text("too short")
     cmd = [sys.executable, "-m", "llmnpu_delegate.cli", "eval", "--model", "random:tiny-llama",

@@ -104,6 +104,44 @@ def test_quantized_scores_follow_the_engine():
     assert not greedy and abs(score - float(got[nxt])) <= 1e-5
 
 
+def test_a_placement_with_attention_on_the_npu_scores_as_the_engine_runs_it():
+    """The adapter under placement attention-half (its attention at the NPU's 16-bit encodings,
+    placed_numerics.py) against the chunked engine under the same placement (its stand-in NPU runs
+    kernels/npu_attention.py inside the FX graph's NPU region): within a tenth of what moving
+    attention to the NPU changes. Paper-placement adapter and engine bracket it: were the placement
+    ignored, the adapter would sit a whole effect away."""
+    from conftest import assert_within_quant_effect, inject_outliers
+
+    from llmnpu_delegate.backends.graph_cache import GraphCache
+    from llmnpu_delegate.models import load_model
+    from llmnpu_delegate.runtime.engine import Prefiller
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    ids = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(5))
+    quant = QuantConfig(outliers="shadow", pruning_rate=0.0)
+    got, want = {}, {}
+    for placement in ("paper", "attention-half"):
+        adapter = LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib, chunk_len=32, placement=placement)
+        got[placement] = adapter._logprobs(ids.tolist())[0][-1]
+        engine = Prefiller(lm, 32, quant=quant, calibration=calib, cache=GraphCache(), progress=False,
+                           attention="fp32", placement=placement)
+        want[placement] = F.log_softmax(engine(ids).logits.float(), -1)
+    npu, paper = want["attention-half"], want["paper"]
+    err, effect = assert_within_quant_effect(got["attention-half"], npu, paper)
+    assert_within_quant_effect(got["paper"], paper, npu)
+    print(f"NPU attention: adapter {err:.2e} from the engine, the placement's effect {effect:.2e}")
+    # an 8-bit window is another grid: the adapter follows it too
+    eight = LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib, chunk_len=32, placement="block", npu_kv_bits=8)
+    assert not torch.equal(eight._logprobs(ids.tolist())[0][-1], got["attention-half"])
+    with pytest.raises(LlmNpuError, match="apply to the quantization modes"):
+        LlmNpuLM(lm, quant="fp32", placement="block")
+    with pytest.raises(LlmNpuError, match="8 or 16 bits"):
+        LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib, placement="block", npu_kv_bits=4)
+
+
 def test_offline_tasks_are_deterministic_and_from_the_evaluation_text(tmp_path, monkeypatch):
     folder = task_dir()
     first = {t: (folder / f"{t}.jsonl").read_bytes() for t in TASKS}
@@ -154,6 +192,19 @@ def test_a_users_task_end_to_end_through_lm_eval(user_task, smollm2):
     result = run_tasks(smollm2, ["my_cloze"], ["fp32"], include_path=str(folder), progress=False)
     assert result["samples"]["my_cloze"] == 4
     assert result["results"]["fp32"]["my_cloze"]["acc"][0] == pytest.approx(acc)
+
+
+def test_lm_eval_rows_per_placement(capsys):
+    """`eval --tasks` with --placement: a row per placement of the quantization mode; norms on the NPU
+    score as the paper's split, attention on the NPU moves the cloze perplexity."""
+    cmd = ["eval", "--model", "random:tiny-llama", "--tasks", "llmnpu_cloze", "--limit", "4", "--modes",
+           "w8a8-shadow", "--pruning-rate", "0", "--placement", "paper", "norms", "attention-half", "--no-progress",
+           "--json"]
+    assert cli_main(cmd) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert list(rows) == ["w8a8-shadow", "w8a8-shadow@norms", "w8a8-shadow@attention-half"]
+    ppl = {name: row["llmnpu_cloze"]["perplexity"][0] for name, row in rows.items()}
+    assert ppl["w8a8-shadow@norms"] == ppl["w8a8-shadow"] != ppl["w8a8-shadow@attention-half"]
 
 
 def test_the_lm_eval_command_line_finds_the_llmnpu_model(user_task):

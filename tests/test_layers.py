@@ -27,6 +27,7 @@ STAGES = {
     "compile": 10, "hf": 10, "evaluate": 10, "simulate": 10,
     "generation": 10, "conversation": 10, "measure": 10, "host_report": 10,
     "harness": 10,                                 # lm-eval's model over evaluate and hf
+    "placed_numerics": 10,                         # a placement's attention on the HF model, for evaluate and harness
     "recipes": 10,                                 # ExecuTorch's Qualcomm quantization, a peer to score
     "cli": 11,                                     # the doors, and the CLI over them
     "__init__": 4,                                 # the package itself: its version, errors, load_model

@@ -8,7 +8,9 @@ from ..evaluate import ALL_MODES, MODES, PROGRAM_MODE, check_modes, evaluate, sw
 from ..quantize import load_or_calibrate
 from ..recipes import ET_CI_GATES
 from ..text import calibration_ids, read_text, tokenize
-from .common import add_model_args, add_ray_args, pruning_rate, ray_line, ray_target, setup
+from ..kernels.npu_attention import KV_BITS
+from ..partitioner.placement import PAPER, parse_placement
+from .common import add_model_args, add_ray_args, placement_arg, pruning_rate, ray_line, ray_target, setup
 
 
 def add_parser(sub) -> None:
@@ -34,6 +36,12 @@ def add_parser(sub) -> None:
                         "share in [0, 1]")
     p.add_argument("--importance", choices=["output", "ratio"], default=None,
                    help="layer ranking for pruning (default: output)")
+    p.add_argument("--placement", nargs="+", type=placement_arg, default=None, metavar="PLACEMENT",
+                   help="a row per placement for each quantization mode: paper (default: attention on the CPU in "
+                        "float), or one that puts attention on the NPU (attention-half, block, ...: at the NPU's "
+                        "16-bit encodings); the other pieces compute the same wherever they run")
+    p.add_argument("--npu-kv-bits", type=int, choices=KV_BITS, default=None,
+                   help="bits of the K/V window of attention on the NPU (default 16)")
     p.add_argument("--sweep", action="store_true",
                    help="also print the trade-off curve over clipping percentiles and pruning rates")
     p.add_argument("--tasks", nargs="+", default=None,
@@ -51,18 +59,20 @@ def cmd_eval(args) -> dict:
     if args.tasks is None and (args.include_path or args.limit is not None):
         raise LlmNpuError("--include-path and --limit go with --tasks")
     _modes(args, [])                    # a mode without its program, or the reverse: before the model loads
+    placements = _placements(args)
     ray = ray_target(args)
     lm, calib_config = setup(args)
     overrides = {k: v for k, v in (("clip_percentile", args.clip_percentile),
                                    ("pruning_rate", args.pruning_rate),
                                    ("importance", args.importance)) if v is not None}
     if args.tasks is not None:
-        return _cmd_tasks(args, lm, calib_config, overrides, ray)
+        return _cmd_tasks(args, lm, calib_config, overrides, ray, placements)
     eval_ids = tokenize(lm, read_text(args.text_file, "eval"))
     calib_ids = calibration_ids(lm, args.calib_text_file)
     modes = _modes(args, list(MODES))
     result = evaluate(lm, eval_ids, calib_ids, modes, args.window, args.max_tokens, calib_config,
-                      overrides, progress=not args.no_progress, program=args.pte, ray=ray)
+                      overrides, progress=not args.no_progress, program=args.pte, ray=ray,
+                      placements=placements, npu_kv_bits=args.npu_kv_bits or 16)
     if args.sweep:
         result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
                                 progress=not args.no_progress, ray=ray)
@@ -71,7 +81,7 @@ def cmd_eval(args) -> dict:
     return result
 
 
-def _cmd_tasks(args, lm, calib_config, overrides, ray) -> dict:
+def _cmd_tasks(args, lm, calib_config, overrides, ray, placements) -> dict:
     from ..harness.suite import TABLE_MODES, format_table, run_tasks
 
     if args.sweep or args.max_tokens != 4096 or args.window != 512:
@@ -83,10 +93,23 @@ def _cmd_tasks(args, lm, calib_config, overrides, ray) -> dict:
                                   calib_config, progress=not args.no_progress)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     result = run_tasks(lm, args.tasks, modes, args.include_path, limit, overrides, calib,
-                       text_file=args.text_file, progress=not args.no_progress, program=args.pte, ray=ray)
+                       text_file=args.text_file, progress=not args.no_progress, program=args.pte, ray=ray,
+                       placements=placements, npu_kv_bits=args.npu_kv_bits or 16)
     args.failed = any("error" in r for r in result["results"].values())
     args.text = format_table(result) + ("\n" + ray_line(result["ray"], len(modes), "modes") if "ray" in result else "")
     return result
+
+
+def _placements(args) -> list:
+    """The placements asked for (the paper's by default); --npu-kv-bits only beside attention on the NPU."""
+    placements = args.placement or [parse_placement(PAPER)]
+    if args.npu_kv_bits is not None and not any(p.on_npu("attention") for p in placements):
+        raise LlmNpuError("--npu-kv-bits sets the K/V window of attention on the NPU: give a --placement that puts "
+                          "attention there (attention-half, block)")
+    if args.placement and args.modes and not any(MODES.get(m) is not None for m in args.modes):
+        raise LlmNpuError(f"--placement applies to the quantization modes ({', '.join(m for m in MODES if MODES[m])}); "
+                          f"--modes {' '.join(args.modes)} has none")
+    return placements
 
 
 def _modes(args, default: list[str]) -> list[str]:
@@ -100,18 +123,23 @@ def format_eval(result: dict) -> str:
     lines = [f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}"]
     base = result["results"].get("fp32", {}).get("ppl")
     gate = ET_CI_GATES.get(result["model"], {}).get("logits_sqnr_db")
-    lines.append(f"{'mode':<22}{'ppl':>9}{'vs fp32':>9}{'SQNR dB':>9}{'outliers':>10}")
+    width = max([22, *(len(m) + 2 for m in result["results"])])
+    lines.append(f"{'mode':<{width}}{'ppl':>9}{'vs fp32':>9}{'SQNR dB':>9}{'outliers':>10}")
     for mode, r in result["results"].items():
         if "error" in r:
-            lines.append(f"{mode:<22}failed: {r['error']}")
+            lines.append(f"{mode:<{width}}failed: {r['error']}")
             continue
         rel = f"{r['ppl'] / base:.3f}x" if base else ""
         frac = f"{100 * r['outlier_fraction']:.2f}%" if "outlier_fraction" in r else ""
         sqnr = f"{r['logits_sqnr_db']:.1f}" if "logits_sqnr_db" in r else ""
         mark = "" if gate is None or not sqnr else ("  meets" if r["logits_sqnr_db"] >= gate else "  below")
-        lines.append(f"{mode:<22}{r['ppl']:>9.3f}{rel:>9}{sqnr:>9}{frac:>10}{mark}")
+        lines.append(f"{mode:<{width}}{r['ppl']:>9.3f}{rel:>9}{sqnr:>9}{frac:>10}{mark}")
     lines.append("SQNR: the logits against fp32's over every window (ExecuTorch's sqnr_eval)"
                  + (f"; meets/below: ExecuTorch's CI floor for this model's QNN program, {gate:g} dB" if gate else ""))
+    kv = {r["npu_kv_bits"] for r in result["results"].values() if "npu_kv_bits" in r}
+    if kv:
+        lines.append(f"mode@placement: the mode with attention on the NPU at its 16-bit encodings, its K/V window at {kv.pop()} bits "
+                     "(the placement's other pieces compute as on the CPU)")
     lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
     if "ray" in result:
         lines.append(ray_line(result["ray"], len(result["results"]), "modes"))

@@ -12,7 +12,9 @@ prefill and its decode.
 mode: fp32, w8a8, smoothquant, w8a8-shadow, w8a8-shadow-pruned = the default; ``qnn`` with
 ``pte=`` a ``.pte``: that program's numerics; ``et-16a8w``, ``et-16a4w``, ``et-8a8w``: ExecuTorch's
 Qualcomm quantizer, ``recipes.py``; those three and ``qnn`` score only), ``pruning_rate=``,
-``clip_percentile=``, ``importance=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``. It runs on the
+``clip_percentile=``, ``importance=``, ``chunk_len=``, ``decode=`` (int8 | fp32 | auto), ``max_length=``,
+``placement=`` (a quantization mode's attention where that placement puts it: on the NPU at its 16-bit
+encodings, ``placed_numerics.py``; default ``paper``, on the CPU) and ``npu_kv_bits=`` (16 | 8). It runs on the
 CPU whatever ``--device`` says (lm-eval passes ``cuda:0`` by default); ``--batch_size`` is ignored
 (one sequence at a time, so scores never depend on padding).
 """
@@ -36,6 +38,8 @@ from ..quantize.calibrate import calibration_samples
 from ..recipes import RECIPES, recipe_model
 from ..text import calibration_ids
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
+from ..partitioner.placement import PAPER
+from ..placed_numerics import apply_placement, check_kv_bits
 
 
 @register_model("llmnpu")
@@ -43,11 +47,12 @@ class LlmNpuLM(TemplateLM):
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, quant: str = DEFAULT_MODE, pruning_rate=None,
                  clip_percentile=None, importance=None, chunk_len: int = DEFAULT_CHUNK, decode: str = "auto",
                  max_length: int | None = None, calibration=None, progress: bool = False, pte=None,
-                 batch_size=1, max_batch_size=None, device=None, **unknown):
+                 placement=None, npu_kv_bits=None, batch_size=1, max_batch_size=None, device=None, **unknown):
         super().__init__()
         if unknown:
             raise LlmNpuError(f"unknown model_args {sorted(unknown)}: use model, quant, pruning_rate, "
-                              "clip_percentile, importance, chunk_len, decode, max_length, pte")
+                              "clip_percentile, importance, chunk_len, decode, max_length, pte, placement, "
+                              "npu_kv_bits")
         if quant not in ALL_MODES:
             raise LlmNpuError(f"unknown quant '{quant}': use one of {', '.join(ALL_MODES)}")
         check_modes([quant], pte)
@@ -60,6 +65,9 @@ class LlmNpuLM(TemplateLM):
             if self.config is None or self.config.outliers != "shadow":
                 raise LlmNpuError(f"{', '.join(knobs)} only apply to the shadow modes (quant=w8a8-shadow...)")
             self.config = dataclasses.replace(self.config, **knobs)
+        if (placement is not None or npu_kv_bits is not None) and self.config is None:
+            raise LlmNpuError(f"placement and npu_kv_bits apply to the quantization modes ({', '.join(m for m in MODES if MODES[m])}), "
+                              f"not to quant={quant}")
         self.chunk_len, self.decode, self.progress = int(chunk_len), decode, progress
         self.tokenizer = self.lm.tokenizer
         limit = getattr(self.lm.model.config, "max_position_embeddings", 2048)
@@ -72,6 +80,8 @@ class LlmNpuLM(TemplateLM):
             self.scorer = recipe_model(self.lm, quant, samples, progress)
         else:
             self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
+        if self.config is not None and pte is None:
+            apply_placement(self.lm, self.scorer, placement or PAPER, check_kv_bits(npu_kv_bits or 16), self.chunk_len)
         self._wrapper = None
 
     # ---------------------------------------------------------------- tokens

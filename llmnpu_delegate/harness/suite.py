@@ -8,7 +8,9 @@ import os
 import sys
 
 from ..errors import LlmNpuError
-from ..evaluate import MODES, PROGRAM_MODE, check_modes, mode_config, program_of, run_rows, shadow_overrides
+from ..evaluate import MODES, PROGRAM_MODE, check_modes, mode_config, placed_rows, program_of, run_rows, shadow_overrides
+from ..partitioner.placement import PAPER
+from ..placed_numerics import check_kv_bits
 from ..fanout import as_dicts
 from ..models import LoadedModel, loaded
 from . import require_lm_eval
@@ -20,18 +22,22 @@ LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 
 def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path: str | None = None,
               limit: float | None = None, overrides: dict | None = None, calib=None, text_file=None,
-              progress: bool = True, program=None, ray: str | None = None) -> dict:
+              progress: bool = True, program=None, ray: str | None = None, placements=(PAPER,),
+              npu_kv_bits: int = 16) -> dict:
     """{mode: {task: {metric: (value, stderr)}}} and the sample counts, through ``lm_eval.simple_evaluate``;
     ``program``: the exported program the ``qnn`` mode scores; ``ray``: the modes as Ray tasks
-    (``fanout.py``), a failed one as ``{"error": cause}``."""
+    (``fanout.py``), a failed one as ``{"error": cause}``; ``placements``: a row per placement of each
+    quantization mode (``evaluate.placed_rows``)."""
     check_modes(modes, program)
+    check_kv_bits(npu_kv_bits)
     _task_manager(tasks, include_path, text_file)       # unknown tasks, a bad program: errors before any row runs
     if program is not None:
         program_of(lm, program)
     shown = progress and ray is None
-    ran = run_rows(lm, calib, [(mode, mode_config(mode, overrides), task_row,
+    ran = run_rows(lm, calib, [(name, mode_config(mode, overrides), task_row,
                                 (tasks, mode, include_path, limit, overrides, calib, text_file, shown,
-                                 program if mode == PROGRAM_MODE else None)) for mode in modes], progress, ray)
+                                 program if mode == PROGRAM_MODE else None, (placement, npu_kv_bits)))
+                               for name, mode, placement in placed_rows(modes, placements)], progress, ray)
     results, samples = {}, {}
     for mode, row in as_dicts(ran.results).items():
         results[mode] = row.get("results", row)
@@ -41,9 +47,10 @@ def run_tasks(lm: LoadedModel, tasks: list[str], modes: list[str], include_path:
 
 
 def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: float | None,
-             overrides: dict | None, calib, text_file, progress: bool, program) -> dict:
+             overrides: dict | None, calib, text_file, progress: bool, program, placed: tuple = (PAPER, 16)) -> dict:
     """One mode's row: {"results": {task: {metric: (value, stderr)}}, "samples": {task: count}};
-    ``lm``: the model, or (spec, fingerprint) for a process that loads it (a Ray task)."""
+    ``lm``: the model, or (spec, fingerprint) for a process that loads it (a Ray task); ``placed``:
+    (placement, NPU K/V bits) of a quantization mode's attention."""
     from lm_eval import simple_evaluate
 
     from .lm import LlmNpuLM
@@ -51,8 +58,9 @@ def task_row(lm, tasks: list[str], mode: str, include_path: str | None, limit: f
     lm = loaded(lm)
     manager = _task_manager(tasks, include_path, text_file)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    where = dict(zip(("placement", "npu_kv_bits"), placed)) if MODES.get(mode) is not None else {}
     model = LlmNpuLM(lm, quant=mode, calibration=calib, progress=progress, pte=program,
-                     **shadow_overrides(MODES.get(mode), overrides))
+                     **shadow_overrides(MODES.get(mode), overrides), **where)
     # lm-eval prints progress notes: stdout is kept for results. Its bootstrap of a stderr forks a
     # process pool, which hangs in a Ray worker (a forked copy of its threads): its single-process
     # form draws the same seeded resamples, here and on Ray.

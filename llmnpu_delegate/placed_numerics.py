@@ -1,0 +1,85 @@
+"""A placement's numerics on the Hugging Face model, for the accuracy harness.
+
+The harness scores the quantized reference (``quantize_`` on a copy of the model), which returns every
+position's logits, where the engine's chunk graphs return the last token's. Of a placement's pieces
+(``partitioner/placement.py``) only attention changes what is computed: the engine runs the others
+with the CPU's kernels wherever they sit (tested bit for bit), but attention on the NPU runs at its
+static 16-bit encodings (``kernels/npu_attention.py``). So a placement with attention on the NPU is
+scored by routing every attention module of the reference through that kernel, with the encodings the
+engine calibrates (``prepare.attention_ranges_of`` at the same chunk length): per query, the same
+rounding of q, the K/V and the scores over the keys its mask opens, chunked or not.
+"""
+from __future__ import annotations
+
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .chunk_step import DEFAULT_CHUNK
+from .errors import LlmNpuError
+from .kernels.attention import causal_mask
+from .kernels.npu_attention import KV_BITS, AttentionEncodings, npu_attention
+from .models import LoadedModel
+from .partitioner.placement import PAPER, Placement, parse_placement
+from .prepare import attention_ranges_of
+
+NPU_ATTN_IMPLEMENTATION = "llmnpu-npu"
+_ENCODINGS = "llmnpu_npu_encodings"     # attribute of each attention module: its layer's encodings
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **_):
+    enc = getattr(module, _ENCODINGS, None)
+    if enc is None:
+        raise LlmNpuError(f"{type(module).__name__} has no NPU encodings: apply a placement with apply_placement")
+    if softcap:
+        raise LlmNpuError("attention with logit softcapping (Gemma-2) has no NPU form here: score a placement "
+                          "without 'attention'")
+    mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
+    scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if query.shape[0] != 1:
+        raise LlmNpuError("NPU attention scores one sequence at a time (batch 1)")
+    return npu_attention(query, key, value, mask[-1:], scaling, enc), None
+
+
+AttentionInterface.register(NPU_ATTN_IMPLEMENTATION, _attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NPU_ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Layer index -> the attention module of that decoder block."""
+    found = {m.layer_idx: m for m in model.modules()
+             if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)}
+    if not found:
+        raise LlmNpuError(f"{type(model).__name__} has no attention modules with a layer index: not a supported LM")
+    return found
+
+
+def apply_placement(lm: LoadedModel, model: nn.Module, placement: "Placement | str", kv_bits: int = 16,
+                    chunk_len: int | None = None) -> dict:
+    """Make ``model`` (a quantized copy of ``lm.model``) compute attention as ``placement`` puts it: on the
+    NPU, at the encodings the engine calibrates for ``chunk_len``-row chunks with a ``kv_bits`` window.
+    Returns what a result row records of it."""
+    placement = parse_placement(placement)
+    if not placement.on_npu("attention"):
+        return {"placement": placement.name}
+    ranges = attention_ranges_of(lm, chunk_len or DEFAULT_CHUNK)
+    modules = attention_modules(model)
+    if set(modules) != set(ranges):
+        raise LlmNpuError(f"attention ranges were observed for layers {sorted(ranges)}, the model has "
+                          f"{sorted(modules)}: score the model the ranges came from")
+    for layer, module in modules.items():
+        setattr(module, _ENCODINGS, AttentionEncodings.of_ranges(ranges[layer], kv_bits))
+    model.config._attn_implementation = NPU_ATTN_IMPLEMENTATION
+    return {"placement": placement.name, "npu_kv_bits": kv_bits}
+
+
+def row_name(mode: str, placement: "Placement | str") -> str:
+    """A result row's name: the mode, and the placement when it is not the paper's."""
+    name = parse_placement(placement).name
+    return mode if name == PAPER else f"{mode}@{name}"
+
+
+def check_kv_bits(kv_bits: int) -> int:
+    if int(kv_bits) not in KV_BITS:
+        raise LlmNpuError(f"the NPU's K/V window is kept at {' or '.join(map(str, KV_BITS))} bits, got {kv_bits}")
+    return int(kv_bits)
