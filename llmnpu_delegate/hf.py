@@ -96,7 +96,7 @@ class LlmNpuForCausalLM:
     Args:
         model: a ``LoadedModel`` (``load_model(...)``) or a ``transformers`` causal LM.
         tokenizer: the model's tokenizer (taken from a ``LoadedModel`` when not given).
-        chunk_len, backend, quant, calibration, policy, placement: as for ``Prefiller`` (placement
+        chunk_len, backend, quant, calibration, policy, placement, npu_kv_bits: as for ``Prefiller`` (placement
             ``"auto"``: the fastest on this machine, chosen once and cached; ``llmnpu run`` and ``chat``
             default to it).
         pruning_rate, clip_percentile: the shadow outlier knobs (default "auto": quantize/auto.py, and the
@@ -118,7 +118,8 @@ class LlmNpuForCausalLM:
                  backend: str = backends.DEFAULT, quant: QuantConfig | str | None = "w8a8-shadow",
                  pruning_rate: float | None = None, clip_percentile: float | None = None,
                  calibration: Calibration | None = None, policy: str = "ooo", decode: str = "auto",
-                 prefix_cache: PrefixCache | bool = True, progress: bool = True, placement: str = PAPER):
+                 prefix_cache: PrefixCache | bool = True, progress: bool = True, placement: str = PAPER,
+                 npu_kv_bits: int = 16):
         if decode not in DECODE_MODES:
             raise LlmNpuError(f"unknown decode mode '{decode}': use one of {', '.join(DECODE_MODES)}")
         if not isinstance(model, LoadedModel):
@@ -138,7 +139,7 @@ class LlmNpuForCausalLM:
             raise LlmNpuError(f"prefix_cache must be True, False or a PrefixCache, got {type(prefix_cache).__name__}")
         self.engine = Prefiller(model, chunk_len, backend, quant_config(quant, pruning_rate, clip_percentile),
                                 calibration, placement=placement, progress=progress, policy=policy,
-                                prefix_cache=prefix_cache)
+                                prefix_cache=prefix_cache, npu_kv_bits=npu_kv_bits)
         self.decoder = self._make_decoder(decode)
         self.last_prefill: dict = {}
         self._lock = threading.Lock()

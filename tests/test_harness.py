@@ -136,6 +136,9 @@ def test_a_placement_with_attention_on_the_npu_scores_as_the_engine_runs_it():
     # an 8-bit window is another grid: the adapter follows it too
     eight = LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib, chunk_len=32, placement="block", npu_kv_bits=8)
     assert not torch.equal(eight._logprobs(ids.tolist())[0][-1], got["attention-half"])
+    # generation tasks run the engine under the same placement and window
+    config = eight.wrapper.engine.config
+    assert str(config.placement) == "block" and config.npu_kv_bits == 8
     with pytest.raises(LlmNpuError, match="apply to the quantization modes"):
         LlmNpuLM(lm, quant="fp32", placement="block")
     with pytest.raises(LlmNpuError, match="8 or 16 bits"):

@@ -80,8 +80,9 @@ class LlmNpuLM(TemplateLM):
             self.scorer = recipe_model(self.lm, quant, samples, progress)
         else:
             self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
+        self.placement, self.npu_kv_bits = placement or PAPER, check_kv_bits(npu_kv_bits or 16)
         if self.config is not None and pte is None:
-            apply_placement(self.lm, self.scorer, placement or PAPER, check_kv_bits(npu_kv_bits or 16), self.chunk_len)
+            apply_placement(self.lm, self.scorer, self.placement, self.npu_kv_bits, self.chunk_len)
         self._wrapper = None
 
     # ---------------------------------------------------------------- tokens
@@ -162,7 +163,8 @@ class LlmNpuLM(TemplateLM):
             from ..hf import LlmNpuForCausalLM
 
             self._wrapper = LlmNpuForCausalLM(self.lm, chunk_len=self.chunk_len, quant=self.config,
-                                              calibration=self.calibration, decode=self.decode, progress=False)
+                                              calibration=self.calibration, decode=self.decode, progress=False,
+                                              placement=self.placement, npu_kv_bits=self.npu_kv_bits)
         return self._wrapper
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
