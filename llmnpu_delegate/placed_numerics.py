@@ -18,7 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from .chunk_step import DEFAULT_CHUNK
 from .errors import LlmNpuError
 from .kernels.attention import causal_mask
-from .kernels.npu_attention import KV_BITS, AttentionEncodings, npu_attention
+from .kernels.npu_attention import KV_BITS, AttentionEncodings, NpuAttention
 from .models import LoadedModel
 from .partitioner.placement import PAPER, Placement, parse_placement
 from .prepare import attention_ranges_of
@@ -31,14 +31,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     enc = getattr(module, _ENCODINGS, None)
     if enc is None:
         raise LlmNpuError(f"{type(module).__name__} has no NPU encodings: apply a placement with apply_placement")
-    if softcap:
-        raise LlmNpuError("attention with logit softcapping (Gemma-2) has no NPU form here: score a placement "
-                          "without 'attention'")
-    mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
-    scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if query.shape[0] != 1:
         raise LlmNpuError("NPU attention scores one sequence at a time (batch 1)")
-    return npu_attention(query, key, value, mask[-1:], scaling, enc), None
+    mask = attention_mask if attention_mask is not None else causal_mask(query.shape[2], key.shape[2])
+    scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    # the engine's NPU graphs call the same module (its refusal of softcapping included)
+    return NpuAttention(enc)(query, key, value, mask[-1:], scaling, float(softcap or 0.0)), None
 
 
 AttentionInterface.register(NPU_ATTN_IMPLEMENTATION, _attention)
