@@ -7,18 +7,25 @@ at 8 or 4 bits. Its recipe for the embedded model (``Smollm2QuantRecipe``, in th
 wheel's ``examples/qualcomm/oss_scripts/llama/static_llm_quant_recipe.py``) is 16a8w with min/max
 observers. Here that quantizer annotates the Hugging Face model's exported graph (sequence length
 dynamic), observes our calibration windows, and the converted fake-quant graph is the scorer: what
-its QNN program would compute, up to HTP's rounding. Left out: the R3 rotation that ExecuTorch's
-static llama applies to K and Q after RoPE (its own model code, not a quantizer setting), and that
-model's other rewrites (linears as 1x1 convolutions, its static K/V cache layout).
+its QNN program would compute, up to HTP's rounding. The recipe's model also rotates Q and K by a
+normalized Hadamard matrix after RoPE (SpinQuant's R3, ``r3 = True`` in that wheel's model config for
+SmolLM2): Q·Kᵀ is unchanged in float, but the rotated K and Q, each with one 16-bit per-tensor
+encoding, no longer carry a few outlier channels. Here it is a registered attention function that
+rotates before the usual SDPA. Left out: that model's other rewrites (linears as 1x1 convolutions,
+its static K/V cache layout), which change no encoding.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 
 import torch
 from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .errors import LlmNpuError
 from .models import LoadedModel
@@ -34,6 +41,70 @@ RECIPES = {"et-16a8w": "use_16a8w", "et-16a4w": "use_16a4w", "et-8a8w": "use_8a8
 # text. Its other floor, wikitext word perplexity <= 23, is absolute and wikitext's: on our
 # Wikipedia extract fp32 itself scores 56 (docs/results.md), so it is not checked here.
 ET_CI_GATES = {"smollm2-135m": {"logits_sqnr_db": 19.0}}
+
+
+R3_ATTN_IMPLEMENTATION = "et-r3"
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int) -> Tensor:
+    """The n x n Hadamard matrix (Sylvester's construction) scaled to be orthonormal, as ExecuTorch's
+    static llama builds its R3 weight."""
+    if n < 1 or n & (n - 1):
+        raise LlmNpuError(f"R3 needs a power-of-two head dimension, this model's is {n}: score it with r3=False")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def _r3_attention(module, query, key, value, attention_mask, **kwargs):
+    rotate = hadamard(query.shape[-1])      # built before the export (recipe_graph): a constant of the graph
+    return sdpa_attention_forward(module, torch.matmul(query, rotate), torch.matmul(key, rotate), value,
+                                  attention_mask, **kwargs)
+
+
+AttentionInterface.register(R3_ATTN_IMPLEMENTATION, _r3_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(R3_ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: nn.Module, name: str | None):
+    """``model`` computes attention with ``name`` (None: its own) inside the block."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = name or before
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
+
+
+def _fake_quant(x: Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> Tensor:
+    """quantize_per_tensor then dequantize_per_tensor, bit for bit (the integers are exact in float),
+    in three passes over one new tensor where the decomposed pair makes eight and two dtype copies."""
+    out = torch.round(x * (1.0 / scale))
+    return out.clamp_(quant_min - zero_point, quant_max - zero_point).mul_(scale)
+
+
+def _fold_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The converted graph, computing the same numbers faster: each quantized activation is
+    fake-quantized once for all its readers (the decomposed quantize and dequantize, the latter
+    repeated per reader, are three quarters of the scorer's time). Weights stay as the recipe stores
+    them (integers, dequantized per output channel at each call): a float copy would double memory."""
+    ops = torch.ops.quantized_decomposed
+    quantize, dequantize = ops.quantize_per_tensor.default, ops.dequantize_per_tensor.default
+    fused = {}      # quantize node -> its fake-quant node
+    for node in list(graph.graph.nodes):
+        source = node.args[0] if node.op == "call_function" and node.target is dequantize else None
+        if source is None or source.target is not quantize or source.args[1:] != node.args[1:] or node.kwargs:
+            continue
+        if source not in fused:
+            with graph.graph.inserting_after(source):
+                fused[source] = graph.graph.call_function(_fake_quant, (source.args[0], *source.args[1:5]))
+        node.replace_all_uses_with(fused[source])
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return graph
 
 
 class _Logits(nn.Module):
@@ -68,9 +139,25 @@ class RecipeScorer(nn.Module):
         return _Output(logits, ids)
 
 
-def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bool = True) -> RecipeScorer:
+def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module:
+    """``lm``'s model as the exported graph the quantizer annotates (sequence length dynamic), Q and K
+    rotated by R3 when ``r3``."""
+    config = lm.model.config
+    if r3:
+        hadamard(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    seq = torch.export.Dim("seq", min=2, max=int(getattr(config, "max_position_embeddings", 2048)))
+    # under no_grad: the rotary embedding's own no_grad would otherwise be a higher-order op the
+    # quantizer's passes cannot read
+    with torch.no_grad(), _attention_implementation(lm.model, R3_ATTN_IMPLEMENTATION if r3 else None):
+        return torch.export.export(_Logits(lm.model).eval(), (example,), dynamic_shapes=({1: seq},),
+                                   strict=False).module()
+
+
+def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bool = True,
+                 r3: bool = True) -> RecipeScorer:
     """``lm``'s model quantized by ExecuTorch's Qualcomm quantizer with the setting ``mode`` (``RECIPES``),
-    its encodings observed on ``calib_windows`` [n, length]."""
+    its encodings observed on ``calib_windows`` [n, length]; with the recipe's R3 rotation unless
+    ``r3=False``."""
     if mode not in RECIPES:
         raise LlmNpuError(f"unknown ExecuTorch recipe {mode!r}: choose from {', '.join(RECIPES)}")
     from tqdm.auto import tqdm
@@ -82,12 +169,7 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
     from torchao.quantization.pt2e import MinMaxObserver
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    seq = torch.export.Dim("seq", min=2, max=int(getattr(lm.model.config, "max_position_embeddings", 2048)))
-    # under no_grad: the rotary embedding's own no_grad would otherwise be a higher-order op the
-    # quantizer's passes cannot read
-    with torch.no_grad():
-        graph = torch.export.export(_Logits(lm.model).eval(), (calib_windows[:1],), dynamic_shapes=({1: seq},),
-                                    strict=False).module()
+    graph = recipe_graph(lm, calib_windows[:1], r3)
     quantizer.set_default_quant_config(getattr(QuantDtype, RECIPES[mode]), is_conv_per_channel=True,
                                        is_linear_per_channel=True, act_observer=MinMaxObserver)
     # the quantizer prints a line for every node of an op it has no config for (shape reads, clones,
@@ -100,4 +182,4 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
         for window in tqdm(calib_windows, desc=f"{mode} calibration", unit="window", disable=not progress,
                            leave=False):
             prepared(window[None])
-    return RecipeScorer(convert_pt2e(prepared), RECIPES[mode])
+    return RecipeScorer(_fold_fake_quant(convert_pt2e(prepared)), RECIPES[mode])

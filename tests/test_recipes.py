@@ -10,7 +10,7 @@ from llmnpu_delegate.qnn import sdk as qsdk
 from llmnpu_delegate.quantize import CalibConfig
 from llmnpu_delegate.quantize.calibrate import calibration_samples
 from llmnpu_delegate.quantize.sqnr import sqnr_db
-from llmnpu_delegate.recipes import recipe_model
+from llmnpu_delegate.recipes import hadamard, recipe_graph, recipe_model
 from llmnpu_delegate.text import calibration_ids
 
 pytestmark = pytest.mark.skipif(qsdk.importlib.util.find_spec("onnxruntime_qnn") is None,
@@ -29,12 +29,12 @@ def scorers(lm):
 
 
 def _encodings(scorer) -> dict:
-    """The converted graph's encodings as (quant_min, quant_max): activations (its quantize nodes),
-    weights (the per-channel dequantize nodes of its constants)."""
+    """The scorer's encodings as (quant_min, quant_max): activations (its fake-quant nodes, one per
+    quantize node of the converted graph), weights (the per-channel dequantize nodes of its constants)."""
     acts, weights = set(), set()
     for node in scorer.graph.graph.nodes:
         name = str(node.target)
-        if name.endswith("quantize_per_tensor.default") and "dequantize" not in name:
+        if getattr(node.target, "__name__", "") == "_fake_quant":
             acts.add(tuple(node.args[3:5]))
         elif "dequantize_per_channel" in name and node.args[0].op == "get_attr":
             weights.add(tuple(node.args[4:6]))
@@ -50,6 +50,48 @@ def test_the_graph_carries_the_recipes_encodings(scorers):
     assert seen["et-8a8w"]["acts"] == {(0, 255)}, seen
     assert seen["et-16a8w"]["weights"] == seen["et-8a8w"]["weights"] == {(-127, 127)}, seen
     assert seen["et-16a4w"]["weights"] == {(-7, 7)}, seen
+
+
+def test_q_and_k_are_rotated_by_r3_as_the_recipes_model_does(lm, scorers):
+    """SpinQuant's R3, as ExecuTorch's static llama applies it for this recipe: Q and K times an
+    orthonormal Hadamard matrix after RoPE. In float the rotation leaves the logits unchanged (Q·Kᵀ is
+    invariant); in every recipe's graph each of the 2 x layers rotations is quantized on its own, at
+    the recipe's activation precision."""
+    h = hadamard(8)
+    assert torch.equal(h.abs(), torch.full((8, 8), 8 ** -0.5)) and torch.allclose(h @ h.T, torch.eye(8), atol=1e-6)
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lm.model(input_ids=ids, use_cache=False).logits
+        rotated = recipe_graph(lm, ids[:, :8], r3=True)(ids)
+    assert (rotated - want).abs().max() < 1e-5
+    layers = lm.model.config.num_hidden_layers
+    for mode, scorer in scorers.items():
+        rotations = [n for n in scorer.graph.graph.nodes if "hadamard" in str(n.target)]
+        assert len(rotations) == 2 * layers, (mode, len(rotations))
+        bits = {tuple(u.args[3:5]) for n in rotations for u in n.users}
+        assert bits == ({(0, 255)} if mode == "et-8a8w" else {(0, 65535)}), (mode, bits)
+    with pytest.raises(LlmNpuError, match="power-of-two head dimension"):
+        hadamard(48)
+
+
+def test_the_scorer_computes_the_converted_graph_bit_for_bit(lm, scorers, monkeypatch):
+    """The scorer folds the converted graph's quantize/dequantize pairs of activations into one
+    fake-quant each: the same numbers as ExecuTorch's converted graph, run as convert_pt2e wrote it,
+    to the bit, and none of those decomposed pairs left."""
+    from llmnpu_delegate import recipes
+
+    monkeypatch.setattr(recipes, "_fold_fake_quant", lambda graph: graph)
+    samples = calibration_samples(calibration_ids(lm), CalibConfig(samples=4, tokens=64))
+    converted = recipe_model(lm, "et-16a8w", samples, progress=False)
+    ids = torch.randint(0, 1000, (1, 70), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(scorers["et-16a8w"](ids).logits, converted(ids).logits)
+    def quantizes(graph):
+        return [n for n in graph.graph.nodes if str(n.target).endswith(".quantize_per_tensor.default")]
+
+    left = [n for n in scorers["et-16a8w"].graph.graph.nodes if "dequantize" in str(n.target)]
+    assert quantizes(converted.graph) and not quantizes(scorers["et-16a8w"].graph)
+    assert all(n.args[0].op == "get_attr" for n in left)      # only the constants, stored as integers
 
 
 def test_scores_move_with_the_recipes_precision(lm, scorers):
