@@ -247,17 +247,21 @@ SWEEP_PRUNING_RATES = (0.0, 0.5, 0.7, 0.85, 0.95, 1.0)
 
 
 def sweep(lm: LoadedModel, eval_ids: Tensor, calib_ids: Tensor, window: int = 512, max_tokens: int = 4096,
-          calib_config: CalibConfig = CalibConfig(), progress: bool = True, ray: str | None = None) -> list[dict]:
-    """The trade-off curve (paper Fig. 16): clipping percentile (no pruning), then pruning rate; its
-    rows as Ray tasks with ``ray`` (as ``evaluate``; a failed row holds ``error``)."""
+          calib_config: CalibConfig = CalibConfig(), progress: bool = True, ray: str | None = None,
+          placements=(PAPER,), npu_kv_bits: int = 16) -> list[dict]:
+    """The trade-off curve (paper Fig. 16): clipping percentile (no pruning), then pruning rate, each
+    point under each of ``placements`` (its attention as there: ``placed_numerics.py``); its rows as
+    Ray tasks with ``ray`` (as ``evaluate``; a failed row holds ``error``)."""
     windows = eval_windows(eval_ids, window, max_tokens)
     calib = load_or_calibrate(lm.model, calib_ids, lm.fingerprint, calib_config, progress=progress)
     points = [(p, 0.0) for p in calib_config.percentiles]
     points += [(QuantConfig().clip_percentile, rate) for rate in SWEEP_PRUNING_RATES[1:]]
-    jobs = []
-    for p, rate in points:
-        cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=rate)
-        name = f"p{p}" if rate == 0.0 else f"prune {rate}"
-        jobs.append((name, (cfg, name, None, None, (PAPER, 16))))
+    rows, jobs = [], []
+    for placement in placements:
+        for p, rate in points:
+            cfg = QuantConfig(outliers="shadow", clip_percentile=p, pruning_rate=rate)
+            name = row_name(f"p{p}" if rate == 0.0 else f"prune {rate}", placement)
+            rows.append({"clip_percentile": p, "pruning_rate": rate, "name": name})
+            jobs.append((name, (cfg, name, None, None, (placement, npu_kv_bits))))
     results = as_dicts(_score_all(lm, windows, calib, jobs, progress, ray).results)
-    return [{"clip_percentile": p, "pruning_rate": rate, **results[name]} for (p, rate), (name, _) in zip(points, jobs)]
+    return [{**row, **results[row.pop("name")]} for row in rows]

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--npu-kv-bits", type=int, choices=KV_BITS, default=None,
                    help="bits of the K/V window of attention on the NPU (default 16)")
     p.add_argument("--sweep", action="store_true",
-                   help="also print the trade-off curve over clipping percentiles and pruning rates")
+                   help="also print the trade-off curve over clipping percentiles and pruning rates (under each "
+                        "--placement)")
     p.add_argument("--tasks", nargs="+", default=None,
                    help="lm-eval tasks instead of perplexity: llmnpu_offline (llmnpu_cloze, llmnpu_wikitext, "
                         "llmnpu_nextsentence) or any task lm-eval finds (needs the eval extra)")
@@ -75,7 +76,8 @@ def cmd_eval(args) -> dict:
                       placements=placements, npu_kv_bits=args.npu_kv_bits or 16)
     if args.sweep:
         result["sweep"] = sweep(lm, eval_ids, calib_ids, args.window, args.max_tokens, calib_config,
-                                progress=not args.no_progress, ray=ray)
+                                progress=not args.no_progress, ray=ray, placements=placements,
+                                npu_kv_bits=args.npu_kv_bits or 16)
     args.failed = any("error" in r for r in [*result["results"].values(), *result.get("sweep", [])])
     args.text = format_eval(result)
     return result
@@ -106,7 +108,7 @@ def _placements(args) -> list:
     if args.npu_kv_bits is not None and not any(p.on_npu("attention") for p in placements):
         raise LlmNpuError("--npu-kv-bits sets the K/V window of attention on the NPU: give a --placement that puts "
                           "attention there (attention-half, block)")
-    if args.placement and args.modes and not any(MODES.get(m) is not None for m in args.modes):
+    if args.placement and args.modes and not args.sweep and not any(MODES.get(m) is not None for m in args.modes):
         raise LlmNpuError(f"--placement applies to the quantization modes ({', '.join(m for m in MODES if MODES[m])}); "
                           f"--modes {' '.join(args.modes)} has none")
     return placements
