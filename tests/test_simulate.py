@@ -323,3 +323,23 @@ def test_second_output_encodings_cost_their_share_of_the_npu_work(tiny):
     assert fine["cpu_busy_s"] == pytest.approx(base["cpu_busy_s"])
     with pytest.raises(LlmNpuError, match="second encoding must be in"):
         simulate_prefill(tiny, "SM8650", C, ("ooo",), fine_share=1.5)
+
+
+def test_the_sweep_predicts_and_scores_the_placement_asked_for(monkeypatch):
+    """`simulate --sweep --placement P`: every point's program is partitioned with P (its prediction
+    differs from the paper's split's) and the embedded model's perplexity is scored under P. The
+    embedded model's part is recorded here, not run (its perplexity run: tests/test_evaluate.py)."""
+    from llmnpu_delegate.simulate import phone
+
+    scored, real_prepare = [], phone.prepare
+    monkeypatch.setitem(phone._embedded, "model", "the embedded model")
+    monkeypatch.setattr(phone, "tokenize", lambda lm, text: None)
+    monkeypatch.setattr(phone, "eval_windows", lambda ids, window, tokens: None)
+    monkeypatch.setattr(phone, "default_calibration", lambda lm, progress: None)
+    monkeypatch.setattr(phone, "run_quantized", lambda *a, placed, **k: scored.append(placed) or {"ppl": 1.0})
+    plan = {f"model.layers.0.self_attn.{p}_proj": 0.01 for p in "qkv"}
+    monkeypatch.setattr(phone, "prepare", lambda *a, **k: real_prepare(*a, **k, plan=plan))
+    rows = {p: phone.sweep("random:tiny-llama", "SM8750", 64, (0.0,), chunks=(C,), progress=False, placement=p)
+            for p in ("paper", "block")}
+    assert [r["placement"] for r in rows["block"]] == ["block"] and [p.name for p, _ in scored] == ["paper", "block"]
+    assert rows["block"][0]["tok_s"] != rows["paper"][0]["tok_s"]

@@ -95,7 +95,13 @@ def cmd_simulate(args) -> dict:
         return _whole_npu(args)
 
     if args.sweep:
-        rows = sweep(args.model, args.soc, args.prompt_len, SWEEP_PRUNING_RATES, progress=not args.no_progress)
+        placement = args.placement
+        if placement == AUTO:       # the one a run of this model, SoC and prompt would choose
+            placement = choose_placement(args.model, args.chunk, args.soc, args.prompt_len,
+                                         placements(backends.get(PHONE_BACKEND)), args.quant, args.pruning_rate,
+                                         not args.no_progress)[0].partition.placement
+        rows = sweep(args.model, args.soc, args.prompt_len, SWEEP_PRUNING_RATES, progress=not args.no_progress,
+                     placement=placement)
         args.text = _format_sweep(args, rows)
         return {"model": args.model, "soc": args.soc, "prompt_len": args.prompt_len, "sweep": rows}
     progress = not args.no_progress
@@ -232,8 +238,8 @@ def _format_simulate(r: dict) -> str:
 
 
 def _format_sweep(args, rows: list[dict]) -> str:
-    lines = [f"{args.model} on {args.soc}, {args.prompt_len} tokens, ooo: predicted tok/s by chunk and pruning rate; "
-             f"perplexity measured on the embedded model at that rate"]
+    lines = [f"{args.model} on {args.soc}, {args.prompt_len} tokens, placement {rows[0]['placement']}, ooo: predicted "
+             f"tok/s by chunk and pruning rate; perplexity measured on the embedded model at that rate and placement"]
     chunks = sorted({r["chunk"] for r in rows})
     lines.append(f"{'pruning':>8}{'ppl':>8}" + "".join(f"{'C=' + str(c):>9}" for c in chunks))
     for rate in sorted({r["pruning_rate"] for r in rows}):

@@ -352,9 +352,12 @@ def choose_placement(model: str, chunk: int, soc: str, prompt_len: int, candidat
 SWEEP_CHUNKS = (64, 128, 256, 512)
 
 
-def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, progress: bool = True) -> list[dict]:
-    """Predicted ooo prefill speed for each chunk length and pruning rate, with the embedded model's
-    measured perplexity at that pruning rate (the paper's Figure 16 form)."""
+def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, progress: bool = True,
+          placement: "Placement | str" = PAPER) -> list[dict]:
+    """Predicted ooo prefill speed for each chunk length and pruning rate under ``placement``, with the
+    embedded model's measured perplexity at that pruning rate and placement (the paper's Figure 16
+    form)."""
+    placement = parse_placement(placement)
     lm = _embedded.get("model") or load_model(DEFAULT_MODEL)
     _embedded["model"] = lm
     windows = eval_windows(tokenize(lm, read_text(None, "eval")), 512, 2048)
@@ -362,10 +365,10 @@ def sweep(model: str, soc: str, prompt_len: int, rates, chunks=SWEEP_CHUNKS, pro
     rows = []
     for rate in rates:
         ppl = run_quantized(lm, windows, calib, quant_config("w8a8-shadow", rate), f"ppl at pruning {rate}",
-                            progress)["ppl"]
+                            progress, placed=(placement, 16))["ppl"]
         for chunk in chunks:
-            scn = prepare(model, chunk, pruning_rate=rate, progress=progress, soc=soc)
+            scn = prepare(model, chunk, pruning_rate=rate, placement=placement, progress=progress, soc=soc)
             r = simulate_prefill(scn, soc, prompt_len, ("ooo",))["policies"]["ooo"]
-            rows.append({"chunk": chunk, "pruning_rate": rate, "tok_s": r["tok_s"], "energy_j": r["energy_j"],
-                         "shadowed_linears": scn.shadowed, "embedded_ppl": ppl})
+            rows.append({"chunk": chunk, "pruning_rate": rate, "placement": placement.name, "tok_s": r["tok_s"],
+                         "energy_j": r["energy_j"], "shadowed_linears": scn.shadowed, "embedded_ppl": ppl})
     return rows
