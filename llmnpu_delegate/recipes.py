@@ -126,6 +126,8 @@ class RecipeScorer(nn.Module):
     ``logits_to_keep``). It keeps no K/V: its "past" is the tokens so far, and each call runs them
     all again (static per-tensor encodings: a prefix's logits do not depend on what follows)."""
 
+    keeps_kv = False    # a context shared by several endings saves nothing: score each whole
+
     def __init__(self, graph: nn.Module, dtype: str):
         super().__init__()
         self.graph, self.dtype = graph, dtype

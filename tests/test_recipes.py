@@ -134,16 +134,21 @@ def test_eval_scores_a_recipe_beside_our_modes(lm, monkeypatch):
     assert ours != fp32 and abs(ours / fp32 - 1) < 0.05, (ours, fp32)
 
 
-def test_lm_eval_scores_a_recipe_through_the_shared_context_path(lm):
-    """``quant=et-16a8w``: multiple-choice endings scored from one context (the "past" path) give the
-    log-likelihoods of scoring each whole sequence; generation is refused in one line."""
+def test_lm_eval_scores_a_recipe_with_one_forward_per_request(lm):
+    """``quant=et-16a8w``: multiple-choice endings of one context give the log-likelihoods of scoring
+    each whole sequence, one forward each (the scorer keeps no K/V: a shared context run first would
+    be a third); generation is refused in one line."""
     pytest.importorskip("lm_eval", reason=missing("lm-eval (the eval extra)"))
     from llmnpu_delegate.harness.lm import LlmNpuLM
 
     adapter = LlmNpuLM(lm, quant="et-16a8w")
     ctx = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(8)).tolist()
     endings = [[5, 6, 7], [9, 10]]
+    calls = []
+    hook = adapter.scorer.register_forward_hook(lambda module, args, kwargs, out: calls.append(1), with_kwargs=True)
     got = [score for score, _ in adapter._loglikelihood_tokens([(None, ctx, e) for e in endings])]
+    hook.remove()
+    assert len(calls) == len(endings)
     for ending, score in zip(endings, got):
         with torch.no_grad():
             logits = adapter.scorer(torch.tensor([ctx + ending])).logits[0, len(ctx) - 1:-1]

@@ -112,7 +112,9 @@ class LlmNpuLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         # Requests that share a context (a multiple-choice question's endings) run it once and continue
         # each ending from a copy of its K/V: per-token numerics (static activation scales), so the
-        # same scores as one forward per request, to float rounding.
+        # same scores as one forward per request, to float rounding. A scorer that keeps no K/V would
+        # run the context again for each ending: one forward per request costs one context less.
+        shared = getattr(self.scorer, "keeps_kv", True)
         groups: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             groups.setdefault(tuple(context), []).append(i)
@@ -120,7 +122,7 @@ class LlmNpuLM(TemplateLM):
         bar = tqdm(total=len(requests), desc=f"llmnpu {self.quant_name}", disable=disable_tqdm or not self.progress)
         for context, members in groups.items():
             conts = [requests[i][2] for i in members]
-            if len(context) + max(map(len, conts)) - 1 <= self.max_length:
+            if shared and len(context) + max(map(len, conts)) - 1 <= self.max_length:
                 head, past = self._logprobs(list(context), keep=1)
                 for i, cont in zip(members, conts):
                     logp = head
