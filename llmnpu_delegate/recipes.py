@@ -11,7 +11,9 @@ its QNN program would compute, up to HTP's rounding. The recipe's model also rot
 normalized Hadamard matrix after RoPE (SpinQuant's R3, ``r3 = True`` in that wheel's model config for
 SmolLM2): Q·Kᵀ is unchanged in float, but the rotated K and Q, each with one 16-bit per-tensor
 encoding, no longer carry a few outlier channels. Here it is a registered attention function that
-rotates before the usual SDPA. Left out: that model's other rewrites (linears as 1x1 convolutions,
+rotates before the usual SDPA, for every model whose head dimension is a power of two (ExecuTorch
+enables it for SmolLM2, Qwen2.5 and Qwen3; a Hadamard matrix of another size has no Sylvester
+form, and those models score without it). Left out: that model's other rewrites (linears as 1x1 convolutions,
 its static K/V cache layout), which change no encoding.
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ def hadamard(n: int) -> Tensor:
     """The n x n Hadamard matrix (Sylvester's construction) scaled to be orthonormal, as ExecuTorch's
     static llama builds its R3 weight."""
     if n < 1 or n & (n - 1):
-        raise LlmNpuError(f"R3 needs a power-of-two head dimension, this model's is {n}: score it with r3=False")
+        raise LlmNpuError(f"a Hadamard matrix of Sylvester's form needs a power-of-two size, not {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -59,7 +61,7 @@ def hadamard(n: int) -> Tensor:
 
 
 def _r3_attention(module, query, key, value, attention_mask, **kwargs):
-    rotate = hadamard(query.shape[-1])      # built before the export (recipe_graph): a constant of the graph
+    rotate = hadamard(query.shape[-1])      # cached by recipe_graph before the export
     return sdpa_attention_forward(module, torch.matmul(query, rotate), torch.matmul(key, rotate), value,
                                   attention_mask, **kwargs)
 
@@ -81,8 +83,8 @@ def _attention_implementation(model: nn.Module, name: str | None):
 
 def _fake_quant(x: Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> Tensor:
     """quantize_per_tensor then dequantize_per_tensor, bit for bit (the integers are exact in float),
-    in three passes over one new tensor where the decomposed pair makes eight and two dtype copies."""
-    out = torch.round(x * (1.0 / scale))
+    in four passes over one new tensor where the decomposed pair makes eight and two dtype copies."""
+    out = (x * (1.0 / scale)).round_()
     return out.clamp_(quant_min - zero_point, quant_max - zero_point).mul_(scale)
 
 
@@ -143,10 +145,14 @@ class RecipeScorer(nn.Module):
 
 def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module:
     """``lm``'s model as the exported graph the quantizer annotates (sequence length dynamic), Q and K
-    rotated by R3 when ``r3``."""
+    rotated by R3 when ``r3`` and its head dimension is a power of two."""
     config = lm.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if r3 and head_dim & (head_dim - 1):
+        log.info("R3 left out: head dimension %d is not a power of two", head_dim)
+        r3 = False
     if r3:
-        hadamard(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        hadamard(head_dim)      # cached before the export: a constant of the graph, not traced ops
     seq = torch.export.Dim("seq", min=2, max=int(getattr(config, "max_position_embeddings", 2048)))
     # under no_grad: the rotary embedding's own no_grad would otherwise be a higher-order op the
     # quantizer's passes cannot read
