@@ -145,6 +145,9 @@ def test_qwen3_program_prefills_like_the_engine_in_both_runners(qwen3_program, t
 def test_qwen3_simulates_on_a_phone_from_its_shapes():
     from llmnpu_delegate.simulate.phone import prepare, simulate_prefill
 
-    scn = prepare("random:qwen3-0.6b", 256, progress=False)
+    # a given shadow plan: the automatic one is carried over from the embedded model's calibration
+    # and priced per path (tests/test_simulate.py), not what this family's shapes test
+    plan = {f"model.layers.0.self_attn.{p}_proj": 0.01 for p in "qkv"}
+    scn = prepare("random:qwen3-0.6b", 256, pruning_rate=0.5, progress=False, plan=plan)
     r = simulate_prefill(scn, "SM8650", 512, ("ooo",))
-    assert r["chunks"] == 2 and r["policies"]["ooo"]["tok_s"] > 0
+    assert r["chunks"] == 2 and r["policies"]["ooo"]["tok_s"] > 0 and scn.shadowed == 3

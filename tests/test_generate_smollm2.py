@@ -44,8 +44,9 @@ def test_shadow_generate_agrees_with_float(smollm2):
     # exact 8-bit native decode 0.962 on an AMX-class Xeon (fbgemm's 8-bit there: 0.967; 7-bit
     # activations as AVX2-only: 0.962). A saturating decode measured 0.929; no outlier rows, 0.94.
     assert agreement["decode_teacher_forced"] >= 0.95
-    naive = LlmNpuForCausalLM(smollm2, quant="w8a8", progress=False)
-    assert greedy_agreement(naive, prompts, max_new_tokens=64)["teacher_forced"] < agreement["teacher_forced"]
+    # naive W8A8's prefill agrees less (0.70 at 24 tokens): its float decode and 24 tokens suffice
+    naive = LlmNpuForCausalLM(smollm2, quant="w8a8", decode="fp32", progress=False)
+    assert greedy_agreement(naive, prompts, max_new_tokens=24)["teacher_forced"] < agreement["teacher_forced"]
 
 
 def test_run_command_summary(capsys):
