@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .chunk_step import kv_shape
 from .errors import LlmNpuError
 from .models import LoadedModel
 
@@ -147,7 +148,7 @@ def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module
     """``lm``'s model as the exported graph the quantizer annotates (sequence length dynamic), Q and K
     rotated by R3 when ``r3`` and its head dimension is a power of two."""
     config = lm.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = kv_shape(config).head_dim
     if r3 and head_dim & (head_dim - 1):
         log.info("R3 left out: head dimension %d is not a power of two", head_dim)
         r3 = False
