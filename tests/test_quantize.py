@@ -191,6 +191,27 @@ def test_calibration_statistics_match_an_independent_reference():
         assert st.elements == a.numel()
 
 
+def test_one_pass_statistics_are_exact_with_ties_at_every_threshold():
+    """Small integers tie at every percentile, and the kept values cross batches: thresholds and
+    per-channel counts beyond them equal those of all values at once."""
+    from llmnpu_delegate.quantize.calibrate import _Recorder
+
+    lin = torch.nn.Linear(16, 4)
+    cfg = CalibConfig(samples=1, tokens=90, percentiles=(90.0, 97.0, 99.0))
+    batches = [torch.randint(-6, 7, (30, 16)).float() * (1 + (torch.arange(16) == 5) * 3) for _ in range(3)]
+    rec = _Recorder({"l": lin}, 90, cfg)
+    hook = rec.hook("l")
+    for x in batches:
+        hook(lin, (x,))
+    st, a = rec.stats()["l"], torch.cat(batches).abs()
+    flat = a.flatten().sort(descending=True).values
+    for p in cfg.percentiles:
+        t = float(flat[int(a.numel() * (1 - p / 100))])
+        assert st.percentiles[p] == t
+        assert torch.equal(st.channel_outliers[p], (a > t).sum(0))
+    assert st.elements == a.numel() and torch.equal(st.channel_absmax, a.amax(0))
+
+
 def test_calibration_artefact_roundtrip_and_rejections(tmp_path):
     lm = _tiny()
     ids = torch.randint(0, 1000, (300,))

@@ -229,61 +229,58 @@ def calibration_samples(ids: Tensor, config: CalibConfig) -> Tensor:
 
 
 class _Recorder:
-    """Forward-pre-hooks that fold each linear input into running statistics (two passes)."""
+    """Forward-pre-hooks that fold each linear input into its statistics in one pass. The largest
+    |x| are kept with their channels, enough to read the lowest requested percentile exactly; every
+    value beyond a higher percentile is then among them too, so the per-channel counts come from the
+    kept values without running the text a second time."""
 
     def __init__(self, linears: dict[str, nn.Linear], total_tokens: int, config: CalibConfig):
         self.linears, self.config = linears, config
         self.total_tokens = total_tokens
         self.absmax = {n: torch.zeros(()) for n in linears}
         self.channel_absmax = {n: torch.zeros(m.in_features) for n, m in linears.items()}
-        self.top: dict[str, Tensor] = {n: torch.empty(0) for n in linears}
-        self.thresholds: dict[str, Tensor] = {}
-        self.counts = {n: torch.zeros(len(config.percentiles), m.in_features, dtype=torch.int64)
-                       for n, m in linears.items()}
+        self.top = {n: torch.empty(0) for n in linears}
+        self.top_channels = {n: torch.empty(0, dtype=torch.int64) for n in linears}
         self.elements = {n: 0 for n in linears}
 
     def _keep(self, name: str) -> int:
-        # Enough of the largest |x| to read the lowest requested percentile exactly.
         total = self.total_tokens * self.linears[name].in_features
         return min(total, math.ceil(total * (1 - min(self.config.percentiles) / 100)) + 2)
 
-    def pass1(self, name: str):
+    def hook(self, name: str):
+        keep = self._keep(name)
+
         def hook(_mod, args):
             a = args[0].detach().reshape(-1, args[0].shape[-1]).float().abs()
             self.absmax[name] = torch.maximum(self.absmax[name], a.max())
             torch.maximum(self.channel_absmax[name], a.amax(0), out=self.channel_absmax[name])
-            pool = torch.cat([self.top[name], a.flatten()])
-            self.top[name] = pool.topk(min(self._keep(name), pool.numel()), sorted=False).values
             self.elements[name] += a.numel()
+            flat, top = a.flatten(), self.top[name]
+            # once ``keep`` values are held, one below the smallest of them can never enter
+            index = (flat >= top.min()).nonzero().squeeze(1) if top.numel() == keep else None
+            values = flat if index is None else flat[index]
+            channels = (torch.arange(flat.numel()) if index is None else index) % a.shape[1]
+            values, channels = torch.cat([top, values]), torch.cat([self.top_channels[name], channels])
+            if values.numel() > keep:
+                values, order = values.topk(keep, sorted=False)
+                channels = channels[order]
+            self.top[name], self.top_channels[name] = values, channels
         return hook
-
-    def pass2(self, name: str):
-        thr = self.thresholds[name]  # [P]
-        def hook(_mod, args):
-            a = args[0].detach().reshape(-1, args[0].shape[-1]).float().abs()
-            for i, t in enumerate(thr):
-                self.counts[name][i] += (a > t).sum(0)
-        return hook
-
-    def finish_pass1(self) -> None:
-        for name in self.linears:
-            top = self.top[name].sort(descending=True).values
-            total = self.elements[name]
-            vals = []
-            for p in self.config.percentiles:
-                rank = min(int(total * (1 - p / 100)), top.numel() - 1)
-                vals.append(top[rank])
-            self.thresholds[name] = torch.stack(vals)
-            self.top[name] = torch.empty(0)
 
     def stats(self) -> dict[str, LayerStats]:
-        ps = self.config.percentiles
-        return {n: LayerStats(absmax=float(self.absmax[n]),
-                              percentiles={p: float(t) for p, t in zip(ps, self.thresholds[n])},
-                              channel_absmax=self.channel_absmax[n].clone(),
-                              channel_outliers={p: self.counts[n][i].clone() for i, p in enumerate(ps)},
-                              elements=self.elements[n])
-                for n in self.linears}
+        out = {}
+        for n, lin in self.linears.items():
+            top, order = self.top[n].sort(descending=True)
+            channels, total = self.top_channels[n][order], self.elements[n]
+            percentiles, counts = {}, {}
+            for p in self.config.percentiles:
+                t = top[min(int(total * (1 - p / 100)), top.numel() - 1)]
+                percentiles[p] = float(t)
+                counts[p] = torch.bincount(channels[top > t], minlength=lin.in_features)
+            out[n] = LayerStats(absmax=float(self.absmax[n]), percentiles=percentiles,
+                                channel_absmax=self.channel_absmax[n].clone(), channel_outliers=counts,
+                                elements=total)
+        return out
 
 
 def _run_blocks(model: nn.Module, ids: Tensor) -> None:
@@ -299,19 +296,15 @@ def calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: CalibConf
     samples = calibration_samples(ids, config)
     linears = quantizable_linears(model)
     rec = _Recorder(linears, samples.numel(), config)
-    bar = tqdm(total=2 * len(samples), desc="calibrating", unit="sample", disable=not progress)
-    for pass_no in (1, 2):
-        hooks = [m.register_forward_pre_hook(rec.pass1(n) if pass_no == 1 else rec.pass2(n))
-                 for n, m in linears.items()]
-        try:
-            for row in samples:
-                _run_blocks(model, row[None])
-                bar.update()
-        finally:
-            for h in hooks:
-                h.remove()
-        if pass_no == 1:
-            rec.finish_pass1()
+    bar = tqdm(total=len(samples), desc="calibrating", unit="sample", disable=not progress)
+    hooks = [m.register_forward_pre_hook(rec.hook(n)) for n, m in linears.items()]
+    try:
+        for row in samples:
+            _run_blocks(model, row[None])
+            bar.update()
+    finally:
+        for h in hooks:
+            h.remove()
     bar.close()
     # The probe: the first calibration sequences, n x L = probe_tokens (L <= tokens per sample).
     length = min(config.tokens, config.probe_tokens)
