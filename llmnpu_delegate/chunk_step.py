@@ -20,6 +20,8 @@ which calls one custom op per layer so the partitioner can see attention as one 
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -113,13 +115,47 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-@torch.no_grad()
+def weights_state(model: nn.Module) -> tuple:
+    """Changes when a weight is replaced or edited in place (tensor version counters), at no cost."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def _capture_state(model: nn.Module) -> tuple:
+    """What a capture of ``model`` follows: its modules (one swapped for another changes the graph),
+    its weights and its attention implementation."""
+    return (tuple(map(id, model.modules())), weights_state(model), model.config._attn_implementation)
+
+
+# Captures kept per model: an engine's trial builds (automatic pruning and placement), its tail
+# program and later engines of the same model in one process capture the same step, at ~10 s each
+# for the embedded model. Kept while the model lives; a changed model is captured again.
+_captured: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_captured_lock = threading.Lock()
+_CAPTURES_PER_MODEL = 4
+
+
 def export_chunk_step(model: nn.Module, chunk_len: int) -> ExportedProgram:
     """``torch.export`` of one chunk step; the past length is symbolic (any multiple of C works).
-    A model on the ``meta`` device (no weights: ``llmnpu simulate`` of a 7B shape) exports too."""
+    A model on the ``meta`` device (no weights: ``llmnpu simulate`` of a 7B shape) exports too.
+    The program is shared by later calls for the same model, state and length: take ``.module()``
+    of it (a new graph each time), never edit it."""
     ctx = max_context(model.config)
     if not 0 < chunk_len <= ctx:
         raise LlmNpuError(f"chunk length must be in 1..{ctx} (the model's context), got {chunk_len}")
+    key = (chunk_len, _capture_state(model))
+    with _captured_lock:
+        kept = _captured.setdefault(model, {})
+        if key not in kept:
+            for changed in [k for k in kept if k[1] != key[1]]:     # never valid again
+                del kept[changed]
+            while len(kept) >= _CAPTURES_PER_MODEL:
+                del kept[next(iter(kept))]
+            kept[key] = _export(model, chunk_len, ctx)
+        return kept[key]
+
+
+@torch.no_grad()
+def _export(model: nn.Module, chunk_len: int, ctx: int) -> ExportedProgram:
     layers = model.config.num_hidden_layers
     past = Dim(PAST, min=0, max=max(ctx - chunk_len, 2 * chunk_len))
     dynamic = {"input_ids": None, "cache_position": None, "logits_index": None,

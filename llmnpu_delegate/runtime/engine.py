@@ -28,7 +28,7 @@ from tqdm import tqdm
 from .. import backends
 from .. import kernels as K
 from ..backends.graph_cache import GraphCache, entry_key
-from ..chunk_step import DEFAULT_CHUNK, max_context
+from ..chunk_step import DEFAULT_CHUNK, max_context, weights_state
 from ..chunk_step import kv_shape as kv_shape_of
 from ..errors import LlmNpuError
 from ..format.tasks import build_tasks
@@ -389,11 +389,6 @@ _prepared: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDiction
 _prepared_lock = threading.Lock()
 
 
-def _weights_state(model: nn.Module) -> tuple:
-    """Changes when a weight is replaced or edited in place (tensor version counters), at no cost."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
-
-
 def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_CHUNK, backend: str = backends.DEFAULT,
             quant: QuantConfig | str | None = "w8a8-shadow", calibration: Calibration | None = None,
             progress: bool = True) -> PrefillResult:
@@ -404,7 +399,7 @@ def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_
     Thread-safe: concurrent first calls prepare one engine.
     """
     base = model.model if isinstance(model, LoadedModel) else model
-    state = _weights_state(base)
+    state = weights_state(base)
     key = (chunk_len, backend, repr(resolve_quant(quant)), id(calibration), state)
     with _prepared_lock:
         engines = _prepared.setdefault(base, {})
