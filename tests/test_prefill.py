@@ -332,6 +332,25 @@ def test_a_model_edited_in_a_middle_block_gets_its_own_artefacts(tmp_path):
     assert (logits[1] - logits[0]).abs().max() > 10 * (logits[1] - want).abs().max()
 
 
+def test_an_engine_built_after_a_module_swap_computes_the_new_module():
+    """A process keeps one capture of a model's chunk step per length (its trial engines share it):
+    a second engine of the same model reuses it, and one built after a linear is replaced by another
+    captures again and equals HF's forward of the changed model."""
+    from llmnpu_delegate.chunk_step import export_chunk_step
+
+    lm = load_model("random:tiny-llama")
+    assert export_chunk_step(lm.model, 8) is export_chunk_step(lm.model, 8)
+    ids = torch.randint(0, 1000, (20,))
+    before = Prefiller(lm, 8, quant=None, tail_len=None)(ids).logits
+    old = lm.model.model.layers[1].mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    lm.model.model.layers[1].mlp.down_proj = new
+    got = Prefiller(lm, 8, quant=None, tail_len=None)(ids).logits
+    want = _hf(lm.model, ids)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - before).abs().max() > 100 * (got - want).abs().max()
+
+
 def test_prefill_function_reuses_its_engine(llama):
     a = prefill(llama, torch.randint(0, 1000, (10,)), chunk_len=8, quant=None)
     b = prefill(llama, torch.randint(0, 1000, (30,)), chunk_len=8, quant=None)
