@@ -222,17 +222,26 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
         torch.testing.assert_close(got["int8 padded"][0][0], got["int8"][0][0], rtol=0, atol=1e-5)
 
 
-def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
+def test_int8_decode_step_of_the_embedded_models_first_12_blocks_reaches_40_db(smollm2):
     """Real activation outliers (down_proj inputs up to ~4,000x their p99.5): the dynamically quantized
-    decode step, with the calibrated outlier channels of the outlier-heavy linears through float rows
-    (19.9 dB without), against the float model's own decode step."""
+    decode step, with the calibrated outlier channels of the outlier-heavy linears through float rows,
+    against the float model's own decode step. The first 12 blocks hold the worst of them (block 11)
+    at a fifth of the whole model's export: measured 42.8 dB, 36.4 without the rows (AMD Zen 3; the
+    whole model: 25 and 19.9)."""
+    import copy
+    import dataclasses
+
+    from llmnpu_delegate.models import keep_first_blocks
     from llmnpu_delegate.prepare import default_calibration
     from llmnpu_delegate.quantize.decode_outliers import HOT_INPUTS, hot_inputs
 
     hot = hot_inputs(default_calibration(smollm2, False), 99.5)
     assert "model.layers.11.mlp.down_proj" in hot and len(hot) < 30      # the worst one, and few of them
     assert all(len(c) == HOT_INPUTS for c in hot.values())
-    model, kv, context = smollm2.model.eval(), kv_shape(smollm2.model.config), 160
+    blocks = 12
+    cut = keep_first_blocks(dataclasses.replace(smollm2, model=copy.deepcopy(smollm2.model)), blocks)
+    hot = {name: c for name, c in hot.items() if int(name.split(".")[2]) < blocks}
+    model, kv, context = cut.model.eval(), kv_shape(cut.model.config), 160
     ids = smollm2.tokenizer("The lighthouse keeper climbed the stairs every evening to light the lamp, and the ships "
                             "passing the rocks at night", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -247,7 +256,7 @@ def test_int8_decode_step_on_the_embedded_model_reaches_25_db(smollm2):
     k_cache, v_cache = kv_format.empty_cache(kv, context)
     kv_format.write_prefill(k_cache, v_cache, pre.past_k, pre.past_v)
     got = pte.forward((torch.tensor([[token]]), torch.tensor([t]), *k_cache, *v_cache))[0][0]
-    assert sqnr_db(got, want) >= 25, sqnr_db(got, want)
+    assert sqnr_db(got, want) >= 40, sqnr_db(got, want)
 
 
 PROMPT = ("The harbour town of Westmere lived on its cannery for ninety years. When the cannery closed, the "
