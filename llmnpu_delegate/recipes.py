@@ -13,7 +13,10 @@ SmolLM2): Q·Kᵀ is unchanged in float, but the rotated K and Q, each with one 
 encoding, no longer carry a few outlier channels. Here it is a registered attention function that
 rotates before the usual SDPA, for every model whose head dimension is a power of two (ExecuTorch
 enables it for SmolLM2, Qwen2.5 and Qwen3; a Hadamard matrix of another size has no Sylvester
-form, and those models score without it). Left out: that model's other rewrites (linears as 1x1 convolutions,
+form, and those models score without it). The rotary embedding's cos and sin are computed in float
+and quantized where the attention reads them, as that model's are (float tables, looked up by
+position): quantizing the angles too, as the traced graph would, clips them at the calibration
+windows' last position and garbles every token past it. Left out: that model's other rewrites (linears as 1x1 convolutions,
 its static K/V cache layout), which change no encoding.
 """
 from __future__ import annotations
@@ -162,6 +165,15 @@ def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module
                                    strict=False).module()
 
 
+def rotary_nodes(graph: torch.fx.GraphModule) -> list[str]:
+    """The nodes of the model's rotary embedding (positions to cos and sin), left unannotated."""
+    def rotary(node) -> bool:
+        stack = node.meta.get("nn_module_stack") or {}
+        return any("RotaryEmbedding" in str(getattr(cls, "__name__", cls)) for _, cls in stack.values())
+
+    return [node.name for node in graph.graph.nodes if node.op == "call_function" and rotary(node)]
+
+
 def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bool = True,
                  r3: bool = True) -> RecipeScorer:
     """``lm``'s model quantized by ExecuTorch's Qualcomm quantizer with the setting ``mode`` (``RECIPES``),
@@ -179,6 +191,7 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     graph = recipe_graph(lm, calib_windows[:1], r3)
+    quantizer.add_discard_nodes(rotary_nodes(graph))
     quantizer.set_default_quant_config(getattr(QuantDtype, RECIPES[mode]), is_conv_per_channel=True,
                                        is_linear_per_channel=True, act_observer=MinMaxObserver)
     # the quantizer prints a line for every node of an op it has no config for (shape reads, clones,
