@@ -155,21 +155,6 @@ def test_identical_cpu_subgraphs_share_one_method(exported):
     assert exported[1]["cpu_methods"] == len(by_name) < exported[1]["cpu_subgraphs"] == len(cpu)
 
 
-def test_workers_write_the_program_one_process_writes(engine, exported, tmp_path):
-    """Methods lowered in two forked workers (the fixture) and in this process alone: the same bytes,
-    whichever worker lowered a shared method first."""
-    out, summary = exported
-    assert summary["workers"] == 2
-    alone = export_pte(engine, tmp_path / "tiny.pte", torch.randint(0, 1000, (3 * CHUNK,),
-                       generator=torch.Generator().manual_seed(2)),
-                       ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
-                       model={"spec": "random:tiny-llama"}, progress=False,
-                       tokenizer=load_model("random:tiny-llama").tokenizer, workers=1)
-    assert alone["workers"] == 1
-    assert (tmp_path / "tiny.pte").read_bytes() == out.read_bytes()
-    assert sidecar_path(tmp_path / "tiny.pte").read_text() == sidecar_path(out).read_text()
-
-
 def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
     """Each method is emitted as soon as it is lowered and its lowered form let go: after an export,
     no lowered module it made still holds the float program it came from (torch's and ExecuTorch's
@@ -189,10 +174,19 @@ def test_export_keeps_no_lowered_program_alive(engine, tmp_path):
     assert holding() - before == set()
 
 
-def test_calibration_rows_wait_on_disk_for_their_job(engine, exported, tmp_path, monkeypatch):
-    """The NPU subgraphs' calibration rows are files while the workers lower, not tensors the parent
-    holds beside them (0.8 GiB of a 1.8B model's export), each read and removed by its own job; the
-    program is the fixture's, byte for byte."""
+def test_one_process_writes_the_workers_program_from_rows_on_disk_and_lets_the_engine_go(exported, tmp_path,
+                                                                                         monkeypatch):
+    """One export, three properties:
+    - its methods lowered in this process alone give the bytes of the fixture's two forked workers,
+      whichever worker lowered a shared method first;
+    - the NPU subgraphs' calibration rows are files while the jobs lower, not tensors the parent holds
+      beside them (0.8 GiB of a 1.8B model's export), each read and removed by its own job;
+    - ``llmnpu export`` lets the engine's runtime go once the examples are taken (the workers then
+      share less memory): no compiled step left (their INT8 weights and shadow rows go with them: the
+      executor's threads kept their last prefill), and a prompt is refused in one line."""
+    import gc
+    import weakref
+
     from llmnpu_delegate.lower import pte
 
     handed = {}
@@ -203,31 +197,19 @@ def test_calibration_rows_wait_on_disk_for_their_job(engine, exported, tmp_path,
         yield from run_jobs(fn, state, jobs, workers, spool=spool)
 
     monkeypatch.setattr(pte, "run_jobs", spy)
-    out = tmp_path / "tiny.pte"
-    export_pte(engine, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
-               ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
-               model={"spec": "random:tiny-llama"}, progress=False, workers=1)
-    npu = [i for i, step in enumerate(engine.program.steps) if step.sub.kind == "npu"]
-    assert sorted(handed) == npu and all(isinstance(f, str) for f in handed.values())
-    assert not any(os.path.exists(f) for f in handed.values())
-    assert out.read_bytes() == exported[0].read_bytes()
-
-
-def test_a_released_engine_exports_the_same_program_and_runs_no_prompt(exported, tmp_path):
-    """``llmnpu export`` lets the engine's runtime go once the examples are taken (the workers then
-    share less memory): the same program byte for byte, no compiled step left (their INT8 weights and
-    shadow rows go with them: the executor's threads kept their last prefill), and a prompt is refused
-    in one line."""
-    import gc
-    import weakref
-
     eng = tiny_engine()
+    npu = [i for i, step in enumerate(eng.program.steps) if step.sub.kind == "npu"]
     steps = [weakref.ref(step.fn) for step in eng.program.steps]
     out = tmp_path / "tiny.pte"
-    export_pte(eng, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
-               ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
-               model={"spec": "random:tiny-llama"}, progress=False, workers=1, release_engine=True)
+    alone = export_pte(eng, out, torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2)),
+                       ExportConfig(target="cpu-int8", context=4 * CHUNK, decode="fp32"),
+                       model={"spec": "random:tiny-llama"}, progress=False,
+                       tokenizer=load_model("random:tiny-llama").tokenizer, workers=1, release_engine=True)
+    assert alone["workers"] == 1 and exported[1]["workers"] == 2
     assert out.read_bytes() == exported[0].read_bytes()
+    assert sidecar_path(out).read_text() == sidecar_path(exported[0]).read_text()
+    assert sorted(handed) == npu and all(isinstance(f, str) for f in handed.values())
+    assert not any(os.path.exists(f) for f in handed.values())
     assert all(step.fn is None for step in eng.program.steps) and not eng.program.shadow
     gc.collect()
     assert [i for i, step in enumerate(steps) if step() is not None] == []     # nothing else holds them
