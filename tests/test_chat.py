@@ -25,7 +25,7 @@ def _chat(capsys, *args) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_chat_on_the_embedded_model_prefills_only_what_is_new(tmp_path, capsys):
+def test_chat_on_the_embedded_model_prefills_only_what_is_new(smollm2, tmp_path, capsys):
     saved, kv = tmp_path / "conv.json", tmp_path / "kv"
     first = _chat(capsys, "--turns", _turns(tmp_path / "a.jsonl", "What is the capital of France?",
                                             "And of Germany?", f"/save {saved}", "/reset",
@@ -42,7 +42,7 @@ def test_chat_on_the_embedded_model_prefills_only_what_is_new(tmp_path, capsys):
     from llmnpu_delegate.hf import LlmNpuForCausalLM
     from llmnpu_delegate.runtime.prefix_cache import PrefixCache
 
-    wrapper = LlmNpuForCausalLM(load_model("smollm2-135m"), pruning_rate=0.0, progress=False)
+    wrapper = LlmNpuForCausalLM(smollm2, pruning_rate=0.0, progress=False)
     replies = []
     for cache in (PrefixCache(directory=kv), PrefixCache()):
         wrapper.engine.prefix_cache = cache

@@ -6,7 +6,7 @@ import torch
 from conftest import on_int64
 
 from llmnpu_delegate.evaluate import eval_windows, perplexity
-from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate, outlier_counters, quantize_
+from llmnpu_delegate.quantize import QuantConfig, outlier_counters, quantize_
 from llmnpu_delegate.text import read_text, tokenize
 
 pytestmark = pytest.mark.slow
@@ -21,10 +21,12 @@ def test_embedded_model_greedy_paris(smollm2):
 
 
 def test_shadow_execution_on_real_outliers(smollm2):
-    """Calibrate on news, evaluate on Wikipedia: shadow W8A8 stays near fp32 where naive W8A8 does not."""
-    calib_ids = tokenize(smollm2, read_text(None, "calib"))
+    """Calibrate on news (the default calibration, shared by the session), evaluate on Wikipedia:
+    shadow W8A8 stays near fp32 where naive W8A8 does not."""
+    from llmnpu_delegate.prepare import default_calibration
+
     eval_ids = tokenize(smollm2, read_text(None, "eval"))
-    calib = calibrate(smollm2.model, calib_ids, smollm2.fingerprint, CalibConfig(samples=4, tokens=256), progress=False)
+    calib = default_calibration(smollm2, False)
     # real outliers: the largest linear inputs are far beyond their 99.5th percentile
     ratios = {n: s.absmax / s.percentiles[99.5] for n, s in calib.layers.items()}
     assert max(ratios.values()) > 100 and "down_proj" in max(ratios, key=ratios.get)
@@ -79,8 +81,9 @@ def test_chunked_prefill_on_the_embedded_model(smollm2):
     assert result.chunks == 3
     torch.testing.assert_close(result.logits, want, atol=2e-3, rtol=1e-3)
 
-    calib = calibrate(smollm2.model, tokenize(smollm2, read_text(None, "calib")), smollm2.fingerprint,
-                      CalibConfig(samples=2, tokens=256), progress=False)
+    from llmnpu_delegate.prepare import default_calibration
+
+    calib = default_calibration(smollm2, False)
     config = QuantConfig(importance="ratio")           # the default pruning rate, the paper's ranking
     # fp32 attention: the yardstick below is a float-level change (bf16 attention is gated on its own)
     engine = Prefiller(smollm2, 256, quant=config, calibration=calib, progress=False, attention="fp32")
