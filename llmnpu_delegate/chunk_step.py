@@ -123,7 +123,8 @@ def weights_state(model: nn.Module) -> tuple:
 def _capture_state(model: nn.Module) -> tuple:
     """What a capture of ``model`` follows: its modules (one swapped for another changes the graph),
     its weights and its attention implementation."""
-    return (tuple(map(id, model.modules())), weights_state(model), getattr(model.config, "_attn_implementation", None))
+    attention = getattr(model.config, "_attn_implementation", None)
+    return tuple(map(id, model.modules())), weights_state(model), attention
 
 
 # Captures kept per model: an engine's trial builds (automatic pruning and placement), its tail
