@@ -207,3 +207,14 @@ def test_cli_clip_percentile_must_be_calibrated(tmp_path, capsys):
     assert "--calib-percentiles" in capsys.readouterr().err
     assert main(common + ["--calib-percentiles", "98", "99.5"]) == 0
     assert json.loads(capsys.readouterr().out)["results"]["w8a8-shadow"]["clip_percentile"] == 98.0
+
+
+def test_the_table_keeps_a_broken_modes_columns_apart():
+    """A perplexity of hundreds of thousands (8-bit activations without outlier handling) and its
+    ratio stay separate columns."""
+    from llmnpu_delegate.cli.eval import format_eval
+
+    text = format_eval({"model": "m", "tokens": 10, "window": 5,
+                        "results": {"fp32": {"ppl": 23.0}, "broken": {"ppl": 357464.141, "logits_sqnr_db": -5.6}}})
+    row = next(line for line in text.splitlines() if line.startswith("broken"))
+    assert row.split()[1:4] == ["3.575e+05", "15541.919x", "-5.6"], row

@@ -121,21 +121,27 @@ def _modes(args, default: list[str]) -> list[str]:
     return modes
 
 
+def _number(x: float) -> str:
+    """Three decimals, or four significant digits where that would not fit its column (a broken
+    mode's perplexity of 357,464 ran into the next one)."""
+    return f"{x:.3f}" if abs(x) < 1e5 else f"{x:.4g}"
+
+
 def format_eval(result: dict) -> str:
     lines = [f"model {result['model']}: perplexity on {result['tokens']} tokens, windows of {result['window']}"]
     base = result["results"].get("fp32", {}).get("ppl")
     gate = ET_CI_GATES.get(result["model"], {}).get("logits_sqnr_db")
     width = max([22, *(len(m) + 2 for m in result["results"])])
-    lines.append(f"{'mode':<{width}}{'ppl':>9}{'vs fp32':>9}{'SQNR dB':>9}{'outliers':>10}")
+    lines.append(f"{'mode':<{width}}{'ppl':>11}{'vs fp32':>11}{'SQNR dB':>9}{'outliers':>10}")
     for mode, r in result["results"].items():
         if "error" in r:
             lines.append(f"{mode:<{width}}failed: {r['error']}")
             continue
-        rel = f"{r['ppl'] / base:.3f}x" if base else ""
+        rel = _number(r["ppl"] / base) + "x" if base else ""
         frac = f"{100 * r['outlier_fraction']:.2f}%" if "outlier_fraction" in r else ""
         sqnr = f"{r['logits_sqnr_db']:.1f}" if "logits_sqnr_db" in r else ""
         mark = "" if gate is None or not sqnr else ("  meets" if r["logits_sqnr_db"] >= gate else "  below")
-        lines.append(f"{mode:<{width}}{r['ppl']:>9.3f}{rel:>9}{sqnr:>9}{frac:>10}{mark}")
+        lines.append(f"{mode:<{width}}{_number(r['ppl']):>11}{rel:>11}{sqnr:>9}{frac:>10}{mark}")
     lines.append("SQNR: the logits against fp32's over every window (ExecuTorch's sqnr_eval)"
                  + (f"; meets/below: ExecuTorch's CI floor for this model's QNN program, {gate:g} dB" if gate else ""))
     kv = {r["npu_kv_bits"] for r in result["results"].values() if "npu_kv_bits" in r}
