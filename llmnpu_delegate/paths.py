@@ -46,6 +46,27 @@ def atomic_path(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for ``path`` while the block runs (``flock`` on ``.<name>.lock`` beside
+    it): another process, or thread, asking for the same one waits. For work that fills a cache entry
+    and is worth doing once: the one that waited then finds the entry made. Where there is no
+    ``fcntl`` (Windows) nothing is held, and two writers both finish (``atomic_path``)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class DamagedFile(ValueError):
     """A checked file that is unreadable, truncated, altered, or of another kind."""
 

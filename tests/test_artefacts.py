@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import shutil
+import time
 
 import pytest
 import torch
@@ -149,6 +150,38 @@ def test_damaged_calibration_in_the_cache_is_recalibrated(tiny, tmp_path, caplog
     mine.write_bytes(b"garbage")
     with pytest.raises(LlmNpuError, match="mine.pt is corrupt"):
         load_or_calibrate(lm.model, ids, lm.fingerprint, config, path=mine, progress=False)
+
+
+def test_two_callers_at_once_calibrate_once(tiny, monkeypatch):
+    """Two commands (or test workers) starting on one model at the same time: the second waits for the
+    first's calibration and loads it, instead of calibrating again beside it."""
+    import importlib
+    import threading
+
+    calibrate_module = importlib.import_module("llmnpu_delegate.quantize.calibrate")   # the package's name is the function's
+    lm, ids, _ = tiny
+    config = CalibConfig(samples=2, tokens=48, probe_tokens=48)     # an artefact no other test makes
+    runs, real = [], calibrate_module.calibrate
+
+    def slow_calibrate(*args, **kwargs):
+        runs.append(threading.get_ident())
+        time.sleep(0.5)          # both callers are inside load_or_calibrate meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "calibrate", slow_calibrate)
+    got = [None, None]
+
+    def call(i):
+        got[i] = load_or_calibrate(lm.model, ids, lm.fingerprint, config, progress=False)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(runs) == 1, "both callers calibrated"
+    assert got[0].path == got[1].path and got[0].path.is_file()
+    assert got[0].text_sha == got[1].text_sha
 
 
 # --------------------------------------------------------------------------- graph-cache entries

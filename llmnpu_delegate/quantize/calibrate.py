@@ -7,6 +7,7 @@ versioned artefact tied to the model's fingerprint; later runs load it instead o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..errors import LlmNpuError
 from ..models import decoder_layers
-from ..paths import DamagedFile, cache_dir, load_checked, save_checked
+from ..paths import DamagedFile, cache_dir, exclusive, load_checked, save_checked
 from .config import CalibConfig
 
 CALIB_VERSION = 3     # of the cached calibration's layout; another is calibrated again (CHANGELOG.md: what changed)
@@ -319,15 +320,18 @@ def load_or_calibrate(model: nn.Module, ids: Tensor, fingerprint: str, config: C
     damaged artefact in the cache is recalibrated (with a warning); one at a path you gave is an error."""
     cached = path is None
     path = Path(path) if path else default_calibration_path(fingerprint, text_sha(ids), config)
-    if path.exists():
-        try:
-            calib = Calibration.load(path)
-            calib.check_model(fingerprint)
-            return calib
-        except LlmNpuError as e:
-            if not cached:
-                raise
-            log.warning("%s: recalibrating", e)
-    calib = calibrate(model, ids, fingerprint, config, progress)
-    calib.save(path)
-    return calib
+    # Two processes starting on one model (two commands, two test workers) calibrate it once: the
+    # later one waits for the artefact and loads it.
+    with exclusive(path) if cached else contextlib.nullcontext():
+        if path.exists():
+            try:
+                calib = Calibration.load(path)
+                calib.check_model(fingerprint)
+                return calib
+            except LlmNpuError as e:
+                if not cached:
+                    raise
+                log.warning("%s: recalibrating", e)
+        calib = calibrate(model, ids, fingerprint, config, progress)
+        calib.save(path)
+        return calib
