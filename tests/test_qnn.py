@@ -81,6 +81,15 @@ def engine():
     return tiny_engine()
 
 
+@pytest.fixture(scope="module")
+def htp_fine(engine, tmp_path_factory):
+    """The tiny model's HTP program with 8-bit outputs, every one with a second encoding, and the INT8
+    head: one export read by the two tests of second encodings below."""
+    from test_program_numerics import export_8bit
+
+    return export_8bit(engine, tmp_path_factory.mktemp("htp") / "tiny-htp.pte", target="qnn", soc="SM8650")
+
+
 def test_encodings_are_ours(engine):
     """The lowered graph's input and weight encodings are the plan's scales and our INT8 weights."""
     from llmnpu_delegate.lower.npu_subgraphs import quantized_region, region_spec
@@ -162,27 +171,25 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-6)
 
 
-def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engine, tmp_path, monkeypatch):
+def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engine, htp_fine, tmp_path):
     """The second, finer encodings (uint8 with a zero point in the program, as QNN takes them) on
     Qualcomm's simulator:
     forced on every NPU output of the tiny model, each merged output is at least as close to the
     engine's float output as the one coarse encoding's, and closer where the fine range is narrower
-    than the coarse one; a program without them is the control."""
+    than the coarse one; a program without them is the control (the two differ in their decode head
+    too, which the NPU methods compared here do not read)."""
     from test_export import CHUNK
 
-    from llmnpu_delegate.lower import npu_subgraphs
     from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.runtime.validate import validate_pte
 
-    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))   # export_8bit's
+    coarse = tmp_path / "coarse.pte"
+    export_pte(engine, coarse, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32",
+                                                 fine=False), workers=1, progress=False)
     reports = {}
-    for name, fine in (("coarse", False), ("fine", True)):
-        if fine:      # every part qualifies: its one encoding is "below" any SQNR
-            monkeypatch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
-        pte = tmp_path / f"{name}.pte"
-        export_pte(engine, pte, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32",
-                                                  fine=fine), workers=1, progress=False)
+    for name, pte in (("coarse", coarse), ("fine", htp_fine)):
         meta = json.loads(pte.with_suffix(".json").read_text())
         reports[name] = ({r["linear"]: r for r in validate_pte(pte, engine, ids)["linears"]}, meta)
     coarse, fine = reports["coarse"][0], reports["fine"][0]
@@ -199,7 +206,7 @@ def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engi
     assert sorted(gains.values())[len(gains) // 2] > 1.0, gains     # and better for most outputs
 
 
-def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, tmp_path):
+def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, htp_fine):
     """The ``qnn`` evaluation mode against an HTP program on Qualcomm's simulator (the tiny model, every
     output with a second encoding, INT8 head). HTP requantizes an output by its own arithmetic: where
     the exact product lies within a few hundredths of a step of halfway between two codes, it may
@@ -208,13 +215,13 @@ def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, tmp_path):
     few and next to halfway, and the prompt's logits are closer to the program's than the engine's
     (float outputs) are by what those codes leave: their noise is about a third of the 8-bit
     rounding's (a 2.5 % share of 1-step errors against step^2/12), measured 35.0 dB against 25.2."""
-    from test_program_numerics import export_8bit, method_gaps, tiny_lm
+    from test_program_numerics import method_gaps, tiny_lm
 
     from llmnpu_delegate.evaluate import program_model
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import sqnr_db
 
-    pte = export_8bit(engine, tmp_path / "tiny-htp.pte", target="qnn", soc="SM8650")
+    pte = htp_fine
     model, changed = program_model(tiny_lm(), pte, engine.calibration, progress=False)
     assert changed["fine_outputs"] >= changed["linears"] > 0
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
