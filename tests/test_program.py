@@ -198,9 +198,11 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
     from llmnpu_delegate.runtime.prompt import PrefillResult
 
     programs = {mode: _load(program_decode.export_decode(model, kv, context, mode, ids)) for mode in ("fp32", "int8")}
-    # the float-output program's form: every decoder linear with two zero input columns (``pad_linears``)
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")]
-    programs["int8 padded"] = _load(program_decode.export_decode(model, kv, context, "int8", ids, padded=linears))
+    # the float-output program's form: every decoder linear with two zero input columns (``pad_linears``);
+    # a property of the linears' lowering, not of the family: checked on one
+    if spec == "random:tiny-llama":
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")]
+        programs["int8 padded"] = _load(program_decode.export_decode(model, kv, context, "int8", ids, padded=linears))
     for t in (40, 80):                      # gemma2's window is 64: the second step must drop early keys
         pre = PrefillResult(torch.zeros(1), [layer.keys[:, :, :t] for layer in cache.layers],
                             [layer.values[:, :, :t] for layer in cache.layers], 1)
@@ -219,7 +221,8 @@ def test_decode_step_fp32_equals_the_hf_decode_step_and_int8_is_close(spec):
         torch.testing.assert_close(got["fp32"][1][0, :, 0], full.layers[0].keys[0, :, t], rtol=0, atol=1e-4)
         assert sqnr_db(got["int8"][0][0], want) >= 25
         # zero columns change neither the integer products nor a token's dynamic scale
-        torch.testing.assert_close(got["int8 padded"][0][0], got["int8"][0][0], rtol=0, atol=1e-5)
+        if "int8 padded" in got:
+            torch.testing.assert_close(got["int8 padded"][0][0], got["int8"][0][0], rtol=0, atol=1e-5)
 
 
 def test_int8_decode_step_of_the_embedded_models_first_12_blocks_reaches_40_db(smollm2):
