@@ -168,17 +168,24 @@ def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
     prefill, and with none kept what remains is the rest of the engine's work. On this tiny model
     the CPU lane bounds the prefill, so dropping every path saves most of its time (measured 0.88 of
     the paths' time over the prompt's 4 chunks, Zen 4): a cost model that ignored the paths would
-    save none."""
+    save none. The profile is timed on a shared machine: a busy moment during the NPU lane's tasks
+    makes that lane the bound and hides the saving (0.48 seen once in CI on an AMX Xeon), so the
+    profile is taken again, up to three times, before the test fails; a fake fails every time."""
     from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, _ = tiny
     calib = _calib(tiny)
     engine = Prefiller(lm, 64, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False)
-    cost = engine.shadow_prices(prompt_len=256)
-    assert set(cost.seconds) == set(engine.program.shadow) and all(s > 0 for s in cost.seconds.values())
-    everything, nothing = cost.makespan(frozenset(cost.seconds)), cost.makespan(frozenset())
-    assert 0 < nothing <= everything
-    assert everything - nothing >= 0.5 * 4 * sum(cost.seconds.values())
+    saved = []
+    for _ in range(3):
+        cost = engine.shadow_prices(prompt_len=256)
+        assert set(cost.seconds) == set(engine.program.shadow) and all(s > 0 for s in cost.seconds.values())
+        everything, nothing = cost.makespan(frozenset(cost.seconds)), cost.makespan(frozenset())
+        assert 0 < nothing <= everything
+        saved.append((everything - nothing) / (4 * sum(cost.seconds.values())))
+        if saved[-1] >= 0.5:
+            break
+    assert max(saved) >= 0.5, saved
 
 
 def test_default_calibration_text_has_chat_formatted_samples(smollm2):
