@@ -13,3 +13,16 @@ def quiet_third_party_logs() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     # torch's own deprecation notice, once per graph copied during export
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+
+
+def hide_progress_bars() -> None:
+    """``--no-progress`` for other libraries' bars: transformers' own, and its GGUF reader's, which
+    calls tqdm directly and so ignores transformers' switch."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    gguf.tqdm = functools.partial(tqdm, disable=True)

@@ -61,3 +61,21 @@ def test_missing_and_corrupt_gguf(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(LlmNpuError, match="corrupt"):
         load_model(str(bad))
+
+
+def test_no_progress_hides_the_gguf_readers_bar(monkeypatch, capsys):
+    """transformers' GGUF reader calls tqdm itself, past transformers' own switch for its bars."""
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    from llmnpu_delegate.logs import hide_progress_bars
+
+    monkeypatch.setattr(gguf, "tqdm", gguf.tqdm)       # restored after the test
+    assert list(gguf.tqdm(range(3), desc="dequantizing")) == [0, 1, 2]
+    assert "dequantizing" in capsys.readouterr().err     # the bar the reader shows by default
+    hide_progress_bars()
+    try:
+        assert list(gguf.tqdm(range(3), desc="dequantizing")) == [0, 1, 2]
+        assert "dequantizing" not in capsys.readouterr().err
+    finally:
+        hf_logging.enable_progress_bar()

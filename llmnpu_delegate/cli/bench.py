@@ -6,6 +6,7 @@ from ..measure.turns import bench_turns, format_turns
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..kernels.attention import PRECISIONS as ATTENTION_PRECISIONS
+from ..logs import hide_progress_bars
 from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
@@ -55,9 +56,7 @@ def add_parser(sub) -> None:
 
 def cmd_bench(args) -> dict:
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        hide_progress_bars()
     if args.turns is not None:
         if not args.e2e or args.prompt is not None or args.prompt_file is not None:
             raise LlmNpuError("--turns times conversations of the shipped text: give it with --e2e and without "

@@ -11,6 +11,7 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..conversation import (COMMANDS, Conversation, PteResponder, WrapperResponder, chat_loop, interactive_lines,
                             read_turns)
 from ..errors import LlmNpuError
+from ..logs import hide_progress_bars
 from ..models import DEFAULT_MODEL
 from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
@@ -69,9 +70,7 @@ def cmd_chat(args) -> dict:
         raise LlmNpuError(f"--kv-cache-mb must be >= 0, got {args.kv_cache_mb}")
     sampling = sampling_of(args)
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        hide_progress_bars()
     cache = PrefixCache((DEFAULT_BYTES >> 20 if args.kv_cache_mb is None else args.kv_cache_mb) << 20,
                         args.kv_cache_dir)
     if args.pte is not None:

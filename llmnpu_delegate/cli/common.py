@@ -8,6 +8,7 @@ import torch
 
 from ..errors import LlmNpuError
 from ..fanout import LOCAL, check_ray
+from ..logs import hide_progress_bars
 from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import AUTO, parse_placement
 from ..quantize import CalibConfig
@@ -80,9 +81,7 @@ def setup(args):
             raise LlmNpuError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        hide_progress_bars()
     lm = load_model(args.model)
     extra = {"percentiles": tuple(args.calib_percentiles)} if args.calib_percentiles else {}
     calib_config = CalibConfig(samples=args.calib_samples, tokens=args.calib_tokens, **extra)

@@ -8,6 +8,7 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..generation import format_summary, run, run_pte
 from ..hf import LlmNpuForCausalLM
+from ..logs import hide_progress_bars
 from ..models import DEFAULT_MODEL, load_model
 from ..partitioner.placement import AUTO
 from ..quantize import QUANT_MODES
@@ -61,9 +62,7 @@ def cmd_run(args) -> dict:
 
     prompt = read_prompt(args)
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        hide_progress_bars()
     sampling = sampling_of(args)
     if args.native and args.pte is None:
         raise LlmNpuError("--native runs an exported program: give it with --pte FILE (llmnpu export writes one)")
