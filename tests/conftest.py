@@ -85,6 +85,60 @@ def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
     return model
 
 
+TINY_CHUNK = 32          # the tiny engine's chunk
+
+
+def tiny_engine(quant="w8a8-shadow"):
+    """The tiny llama with injected outliers, calibrated on random ids, with a fixed plan: 85 % of the
+    shadow paths pruned, every layer's effect measured alone (the plan the .pte gates in
+    test_export.py and test_qnn.py were measured on; the grouped profile ranks this random model's
+    layers differently)."""
+    from llmnpu_delegate.models import load_model
+    from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
+    from llmnpu_delegate.runtime.engine import Prefiller
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
+                      lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
+    quant = quant_config(quant, pruning_rate=0.85) if quant == "w8a8-shadow" else quant
+    saved, importance.OUTLIER_RATIO = importance.OUTLIER_RATIO, 0.0
+    try:
+        # fp32 attention, as the exported program's CPU methods compute it
+        return Prefiller(lm, chunk_len=TINY_CHUNK, quant=quant, calibration=calib, progress=False, attention="fp32")
+    finally:
+        importance.OUTLIER_RATIO = saved
+
+
+def export_8bit(engine, path, target="cpu-int8", soc=None, decode="int8", fine=True):
+    """``engine``'s program with 8-bit outputs, every output with a second encoding when ``fine``."""
+    from llmnpu_delegate.lower import npu_subgraphs
+    from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.pte import export_pte
+
+    ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
+    with pytest.MonkeyPatch.context() as patch:
+        if fine:
+            patch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
+        export_pte(engine, path, ids, ExportConfig(target=target, soc=soc, context=4 * TINY_CHUNK, decode=decode,
+                                                   output_bits=8),
+                   model={"spec": "random:tiny-llama"}, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """One ``tiny_engine()`` for the modules that only read it (the exports of its programs)."""
+    return tiny_engine()
+
+
+@pytest.fixture(scope="session")
+def tiny_8bit(tiny, tmp_path_factory):
+    """``tiny``'s cpu-int8 program with 8-bit outputs, every one with a second encoding (``export_8bit``):
+    read by the qnn mode's tests and by the native runner's merge of second encodings."""
+    return export_8bit(tiny, tmp_path_factory.mktemp("tiny8") / "tiny8.pte")
+
+
 def assert_within_quant_effect(got, quantized, float_ref, share: float = 0.1):
     """``got`` must equal the quantized reference to within ``share`` of what quantization itself
     changed (max over elements): a tolerance scaled to the effect under test, never a fixed number."""

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from conftest import inject_outliers
+from conftest import TINY_CHUNK, tiny_engine
 from hypothesis import HealthCheck, given, settings, strategies as st
 from test_artefacts import BYTES, damage_bytes, mutated, structure
 
@@ -18,30 +18,11 @@ from llmnpu_delegate.format.sidecar import sidecar_digest, sidecar_path
 from llmnpu_delegate.lower.export_config import ExportConfig
 from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
-from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.sampling import Sampling
 from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
 
-CHUNK = 32
-
-
-def tiny_engine(quant="w8a8-shadow"):
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
-    calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
-                      lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
-    # a fixed plan: 85 % of the shadow paths pruned, every layer's effect measured alone (the plan the
-    # .pte gates below and in test_qnn.py were measured on; the grouped profile ranks this random
-    # model's layers differently)
-    quant = quant_config(quant, pruning_rate=0.85) if quant == "w8a8-shadow" else quant
-    saved, importance.OUTLIER_RATIO = importance.OUTLIER_RATIO, 0.0
-    try:
-        # fp32 attention, as the exported program's CPU methods compute it
-        return Prefiller(lm, chunk_len=CHUNK, quant=quant, calibration=calib, progress=False, attention="fp32")
-    finally:
-        importance.OUTLIER_RATIO = saved
+CHUNK = TINY_CHUNK
 
 
 @pytest.fixture(scope="module")

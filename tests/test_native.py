@@ -184,26 +184,14 @@ def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
     assert db > 30
 
 
-@pytest.fixture(scope="module")
-def fine_program(tmp_path_factory):
-    """A tiny model's cpu-int8 program with 8-bit outputs, every one of them with a second, finer
-    encoding too (the threshold that chooses them raised above any output's SQNR)."""
-    from llmnpu_delegate.cli import main
-    from llmnpu_delegate.lower import npu_subgraphs
-
-    out = tmp_path_factory.mktemp("fine") / "tiny.pte"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
-        assert main(["export", "--model", "random:tiny-llama", "--backend", "cpu-int8", "--chunk", "32",
-                     "--context", "96", "--output-bits", "8", "--out", str(out), "--no-progress", "--workers", "1"]) == 0
-    return out
-
-
-def test_second_output_encodings_are_merged_as_the_python_runner_merges_them(fine_program, tmp_path):
+def test_second_output_encodings_are_merged_as_the_python_runner_merges_them(tiny_8bit, tmp_path):
     """Each NPU method returns every output twice (coarse and fine encodings); both runners take the
     fine value where it did not saturate, element by element: the same bits. Without the fine
-    values the logits move, so the test sees the merge."""
+    values the logits move, so the test sees the merge. The program: the tiny engine's, every output
+    with a second encoding (``conftest.tiny_8bit``)."""
     from llmnpu_delegate.format.npu_io import FineOutput
+
+    fine_program = tiny_8bit
 
     runner = PteRunner(fine_program)
     assert all(lin["fine_outputs"] for lin in runner.meta["linears"].values())

@@ -8,16 +8,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import inject_outliers
-from test_export import CHUNK, tiny_engine
+from conftest import TINY_CHUNK as CHUNK, inject_outliers
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.format.sidecar import sidecar_digest
 from llmnpu_delegate.evaluate import evaluate, program_model, quantized_model
-from llmnpu_delegate.lower import npu_subgraphs
-from llmnpu_delegate.lower.export_config import ExportConfig
-from llmnpu_delegate.lower.pte import export_pte
 from llmnpu_delegate.models import load_model
 from llmnpu_delegate.quantize import QuantLinear
 from llmnpu_delegate.runtime.pte_runner import PteRunner
@@ -29,18 +25,6 @@ def tiny_lm():
     lm = load_model("random:tiny-llama")
     inject_outliers(lm.model)
     return lm
-
-
-def export_8bit(engine, path, target="cpu-int8", soc=None, decode="int8", fine=True):
-    """``engine``'s program with 8-bit outputs, every output with a second encoding when ``fine``."""
-    ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))
-    with pytest.MonkeyPatch.context() as patch:
-        if fine:
-            patch.setattr(npu_subgraphs, "FINE_BELOW_DB", float("inf"))
-        export_pte(engine, path, ids, ExportConfig(target=target, soc=soc, context=4 * CHUNK, decode=decode,
-                                                   output_bits=8),
-                   model={"spec": "random:tiny-llama"}, workers=1, progress=False)
-    return path
 
 
 def method_gaps(engine, pte, model, ids) -> dict[str, dict]:
@@ -68,13 +52,13 @@ def method_gaps(engine, pte, model, ids) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
+def engine(tiny):
+    return tiny
 
 
 @pytest.fixture(scope="module")
-def program(engine, tmp_path_factory):
-    return export_8bit(engine, tmp_path_factory.mktemp("qnn_mode") / "tiny8.pte")
+def program(tiny_8bit):
+    return tiny_8bit
 
 
 @pytest.fixture(scope="module")

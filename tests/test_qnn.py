@@ -75,17 +75,15 @@ def test_export_command_refuses_an_unknown_soc_before_loading_the_model(tmp_path
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from test_export import tiny_engine
-
-    return tiny_engine()
+def engine(tiny):
+    return tiny
 
 
 @pytest.fixture(scope="module")
 def htp_fine(engine, tmp_path_factory):
     """The tiny model's HTP program with 8-bit outputs, every one with a second encoding, and the INT8
     head: one export read by the two tests of second encodings below."""
-    from test_program_numerics import export_8bit
+    from conftest import export_8bit
 
     return export_8bit(engine, tmp_path_factory.mktemp("htp") / "tiny-htp.pte", target="qnn", soc="SM8650")
 
@@ -126,7 +124,7 @@ def test_the_qnn_quantizer_leaves_onednn_as_it_was():
 def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     """`export --backend qnn` of the tiny model: every NPU method (an HTP context binary with our
     encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""
-    from test_export import CHUNK
+    from conftest import TINY_CHUNK as CHUNK
 
     from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
@@ -178,7 +176,7 @@ def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engi
     engine's float output as the one coarse encoding's, and closer where the fine range is narrower
     than the coarse one; a program without them is the control (the two differ in their decode head
     too, which the NPU methods compared here do not read)."""
-    from test_export import CHUNK
+    from conftest import TINY_CHUNK as CHUNK
 
     from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
@@ -187,7 +185,7 @@ def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engi
     ids = torch.randint(0, 1000, (3 * CHUNK,), generator=torch.Generator().manual_seed(2))   # export_8bit's
     coarse = tmp_path / "coarse.pte"
     export_pte(engine, coarse, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32",
-                                                 fine=False), workers=1, progress=False)
+                                                 fine=False), progress=False)
     reports = {}
     for name, pte in (("coarse", coarse), ("fine", htp_fine)):
         meta = json.loads(pte.with_suffix(".json").read_text())
