@@ -65,12 +65,14 @@ def test_missing_and_corrupt_gguf(tmp_path):
 
 def test_no_progress_hides_the_gguf_readers_bar(monkeypatch, capsys):
     """transformers' GGUF reader calls tqdm itself, past transformers' own switch for its bars."""
+    from tqdm.auto import tqdm
     from transformers import modeling_gguf_pytorch_utils as gguf
     from transformers.utils import logging as hf_logging
 
     from llmnpu_delegate.logs import hide_progress_bars
 
-    monkeypatch.setattr(gguf, "tqdm", gguf.tqdm)       # restored after the test
+    # the reader's own tqdm, whatever a command run earlier in this process left there; restored after
+    monkeypatch.setattr(gguf, "tqdm", tqdm)
     assert list(gguf.tqdm(range(3), desc="dequantizing")) == [0, 1, 2]
     assert "dequantizing" in capsys.readouterr().err     # the bar the reader shows by default
     hide_progress_bars()
