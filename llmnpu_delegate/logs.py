@@ -16,13 +16,8 @@ def quiet_third_party_logs() -> None:
 
 
 def hide_progress_bars() -> None:
-    """``--no-progress`` for other libraries' bars: transformers' own, and its GGUF reader's, which
-    calls tqdm directly and so ignores transformers' switch."""
-    import functools
-
-    from tqdm.auto import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf
+    """``--no-progress`` for other libraries' bars: transformers' switch, which our GGUF loading makes
+    its reader follow too (``models._gguf_reader_bar``)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    gguf.tqdm = functools.partial(tqdm, disable=True)

@@ -8,9 +8,12 @@ Specs:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
+from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,12 +173,24 @@ def _load_gguf(path: Path):
                           f"the file is corrupt or not a GGUF model; re-download or reinstall it") from None
     check_family(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with _gguf_reader_bar():
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
         raise LlmNpuError(f"cannot load GGUF file {path} ({type(e).__name__}: {str(e)[:120]}): "
                           f"the file is corrupt or truncated; re-download or reinstall it") from None
     return model, tok
+
+
+def _gguf_reader_bar():
+    """transformers' GGUF reader calls tqdm itself: while it runs, its bar follows transformers' own
+    switch (``--no-progress`` turns that off)."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
+
+    if hf_logging.is_progress_bar_enabled():
+        return contextlib.nullcontext()
+    return mock.patch.object(reader, "tqdm", functools.partial(reader.tqdm, disable=True))
 
 
 def _load_hf_folder(folder: Path):

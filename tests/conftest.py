@@ -127,16 +127,16 @@ def export_8bit(engine, path, target="cpu-int8", soc=None, decode="int8", fine=T
 
 
 @pytest.fixture(scope="session")
-def tiny():
+def shared_tiny_engine():
     """One ``tiny_engine()`` for the modules that only read it (the exports of its programs)."""
     return tiny_engine()
 
 
 @pytest.fixture(scope="session")
-def tiny_8bit(tiny, tmp_path_factory):
-    """``tiny``'s cpu-int8 program with 8-bit outputs, every one with a second encoding (``export_8bit``):
+def tiny_8bit(shared_tiny_engine, tmp_path_factory):
+    """``shared_tiny_engine``'s cpu-int8 program with 8-bit outputs, every one with a second encoding (``export_8bit``):
     read by the qnn mode's tests and by the native runner's merge of second encodings."""
-    return export_8bit(tiny, tmp_path_factory.mktemp("tiny8") / "tiny8.pte")
+    return export_8bit(shared_tiny_engine, tmp_path_factory.mktemp("tiny8") / "tiny8.pte")
 
 
 def assert_within_quant_effect(got, quantized, float_ref, share: float = 0.1):

@@ -170,7 +170,8 @@ def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
     the paths' time over the prompt's 4 chunks, Zen 4): a cost model that ignored the paths would
     save none. The profile is timed on a shared machine: a busy moment during the NPU lane's tasks
     makes that lane the bound and hides the saving (0.48 seen once in CI on an AMX Xeon), so the
-    profile is taken again, up to three times, before the test fails; a fake fails every time."""
+    profile is taken again, up to three times, before the test fails; a cost model that ignored
+    the paths fails every time."""
     from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, _ = tiny

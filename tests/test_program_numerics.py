@@ -52,8 +52,8 @@ def method_gaps(engine, pte, model, ids) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny):
-    return tiny
+def engine(shared_tiny_engine):
+    return shared_tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -75,8 +75,8 @@ def test_export_command_refuses_an_unknown_soc_before_loading_the_model(tmp_path
 
 
 @pytest.fixture(scope="module")
-def engine(tiny):
-    return tiny
+def engine(shared_tiny_engine):
+    return shared_tiny_engine
 
 
 @pytest.fixture(scope="module")
