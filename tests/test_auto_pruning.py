@@ -163,20 +163,26 @@ def test_auto_needs_held_apart_text_when_it_must_prune_and_bad_settings_are_refu
         QuantConfig(pruning_target="")
 
 
-def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
+@pytest.mark.parametrize("steal,share", [(False, 0.5), (True, 0.25)])
+def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny, steal, share):
     """The host's cost: every shadowed linear timed; the kept paths never shorten the predicted
     prefill, and with none kept what remains is the rest of the engine's work. On this tiny model
     the CPU lane bounds the prefill, so dropping every path saves most of its time (measured 0.88 of
     the paths' time over the prompt's 4 chunks, Zen 4): a cost model that ignored the paths would
-    save none. The profile is timed on a shared machine: a busy moment during the NPU lane's tasks
-    makes that lane the bound and hides the saving (0.48 seen once in CI on an AMX Xeon), so the
-    profile is taken again, up to three times, before the test fails; a cost model that ignored
-    the paths fails every time."""
+    save none. Workers that steal share every lane's work, so they save about half of what is
+    dropped (measured 0.49-0.53, AMX Xeon): the bound is half as high. The profile is timed on a
+    shared machine: a busy moment during the NPU lane's tasks makes that lane the bound and hides
+    the saving (0.48 seen once in CI on an AMX Xeon without stealing), so the profile is taken
+    again, up to three times, before the test fails; a cost model that ignored the paths fails
+    every time."""
+    import dataclasses
+
     from llmnpu_delegate.runtime.engine import Prefiller
 
     lm, _ = tiny
     calib = _calib(tiny)
     engine = Prefiller(lm, 64, quant=QuantConfig(pruning_rate=0.0), calibration=calib, progress=False)
+    engine.executor.workers = dataclasses.replace(engine.executor.workers, steal=steal)
     saved = []
     for _ in range(3):
         cost = engine.shadow_prices(prompt_len=256)
@@ -184,9 +190,9 @@ def test_the_engine_prices_each_shadow_path_from_its_own_profile(tiny):
         everything, nothing = cost.makespan(frozenset(cost.seconds)), cost.makespan(frozenset())
         assert 0 < nothing <= everything
         saved.append((everything - nothing) / (4 * sum(cost.seconds.values())))
-        if saved[-1] >= 0.5:
+        if saved[-1] >= share:
             break
-    assert max(saved) >= 0.5, saved
+    assert max(saved) >= share, saved
 
 
 def test_default_calibration_text_has_chat_formatted_samples(smollm2):

@@ -83,6 +83,7 @@ def test_prefill_and_decode_logits_are_the_python_runners_bits(program, tmp_path
     (the embedded model's demo prompt did, at its 26th step)."""
     pte, ids = program
     runner = PteRunner(pte)
+    assert not runner.executor.workers.steal      # its lanes' methods share an arena each, as the native runner's
     want = runner.generate(ids, 16)
     got = run_native(pte, ids.tolist(), runner.meta, 16, "ooo", logits_out=tmp_path / "ooo.bin")
     assert got.tokens == want.tokens

@@ -114,6 +114,29 @@ def test_ooo_schedule_matches_the_hand_worked_one():
     assert stats.wall_s == 6 and m["npu_bubble_rate"] == 0.0 and m["bound_s"] == 4
 
 
+def test_ooo_with_stealing_matches_the_hand_worked_ones():
+    # Both lanes are cores of one CPU (the host). One chunk of two CPU subgraphs A, D (2 s each) that
+    # feed B on the NPU (1 s). t=0 the NPU has nothing of its own: it takes the CPU's pick, A, while
+    # the CPU runs D; t=2 B. Two units sooner than without stealing (A, D, B one after the other).
+    table = {"after": [[], [], [0, 1]], "after_previous": [[], [], []], "needed_kv": [0, 1, 2],
+             "needed_final": [0, 1, 2], "processors": ["cpu", "cpu", "npu"]}
+    tasks = expand(table, 1)
+    assign_costs(tasks, {0: 2.0, 1: 2.0, 2: 1.0})
+    stats = simulate(tasks, "ooo", steal=True)
+    got = sorted((r.start, r.step, r.processor, r.end) for r in stats.records)
+    assert got == [(0, 0, "npu", 2), (0, 1, "cpu", 2), (2, 2, "npu", 3)] and stats.stolen == 1
+    assert simulate(tasks, "ooo").wall_s == 5 and simulate(tasks, "ooo").stolen == 0
+    # Two chunks of A -> B -> C: t=0 the NPU takes A0, and the idle CPU may not take A1 meanwhile
+    # (a subgraph runs one call at a time) but starts it at 1; t=5 the NPU, idle, takes C1.
+    tasks = expand(TABLE, 2)
+    assign_costs(tasks, COSTS)
+    stats = simulate(tasks, "ooo", steal=True)
+    got = sorted((r.start, r.chunk, r.step, r.processor, r.end) for r in stats.records)
+    assert got == [(0, 0, 0, "npu", 1), (1, 0, 1, "npu", 3), (1, 1, 0, "cpu", 2), (3, 0, 2, "cpu", 4),
+                   (3, 1, 1, "npu", 5), (5, 1, 2, "npu", 6)]
+    assert stats.wall_s == 6 and stats.stolen == 2
+
+
 def test_the_policies_run_unchanged_under_simulated_time(tiny, monkeypatch):
     """simulate_prefill drives runtime.schedule's Scheduler (the threaded executor's object), never a copy."""
     calls = {p: 0 for p in POLICIES}

@@ -141,7 +141,8 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
            "quant": quant if isinstance(quant, str) else "custom", "attention": engine.attention,
            "placement": engine.config.placement,
            "placement_prefill_s": (engine.placement_choice or {}).get("prefill_s") or None, "repeats": repeats,
-           "lane_help": workers.help, "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
+           "lane_help": workers.help, "lane_steal": workers.steal,
+           "hf_fp32_s": _median(hf), "hf_fp32_tok_s": prompt_len / _median(hf),
            "hf_fp32_default_malloc_tok_s": prompt_len / untuned if untuned else None}
     medians = {}
     for p in policies:
@@ -155,6 +156,7 @@ def bench(lm: LoadedModel, prompt_len: int, chunk: int, policies=POLICIES, ablat
         out[f"{p}_npu_busy_s"], out[f"{p}_cpu_busy_s"] = m["npu_busy_s"], m["cpu_busy_s"]
         out[f"decision_us_{p}"] = m["decision_us"]
         out[f"pieces_lent_{p}"] = med.pieces_lent
+        out[f"stolen_{p}"] = med.stolen
     best = "ooo" if "ooo" in policies else policies[-1]
     bound = metrics(medians[best])["bound_s"]
     out["bound_tok_s"] = prompt_len / bound

@@ -194,8 +194,9 @@ class Prefiller(ChunkRunner):
     def shadow_prices(self, prompt_len: int = PRUNING_PROMPT) -> ShadowCost:
         """What each shadow path costs this engine's prefill of a ``prompt_len``-token prompt, for the
         automatic pruning: every subgraph and shadow path timed in order (``PROFILE_RUNS`` runs of two
-        chunks), and the prefill predicted by the ``ooo`` scheduler without the pruned paths: their
-        time leaves the subgraph that holds them, and a subgraph left with no path does not run.
+        chunks), and the prefill predicted by the ``ooo`` scheduler (stealing as the workers do)
+        without the pruned paths: their time leaves the subgraph that holds them, and a subgraph
+        left with no path does not run.
         Each task also pays the executor's own handling, measured in the same runs (wall time not
         spent inside a task); a task that does not run saves it."""
         shadows = self.program.shadow
@@ -225,7 +226,7 @@ class Prefiller(ChunkRunner):
                     c[key] = max(t - sum(seconds[n] for n in paths[step] - kept), 0.0) + per_task
             tasks = build_tasks(self.program, chunks)
             assign_costs(tasks, c)
-            return simulate(tasks, "ooo").wall_s
+            return simulate(tasks, "ooo", self.executor.workers.steal).wall_s
 
         return ShadowCost("host", seconds, makespan)
 

@@ -53,23 +53,30 @@ class TaskError(LlmNpuError):
 class Workers:
     """Threads per worker and optional core pinning; the two must not oversubscribe the machine.
 
-    ``help``: while the CPU worker has no ready task and an NPU task runs, it runs pieces of that task's
-    native INT8 kernels; while the NPU worker has none, it runs pieces of the CPU's bf16 attention
-    (``kernels/native/lane_help.h``). The stand-in NPU is a CPU core too; lending the idle one turns
-    one lane's slack into the other's speed (a phone's NPU is its own hardware, and ``llmnpu
-    simulate`` models that). Off with ``LLMNPU_LANE_HELP=0``."""
+    The stand-in NPU is a CPU core too, so an idle worker can lend itself to the other lane (a
+    phone's NPU is its own hardware, and ``llmnpu simulate`` models that), in two ways:
+
+    - ``steal``: a worker with no ready task of its own runs the other lane's next task, whole
+      (``schedule.Scheduler``). The lanes' work then splits evenly over the cores however the
+      placement divides it.
+    - ``help``: a worker with nothing to run at all (no task of either lane ready) runs pieces of
+      the other's running task: the CPU worker pieces of the NPU task's native INT8 kernels, the NPU
+      worker pieces of the CPU's bf16 attention (``kernels/native/lane_help.h``).
+
+    Both off with ``LLMNPU_LANE_HELP=0``."""
     threads: int = 1
     cores: dict | None = None   # processor -> set of CPU ids, or None: no pinning
     help: bool = True
+    steal: bool = True
 
     @classmethod
     def auto(cls) -> "Workers":
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 2))
         lend = os.environ.get("LLMNPU_LANE_HELP", "1") != "0"
         if len(cpus) < 2:      # one core: a helper's spin would take it from the NPU worker
-            return cls(1, None, False)
+            return cls(1, None, False, False)
         half = len(cpus) // 2
-        return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])}, lend)
+        return cls(half, {"npu": set(cpus[:half]), "cpu": set(cpus[half:2 * half])}, lend, lend)
 
 
 _POOL: dict[tuple, queue.SimpleQueue] = {}     # (processor, cores) -> its worker's job queue
@@ -148,14 +155,14 @@ class _Shape:
                 self.uses[t.chunk][name] = self.uses[t.chunk].get(name, 0) + 1
         self._schedulers: dict[tuple, Scheduler] = {}
 
-    def scheduler(self, policy: str, costs: dict | None) -> Scheduler:
+    def scheduler(self, policy: str, costs: dict | None, steal: bool) -> Scheduler:
         assign_costs(self.tasks, costs)
-        key = (policy, tuple(t.cost for t in self.tasks) if policy in COST_POLICIES else None)
+        key = (policy, steal, tuple(t.cost for t in self.tasks) if policy in COST_POLICIES else None)
         sched = self._schedulers.get(key)
         if sched is None:
             if len(self._schedulers) >= 2 * len(POLICIES):     # costs changed (a new profile): start over
                 self._schedulers.clear()
-            sched = self._schedulers[key] = Scheduler(self.tasks, policy)
+            sched = self._schedulers[key] = Scheduler(self.tasks, policy, steal)
         else:
             sched.reset()
         return sched
@@ -203,7 +210,7 @@ class Executor:
         with _RUN_LOCK:
             t0 = time.perf_counter()
             shape = self._shape(len(feeds))
-            return self._run(feeds, shape.scheduler(policy, costs), shape.uses, fail, t0)
+            return self._run(feeds, shape.scheduler(policy, costs, self.workers.steal), shape.uses, fail, t0)
 
     def _run(self, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
         run = _Run(self, feeds, sched, uses, fail, t0)
@@ -225,6 +232,7 @@ class Executor:
         stats.records = sorted((Record(*r) for rs in run.raw.values() for r in rs), key=lambda r: r.start)
         stats.waits_spun, stats.waits_blocked = run.wakeup.spun, run.wakeup.blocked
         stats.pieces_lent = native_ops.pieces_helped() - lent0
+        stats.stolen = sum(r.processor != sched.tasks[r.task].processor for r in stats.records)
         if run.error:
             self._raise(*run.error[0])
         last = run.envs[-1]
@@ -260,6 +268,8 @@ class _Run:
         native = ex.workers.help and native_ops.native_available()
         self.lends = {"cpu": native and int8_path.current() in int8_path.NATIVE_PATHS,
                       "npu": native and ex.program.attention == "bf16"}
+        if ex.workers.steal:      # either worker may be running either lane's kernels
+            self.lends = dict.fromkeys(PROCESSORS, any(self.lends.values()))
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
         self.profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)

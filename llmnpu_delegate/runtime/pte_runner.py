@@ -14,6 +14,7 @@ No model, weights or calibration are loaded from anywhere else.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,8 @@ class PteRunner(ChunkRunner):
             # the checksum passed: a sidecar of a well-formed but inconsistent export
             raise LlmNpuError(f"sidecar of {pte} is inconsistent ({type(e).__name__}: {e}): export the program "
                               f"again") from None
+        # a lane's methods share one arena (below): no worker may run the other lane's while it runs
+        workers = dataclasses.replace(workers or Workers.auto(), steal=False)
         super().__init__(program, kv, meta["context"], meta["model"]["vocab_size"], policy, workers,
                          profile=profile, prefix_cache=prefix_cache,
                          kv_key=f"pte:{meta['pte_sha256']}:{meta['sidecar_sha256']}")

@@ -15,6 +15,15 @@ mirrored, decision for decision, by the native runner's ``runner/src/schedule.cp
 - ``cp``: list scheduling by critical path (HEFT's upward rank): among the ready tasks of a
   processor, the one with the longest chain of profiled work from its start to the end of the
   prompt runs first. Needs the profile, like ``ooo``.
+
+Stealing (``steal=True``), under any policy: a processor with no task of its own that the policy
+lets start takes the task the policy would start next on the other processor. That is only right
+where both lanes are cores of one CPU and a subgraph may run on either (the engine on the host); a
+phone's NPU runs no float task, so the phone model never steals, and the ``.pte`` runners give each
+lane's methods one shared arena, so they do not either. A stolen task keeps its cost: two cores
+alike. A task never starts while another of its subgraph runs (two chunks' tasks, one on each
+worker): a subgraph's function is not assumed reentrant. Without stealing each subgraph has one
+worker, so that holds by itself.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from ..errors import LlmNpuError
 from ..format.tasks import Task
 
 PROCESSORS = ("npu", "cpu")
+OTHER = {"npu": "cpu", "cpu": "npu"}
 
 
 class Policy:
@@ -149,8 +159,8 @@ class Scheduler:
     for. What depends on the graph and the costs alone is computed here, once (~1 ms for 1,100
     tasks); ``reset`` starts a run, so a runner keeps a scheduler per prompt shape and pays only the reset."""
 
-    def __init__(self, tasks: list[Task], policy: str):
-        self.tasks, self.policy = tasks, check_policy(policy)
+    def __init__(self, tasks: list[Task], policy: str, steal: bool = False):
+        self.tasks, self.policy, self.steal = tasks, check_policy(policy), steal
         self.order = sorted(range(len(tasks)), key=lambda i: tasks[i].key)     # program order
         self._missing = [len(t.deps) for t in tasks]
         self._sources = {p: {t.id for t in tasks if not t.deps and t.processor == p} for p in PROCESSORS}
@@ -162,21 +172,34 @@ class Scheduler:
         self.missing = list(self._missing)
         self.left = len(self.tasks)      # tasks not finished
         self.running = 0
+        self.busy_steps: set[int] = set()    # stealing: the subgraphs running now
         self.ready = {p: set(ids) for p, ids in self._sources.items()}
         self.rule.reset()
 
     def pick(self, processor: str) -> Task | None:
-        ready = self.ready[processor]
-        choice = self.rule.pick(processor, ready) if ready else None
-        if choice is None:
-            return None
-        ready.discard(choice)
-        self.running += 1
-        return self.tasks[choice]
+        """The task ``processor`` runs next: its own, else (stealing) the other processor's."""
+        if not self.steal:
+            ready = self.ready[processor]
+            choice = self.rule.pick(processor, ready) if ready else None
+            if choice is None:
+                return None
+            ready.discard(choice)
+            self.running += 1
+            return self.tasks[choice]
+        for p in (processor, OTHER[processor]):
+            free = {i for i in self.ready[p] if self.tasks[i].step not in self.busy_steps}
+            choice = self.rule.pick(p, free) if free else None
+            if choice is not None:
+                self.ready[p].discard(choice)
+                self.running += 1
+                self.busy_steps.add(self.tasks[choice].step)
+                return self.tasks[choice]
+        return None
 
     def finish(self, t: Task) -> None:
         self.left -= 1
         self.running -= 1
+        self.busy_steps.discard(t.step)
         for u in t.users:
             self.missing[u] -= 1
             if self.missing[u] == 0:
@@ -211,6 +234,7 @@ class RunStats:
     waits_spun: int = 0         # an idle worker's waits for a hand-off that spinning caught
     waits_blocked: int = 0      # ... and those that slept on the condition
     pieces_lent: int = 0        # pieces of one lane's kernels the other, waiting, ran (Workers.help)
+    stolen: int = 0             # tasks the other lane's worker ran (stealing)
     wall_s: float = 0.0
     policy: str = ""
 
@@ -221,12 +245,12 @@ def assign_costs(tasks: list[Task], costs: dict | None) -> None:
         t.cost = costs.get((t.step, t.chunk), costs.get(t.step, 0.0)) if costs else 0.0
 
 
-def simulate(tasks: list[Task], policy: str) -> RunStats:
+def simulate(tasks: list[Task], policy: str, steal: bool = False) -> RunStats:
     """The policy driven by simulated time instead of threads: each task takes its ``cost``. When a
     processor is idle it asks the scheduler (npu first); the earliest finish (npu first on a tie)
     is handled next. Deterministic, so another implementation of the policies (the native runner's
-    ``--dry-run``) must decide exactly alike."""
-    sched = Scheduler(tasks, policy)
+    ``--dry-run``) must decide exactly alike. A record's ``processor`` is where the task ran."""
+    sched = Scheduler(tasks, policy, steal)
     stats = RunStats(policy=policy)
     busy: dict[str, tuple[float, Task, float] | None] = {p: None for p in PROCESSORS}
     now = 0.0
@@ -245,5 +269,6 @@ def simulate(tasks: list[Task], policy: str) -> RunStats:
         busy[p] = None
         sched.finish(t)
         stats.records.append(Record(t.id, t.chunk, t.step, p, start, now))
+        stats.stolen += p != t.processor
     stats.wall_s = now
     return stats
