@@ -268,8 +268,6 @@ class _Run:
         native = ex.workers.help and native_ops.native_available()
         self.lends = {"cpu": native and int8_path.current() in int8_path.NATIVE_PATHS,
                       "npu": native and ex.program.attention == "bf16"}
-        if ex.workers.steal:      # either worker may be running either lane's kernels
-            self.lends = dict.fromkeys(PROCESSORS, any(self.lends.values()))
         # torch.profiler is on (the module flag: _profiler_enabled() is per thread, and False
         # with profile_all_threads, which is what sees the workers' ops)
         self.profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
