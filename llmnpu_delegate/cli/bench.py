@@ -104,8 +104,8 @@ def _format_bench(r: dict) -> str:
         lines.append(f"ooo vs inorder {r['ooo_vs_inorder']:.2f}x, efficiency vs bound {r['efficiency_vs_bound']:.2f}")
     lent = {p: r[f"pieces_lent_{p}"] for p in POLICIES if r.get(f"pieces_lent_{p}")}
     if lent:
-        lines.append("lane help: the idle CPU worker ran " + ", ".join(f"{n} ({p})" for p, n in lent.items())
-                     + " pieces of NPU kernels a run (LLMNPU_LANE_HELP=0 turns it off)")
+        lines.append("lane help: an idle worker ran " + ", ".join(f"{n} ({p})" for p, n in lent.items())
+                     + " pieces of the other lane's kernels a run (LLMNPU_LANE_HELP=0 turns it off)")
     stolen = {p: r[f"stolen_{p}"] for p in POLICIES if r.get(f"stolen_{p}")}
     if stolen:
         lines.append("lane stealing: an idle worker ran " + ", ".join(f"{n} ({p})" for p, n in stolen.items())
