@@ -128,10 +128,6 @@ def _format_e2e(r: dict) -> str:
     for name, v in r["variants"].items():
         lines.append(f"{names.get(name, name):<26}{1e3 * v['ttft_s']:>7.0f}ms{v['ttft_vs_hf']:>7.2f}x"
                      f"{v['decode_tok_s']:>8.1f}tok/s{v['decode_vs_hf']:>7.2f}x")
-    stolen = {p: r[f"stolen_{p}"] for p in POLICIES if r.get(f"stolen_{p}")}
-    if stolen:
-        lines.append("lane stealing: an idle worker ran " + ", ".join(f"{n} ({p})" for p, n in stolen.items())
-                     + " of the other lane's tasks a run (LLMNPU_LANE_HELP=0 turns it off)")
     if r.get("llamacpp_reason"):
         lines.append(f"llama.cpp: not measured ({r['llamacpp_reason']})")
     return "\n".join(lines)

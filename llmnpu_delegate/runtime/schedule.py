@@ -178,21 +178,16 @@ class Scheduler:
 
     def pick(self, processor: str) -> Task | None:
         """The task ``processor`` runs next: its own, else (stealing) the other processor's."""
-        if not self.steal:
-            ready = self.ready[processor]
-            choice = self.rule.pick(processor, ready) if ready else None
-            if choice is None:
-                return None
-            ready.discard(choice)
-            self.running += 1
-            return self.tasks[choice]
-        for p in (processor, OTHER[processor]):
-            free = {i for i in self.ready[p] if self.tasks[i].step not in self.busy_steps}
-            choice = self.rule.pick(p, free) if free else None
+        for p in (processor, OTHER[processor]) if self.steal else (processor,):
+            ready = self.ready[p]
+            if self.busy_steps:     # only while stealing: a subgraph runs one call at a time
+                ready = {i for i in ready if self.tasks[i].step not in self.busy_steps}
+            choice = self.rule.pick(p, ready) if ready else None
             if choice is not None:
                 self.ready[p].discard(choice)
                 self.running += 1
-                self.busy_steps.add(self.tasks[choice].step)
+                if self.steal:
+                    self.busy_steps.add(self.tasks[choice].step)
                 return self.tasks[choice]
         return None
 
