@@ -32,7 +32,8 @@ def _split(table, hot):
     return table[hot_ch].contiguous(), table[cold_ch].contiguous(), slot
 
 
-@pytest.mark.parametrize("m,k,n,rate", [(256, 576, 1536, 0.01), (1, 64, 7, 0.1), (33, 100, 17, 0.5), (8, 16, 3, 0.0)])
+@pytest.mark.parametrize("m,k,n,rate", [(256, 576, 1536, 0.01), (1, 64, 7, 0.1), (33, 100, 17, 0.5), (8, 16, 3, 0.0),
+                                         (9, 40, 100, 0.3)])   # n = 100: a 64-wide register tile and a tail
 def test_shadow_product_is_the_residue_times_w_rows(m, k, n, rate):
     x = _activations(m, k, rate, seed=m + k)
     table = torch.randn(k, n, generator=torch.Generator().manual_seed(1))

@@ -4,8 +4,8 @@
 // NPU; the branch adds back residue @ W^T, where residue = x - clamp(x, -t, t). Outliers are ~1 % of
 // the elements, so the product is done per outlier: y[m, :] += residue[m, k] * W^T[k, :]. Work is
 // one scan of x plus one row of W^T per outlier, and only hit rows of the (memory-mapped) W^T are
-// read. Torch ops need a compaction, a CSR build and a sparse GEMM for the same (~0.6 ms a call on
-// the embedded model's shapes against ~0.2 ms here; kernels/ops.py keeps that version).
+// read. Torch ops need a compaction, a CSR build and a sparse GEMM for the same, several times
+// slower on the embedded model's shapes (kernels/ops.py keeps that version as the reference).
 //
 // W^T's rows come from two tables: ``hot`` (rows kept in RAM) and ``cold`` (the rest, usually a
 // memory-mapped file, read only where hit); ``slot[k]`` says where channel k's row is: i >= 0 is
@@ -42,6 +42,81 @@ inline bool any_above(const float* p, float t) {
 #endif
 }
 
+// out[0:kTile] = sum_j res[j] * rows[j][n0:n0 + kTile]: the tile stays in registers while every
+// outlier's row adds into it (one fused multiply-add each, in the outliers' order, as the scalar
+// tail does), and is stored once.
+constexpr int64_t kTile = 64;
+inline void add_rows_tile(float* out, const float* res, const float* const* rows, int64_t count, int64_t n0) {
+#if defined(__AVX512F__)
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j = 0; j < count; ++j) {
+    const __m512 r = _mm512_set1_ps(res[j]);
+    for (int v = 0; v < 4; ++v) a[v] = _mm512_fmadd_ps(r, _mm512_loadu_ps(rows[j] + n0 + 16 * v), a[v]);
+  }
+  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + 16 * v, a[v]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[8];
+  for (int v = 0; v < 8; ++v) a[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 r = _mm256_set1_ps(res[j]);
+    for (int v = 0; v < 8; ++v) a[v] = _mm256_fmadd_ps(r, _mm256_loadu_ps(rows[j] + n0 + 8 * v), a[v]);
+  }
+  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(out + 8 * v, a[v]);
+#else
+  float a[kTile] = {};
+  for (int64_t j = 0; j < count; ++j)
+    for (int64_t i = 0; i < kTile; ++i) a[i] = std::fma(res[j], rows[j][n0 + i], a[i]);
+  std::copy(a, a + kTile, out);
+#endif
+}
+
+// y [M, N] = (x - clamp(x, -t, t)) @ W^T for x [M, K], W^T's rows in ``hot``/``cold``; marks the hit
+// channels, returns the outlier count.
+// One row of x at a time: its outliers first (a whole block of x is tested with one or two vector
+// compares, and only a block that fires is walked: most hold no outlier), then its output row in
+// tiles that stay in registers while each outlier's row adds into them. The rows are what the
+// product waits on (read from DRAM: a layer's rows are not in cache), so each row is read once per
+// outlier and the output once per tile.
+int64_t product_rows(const float* xp, int64_t M, int64_t K, float t, const float* hp, const float* cp, const int64_t* sp,
+                     int64_t N, float* yp, std::vector<uint8_t>& hit) {
+  std::vector<float> res;
+  std::vector<const float*> rows;
+  res.reserve(K);
+  rows.reserve(K);
+  int64_t outliers = 0;
+  constexpr int64_t kBlock = 16;   // one AVX-512 register of floats
+  const int64_t full = K - K % kBlock;
+  auto walk = [&](const float* row, int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const float r = row[k] - std::clamp(row[k], -t, t);
+      if (r == 0.0f) continue;
+      res.push_back(r);
+      rows.push_back(sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N);
+      hit[k] = 1;
+    }
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * K;
+    res.clear();
+    rows.clear();
+    for (int64_t k0 = 0; k0 < full; k0 += kBlock)
+      if (any_above(row + k0, t)) walk(row, k0, k0 + kBlock);
+    walk(row, full, K);
+    const int64_t count = static_cast<int64_t>(res.size());
+    outliers += count;
+    float* out = yp + m * N;
+    int64_t n0 = 0;
+    for (; n0 + kTile <= N; n0 += kTile)
+      add_rows_tile(out + n0, res.data(), rows.data(), count, n0);
+    for (; n0 < N; ++n0) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < count; ++j) acc = std::fma(res[j], rows[j][n0], acc);
+      out[n0] = acc;
+    }
+  }
+  return outliers;
+}
+
 // Returns y [M, N], the hit input channels (sorted) and the number of outlier elements.
 std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold, const at::Tensor& hot,
                                                           const at::Tensor& cold, const at::Tensor& slot) {
@@ -57,42 +132,12 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
   for (int64_t k = 0; k < sc.size(0); ++k)
     TORCH_CHECK(sp[k] < hot.size(0) && -1 - sp[k] < cold.size(0), "shadow_product: slot[", k, "] = ", sp[k],
                 " names no row of the tables");
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor hc = hot.contiguous();
-  const at::Tensor cc = cold.contiguous();
+  const at::Tensor xc = x.contiguous(), hc = hot.contiguous(), cc = cold.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = hc.size(1);
-  at::Tensor y = at::zeros({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* hp = hc.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float t = static_cast<float>(threshold);
+  at::Tensor y = at::empty({M, N}, xc.options());
   std::vector<uint8_t> hit(K, 0);
-  int64_t outliers = 0;
-  // Most blocks hold no outlier (~85 % at a 1 % rate): a whole block is tested with one or two
-  // vector compares, and only a block that fires is walked element by element. The product adds one row of W^T per outlier, on restrict pointers (no aliasing
-  // checks, so it vectorises).
-  constexpr int64_t kBlock = 16;   // one AVX-512 register of floats
-  const int64_t full = K - K % kBlock;
-  auto add_row = [&](float* __restrict out, int64_t k, float r) {
-    const float* __restrict w = sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N;
-    for (int64_t n = 0; n < N; ++n) out[n] += r * w[n];
-    hit[k] = 1;
-    ++outliers;
-  };
-  auto walk = [&](const float* row, float* out, int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      const float r = row[k] - std::clamp(row[k], -t, t);
-      if (r != 0.0f) add_row(out, k, r);
-    }
-  };
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    float* out = yp + m * N;
-    for (int64_t k0 = 0; k0 < full; k0 += kBlock)
-      if (any_above(row + k0, t)) walk(row, out, k0, k0 + kBlock);
-    walk(row, out, full, K);
-  }
+  const int64_t outliers = product_rows(xc.data_ptr<float>(), M, K, static_cast<float>(threshold), hc.data_ptr<float>(),
+                                        cc.data_ptr<float>(), sp, N, y.data_ptr<float>(), hit);
   std::vector<int64_t> channels;
   for (int64_t k = 0; k < K; ++k)
     if (hit[k]) channels.push_back(k);
