@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.kernels import native_ops
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.partitioner.regions import subgraph_module
+from llmnpu_delegate.partitioner.regions import shadow_delta, subgraph_module
 from llmnpu_delegate.runtime.engine import Prefiller
 from llmnpu_delegate.runtime.fuse import _bf16_attention, _bf16_weight_head, fuse_cpu_subgraph
 from llmnpu_delegate.runtime.program import _private_inputs
@@ -101,3 +101,46 @@ def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
             checked.add(chunk)
     assert checked == {0, 1, 2}, "no attention subgraph was rewritten"
     assert fused_norms >= 3 * 2 * engine.kv.layers - 3, "residual adds were not fused into the norms"
+
+
+@pytest.mark.parametrize("placement", ["paper", "norms"])
+def test_shadow_products_merge_into_their_linears_outputs(placement):
+    """A shadowed engine's CPU subgraphs, as exported (their shadow paths bound) and as rewritten:
+    where a linear's output and its shadow product meet, the product is added into the output in
+    place (inside the subgraph that computes it under ``norms``; an in-place add of the paper's
+    separate shadow subgraph's product under ``paper``), and no [C, N] sum is made. Outputs: the
+    exported ones, bit for bit except where the gated MLP's activation became the one-pass
+    ``silu_mul_`` (its own rounding of silu; measured ~1e-7 of the range)."""
+    from llmnpu_delegate.runtime.program import _bind_shadow
+    lm = load_model("random:tiny-llama")
+    engine = Prefiller(lm, 16, quant="w8a8-shadow", cache=GraphCache(), progress=False, placement=placement)
+    by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
+    merges = 0
+    with torch.inference_mode():
+        for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
+            sub = engine.program.steps[i].sub
+            if sub.kind != "cpu":
+                continue
+            exported = subgraph_module(engine.partition, sub)
+            _bind_shadow(exported, None, engine.program.shadow)
+            rewritten = copy.deepcopy(exported)
+            fuse_cpu_subgraph(rewritten, _private_inputs(sub, by_name))
+            nodes = list(rewritten.graph.nodes)
+            merged = [n for n in nodes if (n.op == "call_module" and "into" in n.kwargs)
+                      or n.target == _aten.add_.Tensor]
+            if not merged:
+                continue
+            merges += len(merged)
+            # no add of a shadow product is left to make a new buffer
+            shadowed = {n.name for n in nodes if n.op == "call_module"} | {
+                n.name for n in nodes if n.op == "placeholder" and by_name[n.name].target is shadow_delta}
+            assert not [n for n in nodes if n.target in (_aten.add.Tensor, operator.add)
+                        and any(getattr(a, "name", None) in shadowed for a in n.args)]
+            want = exported(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            got = rewritten(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+            if native_ops.silu_mul_ in {n.target for n in nodes}:
+                assert all((a - b).abs().max() <= 1e-6 * b.abs().max() for a, b in zip(got, want))
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), f"chunk {chunk}, subgraph {i}"
+    assert merges >= 3 * engine.kv.layers, "no shadow product was merged into its linear's output"

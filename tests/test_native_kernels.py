@@ -60,6 +60,46 @@ def test_shadow_product_is_the_residue_times_w_rows(m, k, n, rate):
         assert torch.equal(y_poisoned, y) if fn is not shadow_product_reference else torch.equal(y_poisoned, y_ref)
 
 
+@pytest.mark.parametrize("fn", ["native", "torch-ops"])
+@pytest.mark.parametrize("m,k,n,rate", [(256, 576, 1536, 0.01), (33, 100, 17, 0.5), (9, 40, 100, 0.3), (8, 16, 3, 0.0)])
+def test_shadow_product_added_in_place_is_the_product_then_the_add_bit_for_bit(fn, m, k, n, rate):
+    """The merge of a shadow branch into its linear's output: the same bits as the product computed
+    apart and added after (a placement may do either), and the rows without an outlier untouched."""
+    if fn == "native" and not native_available():
+        pytest.skip("the native kernels are not built")
+    from llmnpu_delegate.kernels.ops import shadow_product_add_
+    x = _activations(m, k, rate, seed=m + n)
+    tables = _split(torch.randn(k, n, generator=torch.Generator().manual_seed(2)), torch.arange(1, k, 4))
+    y = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
+    y[0] = -0.0                                               # untouched means untouched: -0.0 stays
+    product, channels_want, outliers_want = shadow_product(x, 3.0, *tables)
+    want = y + product
+    add = torch.ops.llmnpu_native.shadow_product_add_ if fn == "native" else None
+    got = y.clone()
+    if add is None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("llmnpu_delegate.kernels.ops.native_available", lambda: False)
+            channels, outliers = shadow_product_add_(got, x, 3.0, *tables)
+    else:
+        channels, outliers = add(got, x, 3.0, *tables)
+    assert torch.equal(got, want) and outliers == outliers_want and channels.tolist() == channels_want.tolist()
+    clean = ~(x.abs() > 3.0).any(1)
+    if fn == "native":
+        assert torch.equal(got[clean], y[clean]) and torch.equal(got[clean].signbit(), y[clean].signbit())
+    if rate:
+        assert not torch.equal(got, y)
+
+
+def test_shadow_product_added_in_place_refuses_an_output_it_cannot_write():
+    if not native_available():
+        pytest.skip("the native kernels are not built")
+    hot, cold, slot = _split(torch.randn(8, 4), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="contiguous float"):
+        torch.ops.llmnpu_native.shadow_product_add_(torch.zeros(4, 6).t(), torch.randn(6, 8), 1.0, hot, cold, slot)
+    with pytest.raises(RuntimeError, match="contiguous float"):
+        torch.ops.llmnpu_native.shadow_product_add_(torch.zeros(5, 4), torch.randn(6, 8), 1.0, hot, cold, slot)
+
+
 def test_shadow_product_at_threshold_zero_is_the_whole_product_and_takes_views():
     x = torch.randn(40, 24).t()                 # a non-contiguous [24, 40] view
     table = torch.randn(40, 9)

@@ -78,6 +78,8 @@ class ShadowDelta(nn.Module):
     outliers spread over hundreds of channels, ~4 each, so a dense block of the hit columns is mostly
     zeros."""
 
+    merges_into = True    # forward(x, into=y) adds into y in place (runtime/fuse.py)
+
     def __init__(self, name: str, clip: float, rows: RowStore):
         super().__init__()
         self.name, self.clip, self.rows = name, clip, rows
@@ -85,17 +87,24 @@ class ShadowDelta(nn.Module):
         self.seen_elements = 0
         self.calls, self.seconds = 0, 0.0     # what this path costs (automatic pruning reads it)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, into: Tensor | None = None) -> Tensor:
+        """The product, or ``into`` + the product when given: added in place into a contiguous float
+        ``into`` (the linear's output, which nothing else reads: ``runtime/fuse.py`` arranges it)."""
         t = time.perf_counter()
         x2 = x.reshape(-1, x.shape[-1])
         self.seen_elements += x2.numel()
-        y, outliers = self.rows.product(x2, self.clip)
+        n = self.rows.out_features
+        if into is not None and into.is_contiguous() and into.dtype == torch.float32:
+            outliers = self.rows.add_product_(into.view(-1, n), x2, self.clip)
+            out = into
+        else:
+            y, outliers = self.rows.product(x2, self.clip)
+            delta = x.new_zeros(()) if y is None else y.view(*x.shape[:-1], n)
+            out = delta if into is None else into + delta
         self.calls += 1
         self.seconds += time.perf_counter() - t
-        if y is None:
-            return x.new_zeros(())
         self.outlier_elements += outliers
-        return y.view(*x.shape[:-1], self.rows.out_features)
+        return out
 
 
 class CpuInt8Engine:

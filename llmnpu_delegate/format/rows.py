@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..kernels import outlier_product_in_order
-from ..kernels.ops import gather_rows, quantize_weight, shadow_product
+from ..kernels.ops import gather_rows, quantize_weight, shadow_product, shadow_product_add_
 from ..paths import atomic_path, file_sha256
 
 ROW_DTYPES = {"float32": "<f4", "float16": "<f2", "int8": "i1"}     # a rows file's dtype -> its numpy type
@@ -177,13 +177,24 @@ class RowStore:
     def product(self, x: Tensor, clip: float) -> tuple[Tensor | None, int]:
         """``(x - clip(x)) @ W^T`` for ``x`` [M, K] over every channel that crossed ``clip`` (None when
         none did) and the number of outlier elements: one pass, one row per outlier."""
-        if self.hot_rows is None and self.hot.numel():
-            raise ValueError("this store does not hold its hot rows (the program does): use cold_product")
+        self._check_held()
         y, channels, outliers = shadow_product(x, clip, self._hot, self._cold, self.slot)
         if outliers == 0:
             return None, 0
         self.count(channels)
         return y, outliers
+
+    def add_product_(self, y: Tensor, x: Tensor, clip: float) -> int:
+        """``y += (x - clip(x)) @ W^T`` in place (``y`` [M, N] contiguous float, ``x`` [M, K]); returns
+        the number of outlier elements."""
+        self._check_held()
+        channels, outliers = shadow_product_add_(y, x, clip, self._hot, self._cold, self.slot)
+        self.count(channels)
+        return outliers
+
+    def _check_held(self) -> None:
+        if self.hot_rows is None and self.hot.numel():
+            raise ValueError("this store does not hold its hot rows (the program does): use cold_product")
 
     def cold_product(self, x: Tensor, clip: float, hits: Tensor) -> Tensor | None:
         """The cold part only, ``(x - clip(x))[:, c] @ W^T[c]`` over the cold channels ``c`` that

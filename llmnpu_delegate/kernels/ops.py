@@ -261,6 +261,17 @@ def shadow_product(x: Tensor, threshold: float, hot: Tensor, cold: Tensor, slot:
     return shadow_product_reference(x, threshold, hot, cold, slot)
 
 
+def shadow_product_add_(y: Tensor, x: Tensor, threshold: float, hot: Tensor, cold: Tensor, slot: Tensor) -> tuple[Tensor, int]:
+    """``y += shadow_product(x, ...)`` in place for a contiguous float ``y`` [M, N]: the shadow branch
+    merged into its linear's output as it is computed (native: rows without an outlier are not
+    touched, and no [M, N] product or add pass). Returns the hit input channels and the outlier count."""
+    if native_available():
+        return torch.ops.llmnpu_native.shadow_product_add_(y, x, threshold, hot, cold, slot)
+    product, channels, outliers = shadow_product_reference(x, threshold, hot, cold, slot)
+    y.add_(product)
+    return channels, outliers
+
+
 def shadow_product_reference(x: Tensor, threshold: float, hot: Tensor, cold: Tensor, slot: Tensor) -> tuple[Tensor, Tensor, int]:
     """``shadow_product`` on torch ops: the hit columns compacted, their rows gathered from the two
     tables, and a (sparse when that pays) product of the two."""

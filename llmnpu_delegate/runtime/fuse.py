@@ -23,9 +23,11 @@ def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "f
     ``attention``: "bf16" swaps attention for the bf16-operand kernel (``kernels/attention.py``) and
     gives the few-row float linears (the LM head) bf16 weights; ``copies``: such weight copies made
     for other graphs of the model, used again (and this graph's added)."""
-    _fuse_activation_mul(gm, private)
+    _fuse_shadow_merge(gm, private)
     _fuse_rms_norm(gm)
     _fuse_add_rms_norm(gm)
+    _add_into_private(gm, private)
+    _fuse_activation_mul(gm, private)
     _drop_empty_cat_inputs(gm)
     _fuse_rope(gm)
     if attention == "bf16":
@@ -33,6 +35,62 @@ def fuse_cpu_subgraph(gm: fx.GraphModule, private: set[str], attention: str = "f
         _bf16_weight_head(gm, copies)
     _erase_dead(gm)
     gm.recompile()
+
+
+def _fuse_shadow_merge(gm: fx.GraphModule, private: set[str]) -> None:
+    """``y + shadow(x)``, a linear's output plus its shadow product, becomes ``shadow(x, into=y)``:
+    the product is added into ``y`` in place as it is computed (no [C, N] product and no add pass;
+    rows without an outlier are not touched), when ``y`` is a private input read by nothing else."""
+    for add in [n for n in gm.graph.nodes if _plain_add(n)]:
+        for y, shadow in (add.args, reversed(add.args)):
+            if not (_merges_into(gm, shadow) and len(shadow.users) == 1 and _private(y, private)
+                    and len(y.users) == 1):
+                continue
+            vy, vs = _val(y), _val(add)
+            if vy is None or vs is None or vy.dtype != torch.float32 or vy.shape != vs.shape:
+                continue
+            shadow.kwargs = {"into": y}
+            add.replace_all_uses_with(shadow)
+            gm.graph.erase_node(add)
+            break
+
+
+def _merges_into(gm: fx.GraphModule, node) -> bool:
+    """A bound shadow product (``backends/cpu_int8.ShadowDelta``) not yet merged into anything."""
+    return (isinstance(node, fx.Node) and node.op == "call_module" and not node.kwargs and len(node.args) == 1
+            and getattr(gm.get_submodule(node.target), "merges_into", False))
+
+
+def _add_into_private(gm: fx.GraphModule, private: set[str]) -> None:
+    """``y + d`` -> ``y.add_(d)`` when ``y`` is a private input read by nothing else and keeps its
+    shape: a linear's output and its shadow product computed apart (the paper's placement), merged
+    without a new [C, N] buffer. The sum is the same; the buffer is then the add's own
+    (``_fuse_activation_mul`` may overwrite it). After ``_fuse_add_rms_norm``, which folds such an
+    add into its pass."""
+    for add in [n for n in gm.graph.nodes if _plain_add(n)]:
+        for y, d in (add.args, reversed(add.args)):
+            vy, vs = _val(y), _val(add)
+            if not (_private(y, private) and len(y.users) == 1 and vy is not None and vs is not None
+                    and vy.dtype == vs.dtype == torch.float32 and vy.shape == vs.shape):
+                continue
+            with gm.graph.inserting_before(add):
+                summed = gm.graph.call_function(_aten.add_.Tensor, (y, d))
+            summed.meta.update(add.meta)
+            add.replace_all_uses_with(summed)
+            gm.graph.erase_node(add)
+            break
+
+
+def _private(node, private: set[str]) -> bool:
+    """A private input, or a node that returns one it wrote into in place (a merged shadow product,
+    an in-place add)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_module" and "into" in node.kwargs:
+        node = node.kwargs["into"]
+    elif node.op == "call_function" and node.target == _aten.add_.Tensor:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.name in private
 
 
 _ACTIVATIONS = {_aten.silu.default: _aten.silu_.default, _aten.gelu.default: _aten.gelu_.default}
@@ -49,8 +107,7 @@ def _fuse_activation_mul(gm: fx.GraphModule, private: set[str]) -> None:
         if not (isinstance(act, fx.Node) and act.target in _ACTIVATIONS and len(act.users) == 1):
             continue
         src = act.args[0]
-        if not (isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "placeholder"
-                and src.name in private):
+        if not (isinstance(src, fx.Node) and len(src.users) == 1 and _private(src, private)):
             continue   # only buffers no other subgraph reads, never a weight or a kept value
         if act.kwargs or len(act.args) != 1:
             continue

@@ -49,10 +49,12 @@ def _bind_shadow(gm: fx.GraphModule, backend, bound: dict) -> None:
 
 
 def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
-    """Inputs of ``sub`` that no other subgraph and no graph output reads."""
+    """Inputs of ``sub`` that no other subgraph and no graph output reads, and that are whole buffers:
+    not a shadow product, which is a scalar zero when no element crossed the threshold."""
     members = set(sub.nodes)
     return {name for name in sub.inputs
-            if nodes[name].op != "placeholder" and all(u in members for u in nodes[name].users)}
+            if nodes[name].op != "placeholder" and nodes[name].target is not shadow_delta
+            and all(u in members for u in nodes[name].users)}
 
 
 def build_steps(partition: Partition, backend, progress: bool = False, attention: str = "fp32",

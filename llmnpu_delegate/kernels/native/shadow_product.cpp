@@ -42,18 +42,20 @@ inline bool any_above(const float* p, float t) {
 #endif
 }
 
-// out[0:kTile] = sum_j res[j] * rows[j][n0:n0 + kTile]: the tile stays in registers while every
+// out[0:kTile] (+)= sum_j res[j] * rows[j][n0:n0 + kTile]: the tile stays in registers while every
 // outlier's row adds into it (one fused multiply-add each, in the outliers' order, as the scalar
-// tail does), and is stored once.
+// tail does), and is stored once. With ``add`` the sum is added to out after, in one rounding: the
+// same value as the product computed apart and then added (a placement may do either).
 constexpr int64_t kTile = 64;
-inline void add_rows_tile(float* out, const float* res, const float* const* rows, int64_t count, int64_t n0) {
+inline void add_rows_tile(float* out, bool add, const float* res, const float* const* rows, int64_t count, int64_t n0) {
 #if defined(__AVX512F__)
   __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t j = 0; j < count; ++j) {
     const __m512 r = _mm512_set1_ps(res[j]);
     for (int v = 0; v < 4; ++v) a[v] = _mm512_fmadd_ps(r, _mm512_loadu_ps(rows[j] + n0 + 16 * v), a[v]);
   }
-  for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + 16 * v, a[v]);
+  for (int v = 0; v < 4; ++v)
+    _mm512_storeu_ps(out + 16 * v, add ? _mm512_add_ps(_mm512_loadu_ps(out + 16 * v), a[v]) : a[v]);
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 a[8];
   for (int v = 0; v < 8; ++v) a[v] = _mm256_setzero_ps();
@@ -61,24 +63,25 @@ inline void add_rows_tile(float* out, const float* res, const float* const* rows
     const __m256 r = _mm256_set1_ps(res[j]);
     for (int v = 0; v < 8; ++v) a[v] = _mm256_fmadd_ps(r, _mm256_loadu_ps(rows[j] + n0 + 8 * v), a[v]);
   }
-  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(out + 8 * v, a[v]);
+  for (int v = 0; v < 8; ++v)
+    _mm256_storeu_ps(out + 8 * v, add ? _mm256_add_ps(_mm256_loadu_ps(out + 8 * v), a[v]) : a[v]);
 #else
   float a[kTile] = {};
   for (int64_t j = 0; j < count; ++j)
     for (int64_t i = 0; i < kTile; ++i) a[i] = std::fma(res[j], rows[j][n0 + i], a[i]);
-  std::copy(a, a + kTile, out);
+  for (int64_t i = 0; i < kTile; ++i) out[i] = add ? out[i] + a[i] : a[i];
 #endif
 }
 
-// y [M, N] = (x - clamp(x, -t, t)) @ W^T for x [M, K], W^T's rows in ``hot``/``cold``; marks the hit
-// channels, returns the outlier count.
+// y [M, N] = (x - clamp(x, -t, t)) @ W^T for x [M, K], W^T's rows in ``hot``/``cold`` (``add``: y +=
+// that, and a row without outliers is not touched); marks the hit channels, returns the outlier count.
 // One row of x at a time: its outliers first (a whole block of x is tested with one or two vector
 // compares, and only a block that fires is walked: most hold no outlier), then its output row in
 // tiles that stay in registers while each outlier's row adds into them. The rows are what the
 // product waits on (read from DRAM: a layer's rows are not in cache), so each row is read once per
 // outlier and the output once per tile.
 int64_t product_rows(const float* xp, int64_t M, int64_t K, float t, const float* hp, const float* cp, const int64_t* sp,
-                     int64_t N, float* yp, std::vector<uint8_t>& hit) {
+                     int64_t N, float* yp, bool add, std::vector<uint8_t>& hit) {
   std::vector<float> res;
   std::vector<const float*> rows;
   res.reserve(K);
@@ -104,22 +107,22 @@ int64_t product_rows(const float* xp, int64_t M, int64_t K, float t, const float
     walk(row, full, K);
     const int64_t count = static_cast<int64_t>(res.size());
     outliers += count;
+    if (add && count == 0) continue;
     float* out = yp + m * N;
     int64_t n0 = 0;
     for (; n0 + kTile <= N; n0 += kTile)
-      add_rows_tile(out + n0, res.data(), rows.data(), count, n0);
+      add_rows_tile(out + n0, add, res.data(), rows.data(), count, n0);
     for (; n0 < N; ++n0) {
       float acc = 0.0f;
       for (int64_t j = 0; j < count; ++j) acc = std::fma(res[j], rows[j][n0], acc);
-      out[n0] = acc;
+      out[n0] = add ? out[n0] + acc : acc;
     }
   }
   return outliers;
 }
 
-// Returns y [M, N], the hit input channels (sorted) and the number of outlier elements.
-std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold, const at::Tensor& hot,
-                                                          const at::Tensor& cold, const at::Tensor& slot) {
+void check_tables(const at::Tensor& x, double threshold, const at::Tensor& hot, const at::Tensor& cold,
+                  const at::Tensor& slot) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "shadow_product: x must be a float [M, K] matrix");
   TORCH_CHECK(hot.dim() == 2 && cold.dim() == 2 && hot.scalar_type() == at::kFloat && cold.scalar_type() == at::kFloat &&
                   hot.size(1) == cold.size(1),
@@ -132,26 +135,52 @@ std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, 
   for (int64_t k = 0; k < sc.size(0); ++k)
     TORCH_CHECK(sp[k] < hot.size(0) && -1 - sp[k] < cold.size(0), "shadow_product: slot[", k, "] = ", sp[k],
                 " names no row of the tables");
-  const at::Tensor xc = x.contiguous(), hc = hot.contiguous(), cc = cold.contiguous();
+}
+
+// y [M, N] (+)= the product; returns the hit input channels (sorted) and the number of outliers.
+std::tuple<at::Tensor, int64_t> product_into(at::Tensor& y, bool add, const at::Tensor& x, double threshold,
+                                             const at::Tensor& hot, const at::Tensor& cold, const at::Tensor& slot) {
+  const at::Tensor xc = x.contiguous(), hc = hot.contiguous(), cc = cold.contiguous(), sc = slot.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = hc.size(1);
-  at::Tensor y = at::empty({M, N}, xc.options());
   std::vector<uint8_t> hit(K, 0);
   const int64_t outliers = product_rows(xc.data_ptr<float>(), M, K, static_cast<float>(threshold), hc.data_ptr<float>(),
-                                        cc.data_ptr<float>(), sp, N, y.data_ptr<float>(), hit);
+                                        cc.data_ptr<float>(), sc.data_ptr<int64_t>(), N, y.data_ptr<float>(), add, hit);
   std::vector<int64_t> channels;
   for (int64_t k = 0; k < K; ++k)
     if (hit[k]) channels.push_back(k);
   at::Tensor ch = at::empty({static_cast<int64_t>(channels.size())}, at::kLong);
   std::copy(channels.begin(), channels.end(), ch.data_ptr<int64_t>());
+  return {ch, outliers};
+}
+
+// Returns y [M, N], the hit input channels (sorted) and the number of outlier elements.
+std::tuple<at::Tensor, at::Tensor, int64_t> shadow_product(const at::Tensor& x, double threshold, const at::Tensor& hot,
+                                                          const at::Tensor& cold, const at::Tensor& slot) {
+  check_tables(x, threshold, hot, cold, slot);
+  at::Tensor y = at::empty({x.size(0), hot.size(1)}, x.options().dtype(at::kFloat));
+  auto [ch, outliers] = product_into(y, false, x, threshold, hot, cold, slot);
   return {y, ch, outliers};
+}
+
+// y += the product, in place (the merge of a shadow branch into its linear's output, without a
+// separate add pass over y); returns the hit input channels and the number of outlier elements.
+std::tuple<at::Tensor, int64_t> shadow_product_add_(at::Tensor& y, const at::Tensor& x, double threshold,
+                                                    const at::Tensor& hot, const at::Tensor& cold, const at::Tensor& slot) {
+  check_tables(x, threshold, hot, cold, slot);
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0) &&
+                  y.size(1) == hot.size(1),
+              "shadow_product_add_: y must be a contiguous float [M, N] matrix, M as x's rows and N as the tables'");
+  return product_into(y, true, x, threshold, hot, cold, slot);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmnpu_native, m) {
   m.def("shadow_product(Tensor x, float threshold, Tensor hot, Tensor cold, Tensor slot) -> (Tensor, Tensor, int)");
+  m.def("shadow_product_add_(Tensor(a!) y, Tensor x, float threshold, Tensor hot, Tensor cold, Tensor slot) -> (Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(llmnpu_native, CPU, m) {
   m.impl("shadow_product", &shadow_product);
+  m.impl("shadow_product_add_", &shadow_product_add_);
 }
