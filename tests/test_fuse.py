@@ -56,6 +56,17 @@ def test_rope_refuses_what_it_cannot_rotate():
         torch.ops.llmnpu_native.rope(x, cos, cos, torch.randn(1, 3, 5, 8))
 
 
+def _cpu_subgraphs(engine):
+    """(chunk, step, its inputs, its subgraph as exported, its private inputs) for every CPU step of
+    a real three-chunk prompt, run in program order."""
+    by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
+    for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
+        sub = engine.program.steps[i].sub
+        if sub.kind == "cpu":
+            yield chunk, i, inputs, subgraph_module(engine.partition, sub), _private_inputs(sub, by_name)
+
+
 @pytest.mark.parametrize("attention", ["fp32", "bf16"])
 def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
     """The CPU subgraphs of a float engine, as exported and as rewritten, on the data of a real
@@ -68,17 +79,11 @@ def test_fused_subgraphs_compute_what_the_exported_ones_do(attention):
         pytest.skip("this CPU has no AVX-512 BF16: no bf16 attention kernel")
     lm = load_model("random:tiny-llama")
     engine = Prefiller(lm, 16, quant=None, cache=GraphCache(), progress=False, attention=attention)
-    by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
-    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
     checked, fused_norms = set(), 0
     with torch.inference_mode():
-        for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
-            sub = engine.program.steps[i].sub
-            if sub.kind != "cpu":
-                continue
-            exported = subgraph_module(engine.partition, sub)
+        for chunk, i, inputs, exported, private in _cpu_subgraphs(engine):
             rewritten = copy.deepcopy(exported)
-            fuse_cpu_subgraph(rewritten, _private_inputs(sub, by_name), attention)
+            fuse_cpu_subgraph(rewritten, private, attention)
             if attention == "bf16":       # the precision swaps into both: what differs is the rewrites
                 _bf16_attention(exported)
                 _bf16_weight_head(exported)
@@ -115,17 +120,12 @@ def test_shadow_products_merge_into_their_linears_outputs(placement):
     lm = load_model("random:tiny-llama")
     engine = Prefiller(lm, 16, quant="w8a8-shadow", cache=GraphCache(), progress=False, placement=placement)
     by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
-    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
     merges = 0
     with torch.inference_mode():
-        for chunk, i, inputs, _ in engine.program.run_in_order(engine.feeds(ids)):
-            sub = engine.program.steps[i].sub
-            if sub.kind != "cpu":
-                continue
-            exported = subgraph_module(engine.partition, sub)
+        for chunk, i, inputs, exported, private in _cpu_subgraphs(engine):
             _bind_shadow(exported, None, engine.program.shadow)
             rewritten = copy.deepcopy(exported)
-            fuse_cpu_subgraph(rewritten, _private_inputs(sub, by_name))
+            fuse_cpu_subgraph(rewritten, private)
             nodes = list(rewritten.graph.nodes)
             merged = [n for n in nodes if (n.op == "call_module" and "into" in n.kwargs)
                       or n.target == _aten.add_.Tensor]
