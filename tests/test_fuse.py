@@ -116,9 +116,12 @@ def test_shadow_products_merge_into_their_linears_outputs(placement):
     separate shadow subgraph's product under ``paper``), and no [C, N] sum is made. Outputs: the
     exported ones, bit for bit except where the gated MLP's activation became the one-pass
     ``silu_mul_`` (its own rounding of silu; measured ~1e-7 of the range)."""
+    from llmnpu_delegate.quantize import quant_config
     from llmnpu_delegate.runtime.program import _bind_shadow
     lm = load_model("random:tiny-llama")
-    engine = Prefiller(lm, 16, quant="w8a8-shadow", cache=GraphCache(), progress=False, placement=placement)
+    # every shadow path kept: an automatic pruning would choose by timing this machine
+    quant = quant_config("w8a8-shadow", pruning_rate=0.0)
+    engine = Prefiller(lm, 16, quant=quant, cache=GraphCache(), progress=False, placement=placement)
     by_name = {n.name: n for n in engine.partition.graph_module.graph.nodes}
     merges = 0
     with torch.inference_mode():

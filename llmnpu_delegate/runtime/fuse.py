@@ -43,11 +43,7 @@ def _fuse_shadow_merge(gm: fx.GraphModule, private: set[str]) -> None:
     rows without an outlier are not touched), when ``y`` is a private input read by nothing else."""
     for add in [n for n in gm.graph.nodes if _plain_add(n)]:
         for y, shadow in (add.args, reversed(add.args)):
-            if not (_merges_into(gm, shadow) and len(shadow.users) == 1 and _private(y, private)
-                    and len(y.users) == 1):
-                continue
-            vy, vs = _val(y), _val(add)
-            if vy is None or vs is None or vy.dtype != torch.float32 or vy.shape != vs.shape:
+            if not (_merges_into(gm, shadow) and len(shadow.users) == 1 and _may_hold_sum(y, add, private)):
                 continue
             shadow.kwargs = {"into": y}
             add.replace_all_uses_with(shadow)
@@ -62,16 +58,13 @@ def _merges_into(gm: fx.GraphModule, node) -> bool:
 
 
 def _add_into_private(gm: fx.GraphModule, private: set[str]) -> None:
-    """``y + d`` -> ``y.add_(d)`` when ``y`` is a private input read by nothing else and keeps its
-    shape: a linear's output and its shadow product computed apart (the paper's placement), merged
-    without a new [C, N] buffer. The sum is the same; the buffer is then the add's own
-    (``_fuse_activation_mul`` may overwrite it). After ``_fuse_add_rms_norm``, which folds such an
-    add into its pass."""
+    """``y + d`` -> ``y.add_(d)`` when ``y`` may hold the sum: e.g. a linear's output and its shadow
+    product computed apart (the paper's placement), merged without a new [C, N] buffer. The sum is
+    the same; the buffer is then the add's own (``_fuse_activation_mul`` may overwrite it). After
+    ``_fuse_add_rms_norm``, which folds such an add into its pass."""
     for add in [n for n in gm.graph.nodes if _plain_add(n)]:
         for y, d in (add.args, reversed(add.args)):
-            vy, vs = _val(y), _val(add)
-            if not (_private(y, private) and len(y.users) == 1 and vy is not None and vs is not None
-                    and vy.dtype == vs.dtype == torch.float32 and vy.shape == vs.shape):
+            if not _may_hold_sum(y, add, private):
                 continue
             with gm.graph.inserting_before(add):
                 summed = gm.graph.call_function(_aten.add_.Tensor, (y, d))
@@ -79,6 +72,14 @@ def _add_into_private(gm: fx.GraphModule, private: set[str]) -> None:
             add.replace_all_uses_with(summed)
             gm.graph.erase_node(add)
             break
+
+
+def _may_hold_sum(y, add: fx.Node, private: set[str]) -> bool:
+    """Whether ``add``'s result may be written into its operand ``y``: a private float32 buffer that
+    nothing else reads, of the sum's own shape (no broadcast)."""
+    vy, vs = _val(y), _val(add)
+    return (_private(y, private) and len(y.users) == 1 and vy is not None and vs is not None
+            and vy.dtype == vs.dtype == torch.float32 and vy.shape == vs.shape)
 
 
 def _private(node, private: set[str]) -> bool:
