@@ -207,6 +207,27 @@ def test_fused_uint8_quantization_matches_the_quantize_op(form):
     assert int(got.min()) == 1 and int(got.max()) == 255    # symmetric: -128 is never produced
 
 
+@pytest.mark.parametrize("form", ["default", "torch"])
+def test_uint8_quantization_rounds_as_the_division_next_to_every_half(form):
+    """The native op multiplies by 1/scale and divides only near a half (quantize_u8.cpp): each
+    float within 4 ulps of every (k + 0.5) * scale, for scales whose reciprocal is inexact, must
+    round as x / scale does. A product trusted everywhere gets 810 of these codes wrong."""
+    from llmnpu_delegate.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    quantize = ops.quantize_u8 if form == "default" else ops.quantize_u8_torch
+    scales = [0.05, 1 / 3, 0.0123456, 7.77, 3e-5, *torch.rand(8, generator=g).add(1e-3).tolist(), 1e-39]
+    for scale in scales:
+        halves = ((torch.arange(-130, 130, dtype=torch.float64) + 0.5) * scale).float()
+        near, up, down = [halves], halves, halves
+        for _ in range(4):
+            up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+            near += [up, down]
+        x = torch.cat([*near, torch.randn(999, generator=g) * 40 * scale]).reshape(1, -1)
+        want = (ops.quantize(x, scale).to(torch.int16) + 128).to(torch.uint8)
+        assert torch.equal(quantize(x, scale), want), f"scale {scale}"
+
+
 # tiny-llama: the op stays for the program's kernel (runner/ops/); gemma2: softcapping, decomposed
 @pytest.mark.parametrize("spec, kept", [("random:tiny-llama", True), ("random:tiny-gemma2", False)])
 def test_attention_subgraph_runs_in_executorch_as_the_engine_does(spec, kept):
