@@ -109,6 +109,16 @@ def test_shadow_rows_hot_in_ram_cold_from_the_rows_file(tmp_path, monkeypatch):
     assert rows.stat().st_size == 7 * 6 * 4             # the 7 cold channels' rows only: hot ones live in RAM
     torch.testing.assert_close(store.rows(torch.tensor([1, 2, 7, 8])), w.t()[[1, 2, 7, 8]])
     assert store.cold_fetches == 2 and store.hot_hits == 2
+    # counted when read, and in batches: reads in between, a batch closing mid-way and a reset agree
+    store.COUNT_EVERY = 3
+    for i in range(7):
+        store.rows(torch.tensor([2, 7, i]))        # 2 and 7 hot; i hot only when 2
+        if i == 4:
+            assert (store.cold_fetches, store.hot_hits) == (2 + 4, 2 + 2 * 5 + 1)
+    assert (store.cold_fetches, store.hot_hits) == (2 + 6, 2 + 2 * 7 + 1)
+    store.reset_counts()
+    store.rows(torch.tensor([0]))
+    assert (store.cold_fetches, store.hot_hits) == (1, 0)
     assert store.resident_bytes == 2 * 6 * 4
     assert not [p for p in rows.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
     # the same rows file layout as a program's: its description reads like a sidecar's shadow entry

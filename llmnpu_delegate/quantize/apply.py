@@ -185,7 +185,7 @@ def quantize_(model: nn.Module, calib: Calibration, config: QuantConfig, fingerp
             report.shadow_layers.append(name)
             report.hot_rows_bytes += q.shadow.resident_bytes
             report.float_rows_bytes += q.in_features * q.out_features * 4
-            q.shadow.cold_fetches = q.shadow.hot_hits = 0
+            q.shadow.reset_counts()
         q.outlier_elements = q.seen_elements = q.saturated_elements = 0  # profiling runs do not count
     return report
 
