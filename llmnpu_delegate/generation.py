@@ -166,8 +166,9 @@ def _chunks(s: dict) -> str:
 def placement_line(placement: str, timed: dict | None) -> str:
     """What a summary says of its placement, with the timings it was chosen by (if it was)."""
     text = f"placement {placement} (NPU regions: the linears"
-    pieces = parse_placement(placement).pieces
-    text += "".join(f", {p}" for p in PIECES if p in pieces) + ")"
+    parsed = parse_placement(placement)
+    text += "".join(f", {p}" for p in PIECES if p in parsed.pieces)
+    text += "; shadow products inline, added into their linears' outputs)" if parsed.inline else ")"
     if timed:
         text += f"; chosen by timing each on this machine, {PRUNING_PROMPT:,}-token prefill: " + ", ".join(
             f"{name} {1e3 * t:.0f} ms" for name, t in sorted(timed.items(), key=lambda kv: kv[1]))

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from llmnpu_delegate import backends
+from llmnpu_delegate.backends.cpu_int8 import ShadowDelta
 from llmnpu_delegate.chunk_step import example_inputs
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.partitioner.placement import PIECES, PRESETS, layer_of, parse_placement
-from llmnpu_delegate.partitioner.regions import subgraph_module
+from llmnpu_delegate.partitioner.placement import INLINE, MERGE, PIECES, PRESETS, layer_of, parse_placement
+from llmnpu_delegate.partitioner.regions import shadow_delta, subgraph_module
 from llmnpu_delegate.quantize import quantizable_linears
 from llmnpu_delegate.runtime.engine_config import EngineConfig
 from llmnpu_delegate.simulate import cost
@@ -44,7 +45,7 @@ def _run_cut(partition, inputs: dict) -> list:
     return [values[n] for n in partition.graph_outputs]
 
 
-@pytest.mark.parametrize("placement", list(PRESETS) + ["rope+act"])
+@pytest.mark.parametrize("placement", list(PRESETS) + ["rope+act", "paper+inline", "norms+inline"])
 def test_every_placement_cuts_the_step_without_changing_what_it_computes(llama, exported, placement):
     past = 5
     ids, pos, last, pk, pv = example_inputs(llama.model.config, CHUNK, past)
@@ -93,6 +94,24 @@ def test_the_whole_block_is_one_npu_graph_until_a_shadow_merge_splits_it(llama, 
     assert any("merge" in r for r in apart.why.values())
 
 
+@pytest.mark.parametrize("base", ["paper", "norms"])
+def test_an_inline_shadow_product_runs_in_the_task_that_merges_it(llama, exported, base):
+    shadowed = [n for n in quantizable_linears(llama.model) if "lm_head" not in n]
+    beside, inline = _cut(llama, exported, base, shadowed), _cut(llama, exported, f"{base}+inline", shadowed)
+    assert inline.placement.inline and inline.placement.name == f"{base}+inline"
+
+    def homes(p):       # each shadow product's subgraph, and its merge's
+        where = {n: s for s in p.subgraphs for n in s.nodes}
+        return [(where[m], where[u]) for m in where if m.op == "call_function" and m.target is shadow_delta
+                for u in m.users]
+    assert homes(inline) and all(a is b and a.kind == "cpu" for a, b in homes(inline))
+    assert not inline.by_kind("shadow") and len(inline.subgraphs) < len(beside.subgraphs)
+    assert all(u.meta[MERGE] == INLINE for a, _ in homes(inline) for u in a.nodes if u.meta.get(MERGE))
+    # beside (the default), a product whose input the CPU makes has a task of its own
+    assert beside.by_kind("shadow") and any(a is not b for a, b in homes(beside))
+    assert [s.linears for s in inline.by_kind("npu")] == [s.linears for s in beside.by_kind("npu")]
+
+
 def test_why_names_a_reason_for_every_node_on_the_cpu(llama, exported):
     p = _cut(llama, exported, "attention-half", shadowed=["model.layers.0.mlp.down_proj"])
     on_cpu = {n.name for s in p.subgraphs if s.processor == "cpu" for n in s.nodes if n.op == "call_function"}
@@ -110,24 +129,28 @@ def test_a_placement_is_a_preset_or_pieces_and_nothing_else():
     assert parse_placement("attention").pieces == {"attention"}       # a piece alone
     assert parse_placement("block").pieces == frozenset(PIECES)
     assert parse_placement("act+rope").name == "rope+act"
-    for bad in ("gpu", "attention+softmax", ""):
+    for bad in ("gpu", "attention+softmax", "", "inline", "paper+norms"):
         with pytest.raises(LlmNpuError, match="placement"):
             parse_placement(bad)
+    assert parse_placement("inline+attention+norms+rope").name == "attention-half+inline"
+    with pytest.raises(LlmNpuError, match=r"^placement block\+inline: its shadow products merge on the NPU"):
+        parse_placement("block+inline")
 
 
 # ------------------------------------------------------------------ backends' capability tables
 def test_each_backend_declares_the_pieces_it_runs():
     qnn, cpu = backends.get("qnn"), backends.get("cpu-int8")
+    every = ["paper", "paper+inline", "norms", "norms+inline", "attention-half", "attention-half+inline", "block"]
     for b in (qnn, cpu):
-        assert set(b.pieces) == set(PIECES) and backends.placements(b) == list(PRESETS)
+        assert set(b.pieces) == set(PIECES) and backends.placements(b) == every
         assert backends.check_placement(b, "block").name == "block"
 
     class LinearsOnly:      # a backend whose graphs hold INT8 linears only
         name, pieces, missing = "linears-only", {}, "its graphs are INT8 GEMMs"
     with pytest.raises(LlmNpuError, match=r"linears-only cannot run attention or norms on its NPU \(its graphs are "
-                                          r"INT8 GEMMs\): use placement paper$"):
+                                          r"INT8 GEMMs\): use placement paper, paper\+inline$"):
         backends.check_placement(LinearsOnly, "attention+norms")
-    assert backends.placements(LinearsOnly) == ["paper"]
+    assert backends.placements(LinearsOnly) == ["paper", "paper+inline"]
     with pytest.raises(LlmNpuError, match="unknown placement"):
         EngineConfig(CHUNK, placement="npu")
     assert EngineConfig(CHUNK, placement="norms+attention+rope").placement == "attention-half"
@@ -178,6 +201,21 @@ def test_a_shadow_merged_on_the_npu_is_priced_with_the_graphs_it_splits():
     paper = prepare("random:tiny-llama", 8, placement="paper", progress=False, plan={n: 0.01 for n in names})
     saved_paper = soc_shadow_prices(paper, "SM8750", 64)
     assert saved > saved_paper.makespan(frozenset(names)) - saved_paper.makespan(frozenset())
+
+
+def test_an_inline_merge_costs_the_phone_nothing_beyond_its_product():
+    names = [n for n in quantizable_linears(load_model("random:tiny-llama").model) if "lm_head" not in n]
+    plan = {n: 0.01 for n in names}
+    beside = prepare("random:tiny-llama", 8, placement="paper", progress=False, plan=plan)
+    inline = prepare("random:tiny-llama", 8, placement="paper+inline", progress=False, plan=plan)
+    dev = toy_device()
+    merges = [n for s in beside.partition.subgraphs for n in s.nodes if n.meta.get(MERGE)]
+    assert len(merges) == len(names)
+    adds = sum(cost.cpu_node_seconds(n, 0, dev, plan) for n in merges)
+    assert adds > 0
+    a = sum(cost.cpu_seconds(s, 0, dev, plan) for s in beside.partition.subgraphs if s.processor == "cpu")
+    b = sum(cost.cpu_seconds(s, 0, dev, plan) for s in inline.partition.subgraphs if s.processor == "cpu")
+    assert b == pytest.approx(a - adds)         # the same ops, less the adds of the products
 
 
 def test_the_chosen_placement_is_the_fastest_simulated():
@@ -266,6 +304,21 @@ def test_the_engine_runs_a_placement_with_the_papers_numbers_on_the_npu_lane(eng
                for s in engine("paper", quant).program.steps if s.sub.kind == "npu")     # linears-only regions
 
 
+@pytest.mark.parametrize("base", ["paper", "norms"])
+def test_the_engine_runs_inline_shadow_products_merged_in_place_with_the_same_numbers(engine, prompt, base):
+    want, got = engine(base, "w8a8-shadow")(prompt), engine(f"{base}+inline", "w8a8-shadow")(prompt)
+    for a, b in zip([got.logits, *got.past_k, *got.past_v], [want.logits, *want.past_k, *want.past_v]):
+        assert torch.equal(a, b)        # the product summed apart, then added once: the same bits
+    # fewer or as many: a chunk whose last layer's queries no one reads (its successor needs its K/V
+    # only) skips their product inline, where beside it ran with k and v's in one task
+    assert 0 < got.outlier_elements <= want.outlier_elements
+    inline = engine(f"{base}+inline", "w8a8-shadow").program
+    products = [n for s in inline.steps if isinstance(s.fn, torch.fx.GraphModule) for n in s.fn.graph.nodes
+                if n.op == "call_module" and isinstance(s.fn.get_submodule(n.target), ShadowDelta)]
+    assert products and all("into" in n.kwargs for n in products)      # runtime/fuse.py merged every one
+    assert len(inline.steps) < len(engine(base, "w8a8-shadow").program.steps)
+
+
 def test_quantized_attention_on_the_npu_lane_runs_at_its_encodings(engine, prompt, llama):
     from llmnpu_delegate.kernels.npu_attention import NpuAttention
     layers = llama.model.config.num_hidden_layers
@@ -319,7 +372,8 @@ def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llam
     calib.save(tmp_path / "calib.pt")               # a copy: the session's artefact stays as it was
     quant = quant_config("w8a8-shadow", 0.0)
     config = EngineConfig(64, quant=quant, placement="auto")
-    seconds = {"paper": 1.0, "norms": 0.97, "attention-half": 1.4, "block": 0.8}
+    seconds = {"paper": 1.0, "paper+inline": 0.9, "norms": 0.97, "norms+inline": 0.95, "attention-half": 1.4,
+               "attention-half+inline": 1.3, "block": 0.8}
     timed = []
 
     def measure(trial):
@@ -327,7 +381,7 @@ def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llam
         assert trial.quant == quant and trial.chunk_len == 64
         return seconds[trial.config.placement]
     choice = host_placement_choice(llama, calib, config, progress=False, measure=measure)
-    assert sorted(timed) == sorted(PRESETS)
+    assert sorted(timed) == sorted(seconds)
     assert choice == {"placement": "block", "prefill_s": seconds}
     # kept with the calibration on disk: an engine made from it times nothing and runs the choice
     monkeypatch.setattr(Prefiller, "timed_prefill", lambda self, *a: pytest.fail("timed again"))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ..errors import LlmNpuError
-from ..partitioner.placement import PIECES, PRESETS, Placement, parse_placement
+from ..partitioner.placement import PIECES, PRESETS, Placement, parse_placement, with_inline
 
 
 @runtime_checkable
@@ -66,8 +66,9 @@ def check_placement(backend: NpuBackend, placement: "Placement | str") -> Placem
 
 
 def placements(backend: NpuBackend) -> list[str]:
-    """The preset placements whose pieces ``backend`` all runs, the paper's first."""
-    return [name for name, pieces in PRESETS.items() if set(pieces) <= set(backend.pieces)]
+    """The preset placements whose pieces ``backend`` all runs, the paper's first, each followed by
+    its ``+inline`` form (shadow products in the task that merges them) where it has one."""
+    return with_inline([name for name, pieces in PRESETS.items() if set(pieces) <= set(backend.pieces)])
 _REGISTRY: dict[str, NpuBackend] = {}
 
 

@@ -29,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def placement_arg(text: str):
-    """argparse type of ``--placement``: a preset or pieces joined by '+' (one-line error otherwise)."""
+    """argparse type of ``--placement``: a preset or pieces joined by '+', either with ``+inline``
+    (one-line error otherwise)."""
     try:
         return parse_placement(text)
     except LlmNpuError as e:
@@ -38,7 +39,8 @@ def placement_arg(text: str):
 
 PLACEMENT_HELP = ("what the NPU regions run beside the linears: auto (default: the fastest on this machine, "
                   "chosen once by timing each preset's prefill and cached with the calibration), paper, norms, "
-                  "attention-half, block, or pieces joined by '+'")
+                  "attention-half, block, or pieces joined by '+'; '+inline' (paper+inline) runs each shadow "
+                  "product in the task that adds it to its linear's output, in place, not beside the linear")
 
 
 def placement_or_auto(text: str):

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
                    help="quantization mode (default w8a8-shadow: shadow paths where calibration keeps them)")
     p.add_argument("--placement", type=placement_arg, default=PAPER,
                    help=f"what runs on the NPU beside the linears: {', '.join(PRESETS)} (default {PAPER}: linears "
-                        f"only), or pieces joined by '+' from {', '.join(PIECES)}")
+                        f"only), or pieces joined by '+' from {', '.join(PIECES)}; '+inline' puts each shadow product in the "
+                        f"CPU subgraph that merges it")
     p.add_argument("--why", action="store_true", help="say why each node on the CPU is not on the NPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_partition)

@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pruning-rate", type=pruning_rate, default=None, help="share of linears without a shadow path (default auto)")
     p.add_argument("--placement", type=placement_or_auto, default=AUTO,
                    help=f"what our program runs on the NPU beside the linears: {', '.join(PRESETS)}, or pieces "
-                        f"joined by '+' from {', '.join(PIECES)}; default {AUTO}: each placement the phone's "
+                        f"joined by '+' from {', '.join(PIECES)}, either with '+inline' (shadow products in the CPU task that merges them); default {AUTO}: each placement the phone's "
                         f"backend ({PHONE_BACKEND}) runs, simulated with its own pruning, the fastest kept")
     p.add_argument("--fine-share", type=float, default=0.0,
                    help="share of the NPU linears' outputs computed a second time for a finer 8-bit encoding "

@@ -17,6 +17,14 @@ a phone's NPU runs them far faster than its CPU, but each shadow product merged 
 NPU graph and starts another. ``backends`` declare the pieces they can run; ``llmnpu simulate``
 chooses among the placements they allow by predicted prefill.
 
+Where the CPU runs a shadow product is part of a placement too. By default it runs *beside* its
+linear's NPU region, as its own task reading the region's input: the CPU computes it while the NPU
+runs the linear (the paper's overlap), and a later task adds it. ``+inline`` runs it in the CPU task
+that reads the linear's output instead, added into that output in place: one task and one pass
+fewer, no buffer for the product, and no overlap. On a host whose two workers share the same cores
+the overlap buys nothing and the saved work counts (``paper+inline``); a placement that merges on
+the NPU has no CPU merge to inline.
+
 Work outside the decoder blocks (the embedding, the rotary tables, the masks, the final norm and
 the head) stays on the CPU: it runs once per chunk and feeds or follows every block.
 """
@@ -31,6 +39,7 @@ from torch.fx import Node
 from ..errors import LlmNpuError
 
 PIECES = ("attention", "norms", "rope", "residual", "act", "merge")
+INLINE = "inline"   # the shadow products run inside the task that reads their linears' outputs
 PAPER = "paper"
 AUTO = "auto"       # where a target chooses: the fastest placement its backend allows, by its own cost
 PRESETS = {
@@ -50,18 +59,25 @@ _MOVABLE = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueez
 @dataclass(frozen=True)
 class Placement:
     pieces: frozenset
+    inline: bool = False    # shadow products inline in their merge's CPU task, not beside their region
 
     def __post_init__(self):
         unknown = set(self.pieces) - set(PIECES)
         if unknown:
             raise LlmNpuError(f"unknown placement piece(s) {', '.join(sorted(unknown))}: use {', '.join(PIECES)}")
+        if self.inline and "merge" in self.pieces:
+            raise LlmNpuError(f"placement {self._base_name()}+{INLINE}: its shadow products merge on the NPU, so "
+                              f"no CPU task merges them to run them in; drop '+{INLINE}' or the 'merge' piece")
 
-    @property
-    def name(self) -> str:
+    def _base_name(self) -> str:
         for name, pieces in PRESETS.items():
             if set(pieces) == self.pieces:
                 return name
         return "+".join(p for p in PIECES if p in self.pieces)
+
+    @property
+    def name(self) -> str:
+        return self._base_name() + (f"+{INLINE}" if self.inline else "")
 
     def __str__(self) -> str:
         return self.name
@@ -72,16 +88,29 @@ class Placement:
 
 def parse_placement(text: "str | Placement") -> Placement:
     """A preset name (``paper``, ``norms``, ``attention-half``, ``block``) or pieces joined by ``+``
-    (``attention+rope+norms``)."""
+    (``attention+rope+norms``), either followed by ``+inline`` (``paper+inline``)."""
     if isinstance(text, Placement):
         return text
-    if text in PRESETS:
-        return Placement(frozenset(PRESETS[text]))
-    pieces = [p for p in str(text).split("+") if p]
-    if not pieces or any(p not in PIECES for p in pieces):
+    tokens = [p for p in str(text).split("+") if p]
+    inline = INLINE in tokens
+    tokens = [p for p in tokens if p != INLINE]
+    if len(tokens) == 1 and tokens[0] in PRESETS:
+        return Placement(frozenset(PRESETS[tokens[0]]), inline)
+    if not tokens or any(p not in PIECES for p in tokens):
         raise LlmNpuError(f"unknown placement '{text}': use one of {', '.join(PRESETS)}, or pieces joined by '+' "
-                          f"from {', '.join(PIECES)}")
-    return Placement(frozenset(pieces))
+                          f"from {', '.join(PIECES)}; either may end with '+{INLINE}'")
+    return Placement(frozenset(tokens), inline)
+
+
+def with_inline(placements: list[str]) -> list[str]:
+    """``placements`` (names), each followed by its ``+inline`` form where it has one."""
+    out = []
+    for name in placements:
+        out.append(name)
+        p = parse_placement(name)
+        if not p.inline and not p.on_npu("merge"):
+            out.append(Placement(p.pieces, True).name)
+    return out
 
 
 def op_name(node: Node) -> str:

@@ -29,7 +29,7 @@ from torch.fx import Node
 
 from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recognizes)
 from ..errors import LlmNpuError
-from .placement import MERGE, PAPER, Placement, layer_of, movable, parse_placement, piece_of
+from .placement import INLINE, MERGE, PAPER, Placement, layer_of, movable, parse_placement, piece_of
 
 SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow_branches.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
@@ -371,7 +371,11 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
     linears = linear_names(new, quantizable, prefix, param_of_placeholder)
     shadowed = set(shadowed) & set(linears.values())
     markers = _insert_shadow(new.graph, linears, shadowed)
-    slot = _place(new.graph, npu_regions(new, linears, placement), linears, markers)
+    slot = _place(new.graph, npu_regions(new, linears, placement), linears, [] if placement.inline else markers)
+    if placement.inline:     # each add of a product runs in the product's task: added in place (runtime/fuse.py)
+        for m in markers:
+            for u in m.users:
+                u.meta[MERGE] = INLINE
     order = {n: i for i, n in enumerate(new.graph.nodes)}
     by_slot: dict[int, list[Node]] = {}
     for node in sorted(slot, key=order.__getitem__):
@@ -406,15 +410,16 @@ def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _place(graph: fx.Graph, regions: list, linears: dict, markers: list[Node]) -> dict[Node, int]:
-    """Each compute node's slot: 3r = CPU before region r, 3r+1 = its shadow work, 3r+2 = region r;
-    3R = the tail. A CPU node goes to the latest CPU slot before its first user."""
+def _place(graph: fx.Graph, regions: list, linears: dict, beside: list[Node]) -> dict[Node, int]:
+    """Each compute node's slot: 3r = CPU before region r, 3r+1 = its shadow work (the products of
+    ``beside``), 3r+2 = region r; 3R = the tail. A CPU node goes to the latest CPU slot before its
+    first user (an inline shadow product: the task that merges it)."""
     slot: dict[Node, int] = {}
     for r, region in enumerate(regions):
         entries = {n.args[0] for n in region if n in linears}
         for n in region:
             slot[n] = 3 * r + 2
-        for m in markers:
+        for m in beside:
             # The shadow product reads the region's float input: it can run beside the region.
             # (When that input is made inside the region, norms on the NPU, the product follows
             # it in the next CPU subgraph.)

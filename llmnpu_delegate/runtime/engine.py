@@ -354,7 +354,7 @@ def placement_key(config: EngineConfig, calibration: Calibration) -> str:
     settings = (config.backend, config.chunk_len, sorted(quant.to_dict().items()), config.npu_kv_bits,
                 config.attention)
     digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
-    return f"placement1/{digest}/{auto.target_key(dataclasses.replace(quant, pruning_target='host'))}"
+    return f"placement2/{digest}/{auto.target_key(dataclasses.replace(quant, pruning_target='host'))}"
 
 
 def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibration | None, config: EngineConfig,

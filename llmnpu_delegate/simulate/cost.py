@@ -20,7 +20,8 @@ paper Table 4), whatever dtype the graph was traced in.
   that share, and the runner's merge reads both copies and writes one on the CPU's memory.
 - CPU: each op that does work costs ``op_launch + max(flops / float rate, bytes / memory
   bandwidth)``; views and shape arithmetic are free. A shadow product of a linear absent from the
-  plan's outlier shares is a pruned path and costs nothing.
+  plan's outlier shares is a pruned path and costs nothing; an inline product's add is the
+  product's own (it adds into the linear's output in place).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..partitioner.placement import movable, piece_of
+from ..partitioner.placement import INLINE, MERGE, movable, piece_of
 from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
 from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import PROGRAMS, Program
@@ -98,8 +99,8 @@ def node_work(node: Node, past: int, float_bytes: float, outlier_rate: dict[str,
         # threshold test over x, the outlier values times their weight rows, the [C, N] delta out
         rows = min(k, outliers) * n * float_bytes
         return Work(2.0 * outliers * n, elements * float_bytes + rows + out_bytes, 0.0, 1)
-    if op_name(node) in FREE_OPS:
-        return Work()
+    if op_name(node) in FREE_OPS or node.meta.get(MERGE) == INLINE:
+        return Work()       # no data moved; an inline merge is the product's own add (runtime/fuse.py)
     in_bytes = sum(_val_bytes(a, past, float_bytes) for a in node.all_input_nodes
                    if a.op != "get_attr" and not (is_linear(node) and a is node.args[1]))
     if is_linear(node):
