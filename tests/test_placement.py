@@ -359,6 +359,11 @@ def test_the_host_keeps_the_papers_split_unless_another_is_clearly_faster():
     assert fastest_placement({"paper": 1.0, "norms": 0.95, "block": 0.85}) == "block"
     assert fastest_placement({"paper": 1.0, "block": 1.3}) == "paper"
     assert fastest_placement({"norms": 1.0, "block": 0.99}) == "block"    # without the paper's: the fastest
+    # an inline form and its base compute the same bits: the faster stands for both, without a margin
+    assert fastest_placement({"paper": 1.0, "paper+inline": 0.97, "norms": 0.95}) == "paper+inline"
+    assert fastest_placement({"paper": 0.97, "paper+inline": 1.0, "norms": 0.95}) == "paper"
+    assert fastest_placement({"paper": 1.0, "paper+inline": 0.95, "norms+inline": 0.84}) == "norms+inline"
+    assert fastest_placement({"paper": 1.0, "paper+inline": 0.9, "norms+inline": 0.84}) == "paper+inline"
 
 
 def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llama, engine, prompt, tmp_path,
