@@ -404,6 +404,30 @@ def test_auto_placement_times_each_preset_once_keeps_its_choice_and_runs_it(llam
     assert host_placement_choice(llama, None, EngineConfig(64, quant=None, placement="auto"))["placement"] == "paper"
 
 
+def test_placements_timed_together_take_their_runs_in_turn():
+    from types import SimpleNamespace
+
+    from llmnpu_delegate.runtime.engine import PROFILE_RUNS, timed_together
+    calls = []
+
+    class Stub:
+        def __init__(self, name, walls):
+            self.name, self.walls, self.last_run = name, iter(walls), None
+
+        def _timing_ids(self, n):
+            return torch.zeros(n, dtype=torch.long)
+
+        def __call__(self, ids, policy):
+            assert policy == "ooo" and ids.numel() == 10
+            calls.append(self.name)
+            self.last_run = SimpleNamespace(wall_s=next(self.walls))
+    a, b = Stub("a", [9.0, 1.0, 2.0, 3.0, 4.0][:PROFILE_RUNS + 1]), Stub("b", [9.0, 5.0, 6.0, 7.0, 8.0][:PROFILE_RUNS + 1])
+    got = timed_together([a, b], 10)
+    assert calls == ["a", "b"] * (PROFILE_RUNS + 1)         # in turn, the first run of each a warm-up
+    assert got == [float(torch.tensor([1.0, 2.0, 3.0, 4.0][:PROFILE_RUNS]).median()),
+                   float(torch.tensor([5.0, 6.0, 7.0, 8.0][:PROFILE_RUNS]).median())]
+
+
 def test_the_choice_times_a_whole_prefill_out_of_order(engine):
     e = engine("paper", "w8a8-shadow")
     assert e.timed_prefill(100) > 0                   # what it takes is the schedule's own wall time

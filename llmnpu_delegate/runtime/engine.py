@@ -235,18 +235,14 @@ class Prefiller(ChunkRunner):
         calibration text where it holds enough, else random ids): the median of ``PROFILE_RUNS`` runs
         after one that warms up. Measured, not predicted from timed subgraphs: the scheduler's
         model of the lanes leaves out the idle worker's help, which moved the verdict."""
+        return timed_together([self], prompt_len)[0]
+
+    def _timing_ids(self, prompt_len: int) -> Tensor:
         n = min(prompt_len, self.context)
         held = self.calibration.held_ids if self.calibration is not None else None
         if held is not None and held.numel() >= n:
-            ids = held.flatten()[:n]
-        else:
-            ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        walls = []
-        with torch.inference_mode():
-            for _ in range(PROFILE_RUNS + 1):
-                self(ids, policy="ooo")
-                walls.append(self.last_run.wall_s)
-        return statistics.median(walls[1:])
+            return held.flatten()[:n]
+        return torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
     def _npu_attention(self, lm: LoadedModel | None, config: EngineConfig) -> dict | None:
         """Per layer, the encodings of attention placed on the NPU (None: the float engine, or
@@ -338,6 +334,19 @@ def choose_host_pruning(model: LoadedModel | nn.Module, calibration: Calibration
     plan_linears(base, calibration, quant, fingerprint, progress, cost)
 
 
+def timed_together(engines: list["Prefiller"], prompt_len: int = PRUNING_PROMPT) -> list[float]:
+    """``Prefiller.timed_prefill`` of each of ``engines``, their runs taken in turn (one of each, then
+    again): a machine whose speed drifts while they are timed moves them all alike."""
+    walls: list[list[float]] = [[] for _ in engines]
+    ids = [e._timing_ids(prompt_len) for e in engines]
+    with torch.inference_mode():
+        for _ in range(PROFILE_RUNS + 1):
+            for e, x, w in zip(engines, ids, walls):
+                e(x, policy="ooo")
+                w.append(e.last_run.wall_s)
+    return [statistics.median(w[1:]) for w in walls]
+
+
 def fastest_placement(seconds: dict[str, float], margin: float = PLACEMENT_MARGIN) -> str:
     """The placement with the shortest prefill; the paper's unless the fastest is more than
     ``margin`` shorter (a gain inside the timings' noise is no reason to leave it). A placement and
@@ -370,8 +379,8 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     """The host's choice for an ``"auto"`` placement (None for a named one): {"placement", "prefill_s"}.
 
     Every preset the backend runs is built as an engine and its ``ooo`` prefill of a
-    ``PRUNING_PROMPT``-token prompt timed (``Prefiller.timed_prefill``); the fastest wins
-    (``fastest_placement``). The choice is cached in the calibration artefact: it is made once per
+    ``PRUNING_PROMPT``-token prompt timed (``timed_together``: a placement with its ``+inline``
+    form); the fastest wins (``fastest_placement``). The choice is cached in the calibration artefact: it is made once per
     model, settings and machine. The float reference has nothing to place: the paper's split.
     ``measure`` (engine -> seconds) replaces the timing, for tests."""
     if config.placement != AUTO:
@@ -382,12 +391,22 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     key = placement_key(config, calibration)
     if key not in calibration.placement:
         seconds = {}
-        for name in tqdm(candidates, desc="choosing the placement (once)", unit="placement", disable=not progress):
-            # no tail program: the timed prompt is whole chunks
-            trial = Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="ooo",
-                                                                     tail_len=None), calibration, progress=False)
-            seconds[name] = measure(trial) if measure else trial.timed_prefill()
-            trial.release_runtime()
+        # a placement and its +inline form are timed in turn: the choice between them is the closest
+        groups: dict[Placement, list[str]] = {}
+        for name in candidates:
+            groups.setdefault(dataclasses.replace(parse_placement(name), inline=False), []).append(name)
+        with tqdm(total=len(candidates), desc="choosing the placement (once)", unit="placement",
+                  disable=not progress) as bar:
+            for names in groups.values():
+                # no tail program: the timed prompt is whole chunks
+                trials = [Prefiller.from_config(model, dataclasses.replace(config, placement=name, policy="ooo",
+                                                                           tail_len=None), calibration, progress=False)
+                          for name in names]
+                timed = [measure(t) for t in trials] if measure else timed_together(trials)
+                seconds.update(zip(names, timed))
+                for t in trials:
+                    t.release_runtime()
+                bar.update(len(names))
         calibration.placement[key] = {"placement": fastest_placement(seconds), "prefill_s": seconds}
         if calibration.path is not None:
             calibration.save()
