@@ -79,6 +79,11 @@ class Placement:
     def name(self) -> str:
         return self._base_name() + (f"+{INLINE}" if self.inline else "")
 
+    @property
+    def base(self) -> "Placement":
+        """The same pieces with each shadow product beside its region (``+inline`` dropped)."""
+        return Placement(self.pieces)
+
     def __str__(self) -> str:
         return self.name
 

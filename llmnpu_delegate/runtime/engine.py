@@ -354,7 +354,7 @@ def fastest_placement(seconds: dict[str, float], margin: float = PLACEMENT_MARGI
     the faster of the two stands for both, without a margin."""
     stands: dict[Placement, str] = {}
     for name, t in seconds.items():
-        base = dataclasses.replace(parse_placement(name), inline=False)
+        base = parse_placement(name).base
         if base not in stands or t < seconds[stands[base]]:
             stands[base] = name
     best = min(stands.values(), key=seconds.get)
@@ -380,8 +380,8 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
 
     Every preset the backend runs is built as an engine and its ``ooo`` prefill of a
     ``PRUNING_PROMPT``-token prompt timed (``timed_together``: a placement with its ``+inline``
-    form); the fastest wins (``fastest_placement``). The choice is cached in the calibration artefact: it is made once per
-    model, settings and machine. The float reference has nothing to place: the paper's split.
+    form); the fastest wins (``fastest_placement``). The choice is cached in the calibration
+    artefact: it is made once per model, settings and machine. The float reference has nothing to place: the paper's split.
     ``measure`` (engine -> seconds) replaces the timing, for tests."""
     if config.placement != AUTO:
         return None
@@ -394,7 +394,7 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
         # a placement and its +inline form are timed in turn: the choice between them is the closest
         groups: dict[Placement, list[str]] = {}
         for name in candidates:
-            groups.setdefault(dataclasses.replace(parse_placement(name), inline=False), []).append(name)
+            groups.setdefault(parse_placement(name).base, []).append(name)
         with tqdm(total=len(candidates), desc="choosing the placement (once)", unit="placement",
                   disable=not progress) as bar:
             for names in groups.values():
