@@ -48,7 +48,7 @@ def test_the_kernel_runs_where_the_cpu_has_bf16():
 CASES = [  # heads, kv heads, chunk, past, head dim, mask
     (9, 3, 256, 0, 64, "causal"), (9, 3, 256, 768, 64, "causal"), (14, 2, 100, 37, 64, "causal"),
     (4, 4, 33, 5, 16, "causal"), (8, 2, 64, 130, 128, "causal"), (9, 3, 96, 200, 64, "window"),
-    (9, 3, 96, 200, 64, "additive"),
+    (9, 3, 96, 200, 64, "additive"), (9, 3, 96, 200, 64, "holes"),
 ]
 
 
@@ -63,6 +63,8 @@ def test_bf16_attention_is_its_contract_and_not_fp32(heads, kv_heads, chunk, pas
     mask = causal_mask(chunk, length)
     if kind == "window":       # a sliding window of 40 keys: the kernel skips the tiles before it
         mask = mask & (torch.arange(length)[None, :] > torch.arange(past, length)[:, None] - 40)
+    elif kind == "holes":      # keys hidden inside the causal span: the kernel reads this mask whole
+        mask = mask & (torch.arange(length) % 7 != 3)[None, :]
     elif kind == "additive":
         mask = torch.where(mask, 0.0, float("-inf"))
     scale = dim ** -0.5

@@ -108,13 +108,18 @@ def pieces_helped() -> int:
 def bf16_attention_available() -> bool:
     """Whether ``chunk_attention_bf16`` can run: the library is loaded and this CPU (and the build) has
     AVX-512 BF16."""
-    return native_available() and bool(torch.ops.llmnpu_native.bf16_attention_supported())
+    if "bf16_attention" not in _state:
+        _state["bf16_attention"] = native_available() and bool(torch.ops.llmnpu_native.bf16_attention_supported())
+    return _state["bf16_attention"]
 
 
 def chunk_attention_bf16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:
     """One chunk's attention with bf16 operands (q * scaling, k, v and the softmax numerators) and fp32
     accumulation, scores and softmax: q [1, H, C, d], k/v [1, KV, L, d], ``mask`` one [C, L] matrix
     (bool: attend, or additive float) -> [1, C, H, d]. Native only (``bf16_attention_available``)."""
+    if not bf16_attention_available():
+        raise LlmNpuError("bf16 attention needs the native kernels built on a CPU with AVX-512 BF16 (`make kernels` "
+                          "there); use fp32 attention on this one")
     return torch.ops.llmnpu_native.chunk_attention_bf16(q, k, v, mask, scaling)
 
 
