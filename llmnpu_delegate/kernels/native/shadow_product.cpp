@@ -82,30 +82,51 @@ inline void add_rows_tile(float* out, bool add, const float* res, const float* c
 // outlier and the output once per tile.
 int64_t product_rows(const float* xp, int64_t M, int64_t K, float t, const float* hp, const float* cp, const int64_t* sp,
                      int64_t N, float* yp, bool add, std::vector<uint8_t>& hit) {
-  std::vector<float> res;
-  std::vector<const float*> rows;
-  res.reserve(K);
-  rows.reserve(K);
+  std::vector<float> res(K);
+  std::vector<int32_t> at(K);   // the outliers' channels
+  std::vector<const float*> rows(K);
   int64_t outliers = 0;
   constexpr int64_t kBlock = 16;   // one AVX-512 register of floats
   const int64_t full = K - K % kBlock;
-  auto walk = [&](const float* row, int64_t k0, int64_t k1) {
+  // Appends the outliers of row[k0, k1) after the count already found: (residue, channel), in order.
+  auto walk = [&](const float* row, int64_t k0, int64_t k1, int64_t count) {
     for (int64_t k = k0; k < k1; ++k) {
       const float r = row[k] - std::clamp(row[k], -t, t);
       if (r == 0.0f) continue;
-      res.push_back(r);
-      rows.push_back(sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N);
-      hit[k] = 1;
+      res[count] = r;
+      at[count++] = static_cast<int32_t>(k);
     }
+    return count;
   };
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xp + m * K;
-    res.clear();
-    rows.clear();
+    int64_t count = 0;
+#if defined(__AVX512F__)
+    // a block that fires is walked without a branch per element: its residues and channels are
+    // compressed into place (the same values and order as the walk)
+    const __m512 vt = _mm512_set1_ps(t), vnt = _mm512_set1_ps(-t);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k0 = 0; k0 < full; k0 += kBlock) {
+      if (!any_above(row + k0, t)) continue;
+      const __m512 x = _mm512_loadu_ps(row + k0);
+      // max(-t, x) and min(t, .) return x itself when x is NaN, as std::clamp does
+      const __m512 r = _mm512_sub_ps(x, _mm512_min_ps(vt, _mm512_max_ps(vnt, x)));
+      const __mmask16 keep = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      _mm512_mask_compressstoreu_ps(res.data() + count, keep, r);
+      _mm512_mask_compressstoreu_epi32(at.data() + count, keep,
+                                       _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(k0))));
+      count += __builtin_popcount(keep);
+    }
+#else
     for (int64_t k0 = 0; k0 < full; k0 += kBlock)
-      if (any_above(row + k0, t)) walk(row, k0, k0 + kBlock);
-    walk(row, full, K);
-    const int64_t count = static_cast<int64_t>(res.size());
+      if (any_above(row + k0, t)) count = walk(row, k0, k0 + kBlock, count);
+#endif
+    count = walk(row, full, K, count);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t k = at[j];
+      rows[j] = sp[k] >= 0 ? hp + sp[k] * N : cp + (-1 - sp[k]) * N;
+      hit[k] = 1;
+    }
     outliers += count;
     if (add && count == 0) continue;
     float* out = yp + m * N;
