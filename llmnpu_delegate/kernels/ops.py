@@ -219,8 +219,8 @@ class W8A8Linears:
         self.weights = [(_pack(w, self.path), w.shape[0], s.float().contiguous(), b) for w, s, b in weights]
 
     def __call__(self, x: Tensor, x_scale: float) -> list[Tensor]:
-        torch._check(x.dim() == 2 and x.shape[1] == self.in_features,
-                     lambda: f"expected an activation [M, {self.in_features}], got {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected an activation [M, {self.in_features}], got {tuple(x.shape)}")
         xq = quantize_u8(x, x_scale) if _wants_u8(self.path) else quantize(x, x_scale)
         return [_gemm(self.path, xq, x_scale, packed, n, s, b) for packed, n, s, b in self.weights]
 

@@ -247,13 +247,19 @@ class Executor:
                         f"({sub.kind} on {task.processor}, {where}): {exc}", task) from exc
 
 
+def _direct(fn):
+    """A step's module called at its ``forward``: nn.Module's call machinery (hooks, which no step
+    has) costs ~2 us a task, with the GIL held."""
+    return fn.forward if isinstance(fn, torch.nn.Module) else fn
+
+
 class _Run:
     """One prefill in flight: the chunks' environments, what is left to read in them, and the two
     workers' loop. All shared state changes under ``wakeup.cond``; a task itself runs outside it."""
 
     def __init__(self, ex: Executor, feeds, sched: Scheduler, uses: list[dict[str, int]], fail, t0: float):
         self.ex, self.sched, self.fail, self.t0 = ex, sched, fail, t0
-        fns = {rows: [s.fn for s in p.steps] for rows, p in ex.programs.items()}
+        fns = {rows: [_direct(s.fn) for s in p.steps] for rows, p in ex.programs.items()}
         self.fns = [fns[f["input_ids"].shape[-1]] for f in feeds]     # per chunk: its program's steps
         self.envs = [dict(f) for f in feeds]
         self.uses = [dict(u) for u in uses]
