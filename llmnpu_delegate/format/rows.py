@@ -165,15 +165,18 @@ class RowStore:
         return self._hot.numel() * self._hot.element_size()
 
     # Counted when read: four small tensor ops per product (~10 us, with the GIL held) are a tenth of
-    # a product's own time, paid on the prefill's critical path.
+    # a product's own time, paid on the prefill's critical path. A runner settles its stores after
+    # each prompt (``settle``): the lists kept until then are small tensors scattered through the
+    # heap among a prefill's large temporaries, and kept across prompts they fragment it.
     COUNT_EVERY = 512
 
     def count(self, channels: Tensor) -> None:
         self._uncounted.append(channels)
         if len(self._uncounted) >= self.COUNT_EVERY:
-            self._settle()
+            self.settle()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
+        """Count the channels read since the last count, and let go of their lists."""
         pending, self._uncounted = self._uncounted, []
         if pending:
             channels = torch.cat(pending)
@@ -184,13 +187,13 @@ class RowStore:
     @property
     def hot_hits(self) -> int:
         """Rows served from RAM."""
-        self._settle()
+        self.settle()
         return self._hits
 
     @property
     def cold_fetches(self) -> int:
         """Rows read from disk."""
-        self._settle()
+        self.settle()
         return self._fetches
 
     def reset_counts(self) -> None:

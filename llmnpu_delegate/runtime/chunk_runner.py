@@ -86,6 +86,8 @@ class ChunkRunner:
         costs = (self.profile.costs(len(feeds), reused / self.chunk_len, last_rows / self.chunk_len)
                  if self.profile else None)
         out, stats = self.executor.run(feeds, run_policy, costs)
+        for store in self.row_stores():
+            store.settle()      # their channel lists, kept across prompts, fragment the workers' heaps
         if (self.learns_profile and self.profile is None and run_policy == "inorder" and not reused
                 and last_rows == self.chunk_len):
             self.profile = Profile.from_records(stats.records, self.program, self.chunk_len)
@@ -98,6 +100,10 @@ class ChunkRunner:
 
     def profiled(self, profile: Profile) -> None:
         """Called with a profile made from a prompt's in-order run (the engine stores it)."""
+
+    def row_stores(self) -> list:
+        """The shadow rows' stores (``format/rows.RowStore``) that this runner's steps read."""
+        return [m.rows for m in self.program.shadow.values()]
 
     def _outlier_counts(self) -> tuple[int, int]:
         shadows = self.program.shadow.values()
