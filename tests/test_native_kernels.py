@@ -15,6 +15,13 @@ def _activations(m, k, rate, seed):
     return torch.where(hits, x.sign() * (4 + 20 * torch.rand(m, k, generator=g)), x)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _loaded():
+    """The tests call the library's operators directly, and it loads on first use: a test run alone
+    (``-k``) must load it too."""
+    native_available()
+
+
 def test_the_library_is_built_and_loaded():
     """`make test` builds it first: without it the shadow product silently runs ~3x slower."""
     assert native_available()
