@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import inject_outliers
+from conftest import TINY_CHUNK, inject_outliers
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.format.rows import ColdRows
@@ -167,9 +167,8 @@ def test_a_store_product_is_the_residue_times_w_and_counts_hot_and_cold(tmp_path
 def test_a_prompt_leaves_no_channel_list_behind(shared_tiny_engine, monkeypatch):
     """The stores count the channels they read in batches; a runner settles them after each prompt,
     so no list outlives it (kept across prompts, they fragmented the heap: +50 MB and 10-28k page
-    faults a prompt on the embedded model), and the counts are the same."""
+    faults a prompt on the embedded model), and the prompt's reads are counted."""
     from llmnpu_delegate.format.rows import RowStore
-    from conftest import TINY_CHUNK
 
     kept, count = [], RowStore.count
     monkeypatch.setattr(RowStore, "count", lambda self, ch: (kept.append(weakref.ref(ch)), count(self, ch))[1])

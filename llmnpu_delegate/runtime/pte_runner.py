@@ -160,10 +160,10 @@ class PteRunner(ChunkRunner):
         program = ChunkProgram(steps, meta["graph"]["outputs"], meta["chunk_len"], kv.layers)
         return program, kv, Profile.from_dict(meta["profile"], program) if meta["profile"] else None
 
-    # ------------------------------------------------------------------ decode
     def row_stores(self) -> list:
         return list(self.cold.stores.values())
 
+    # ------------------------------------------------------------------ decode
     def start_decode(self, prefill) -> KVCache:
         """The decode cache, filled with a prefill's K/V (``PrefillResult``)."""
         k, v = empty_cache(self.kv, self.context)
