@@ -53,7 +53,8 @@ def bench_program(pte: Path, prompt_len: int, new_tokens: int, repeats: int, tra
     meta = runner.meta
     spec, blocks = meta["model"]["spec"], meta["model"].get("blocks")
     quant = quant_config("w8a8-shadow", meta["quant"]["pruning_rate"])
-    lm, engine = export_engine(spec, meta["chunk_len"], quant, blocks=blocks, progress=False)
+    lm, engine = export_engine(spec, meta["chunk_len"], quant, blocks=blocks, progress=False,
+                               placement=meta["placement"])
     ids = prompt_ids(lm, prompt_len)
     threads = torch.get_num_threads()
     engine(ids, policy="ooo")                                 # warm-ups
@@ -75,7 +76,7 @@ def bench_program(pte: Path, prompt_len: int, new_tokens: int, repeats: int, tra
         torch.set_num_threads(threads)
         rows["hf_decode"].append(hf_decode_tok_s(lm.model, ids, new_tokens))
     med = {k: statistics.median(v) for k, v in rows.items()}
-    out = {"pte": str(pte), "model": spec, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+    out = {"pte": str(pte), "model": spec, "placement": meta["placement"], "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
            "engine_prefill_tok_s": prompt_len / med["engine_s"],
            "python_prefill_tok_s": prompt_len / med["python_s"],
            "native_prefill_tok_s": prompt_len / med["native_s"],
@@ -109,11 +110,11 @@ def main() -> None:
     args = ap.parse_args()
     results = [bench_program(p, args.prompt_len, args.new_tokens, args.repeats, args.trace_dir) for p in args.pte]
     print(json.dumps(results, indent=1))
-    print(f"\n| model | prefill tok/s engine / python / native | native time vs engine | decode tok/s HF / python / "
+    print(f"\n| model | placement | prefill tok/s engine / python / native | native time vs engine | decode tok/s HF / python / "
           f"native | native decode vs HF | decision |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['model']} | {r['engine_prefill_tok_s']:.0f} / {r['python_prefill_tok_s']:.0f} / "
+        print(f"| {r['model']} | {r['placement']} | {r['engine_prefill_tok_s']:.0f} / {r['python_prefill_tok_s']:.0f} / "
               f"{r['native_prefill_tok_s']:.0f} | {r['native_time_vs_engine']:.2f}x | {r['hf_decode_tok_s']:.1f} / "
               f"{r['python_decode_tok_s']:.1f} / {r['native_decode_tok_s']:.1f} | {r['native_decode_vs_hf']:.2f}x | "
               f"{r['decision_us']:.1f} us |")

@@ -14,7 +14,6 @@ from .errors import LlmNpuError
 from .format.sidecar import load_program_tokenizer, load_sidecar
 from .hf import LlmNpuForCausalLM
 from .kernels import int8_path
-from .lower.pte import PROGRAM_PLACEMENT
 from .partitioner.placement import PIECES, parse_placement
 from .runtime.engine import PRUNING_PROMPT
 from .runtime.native import run_native
@@ -137,7 +136,7 @@ def run_pte(pte: str | Path, prompt: str, max_new_tokens: int = 64, chat: bool =
         "model": meta["model"].get("spec") or pte.name, "pte": str(pte),
         "backend": f".pte ({target} NPU methods, {engine})", "machine": int8_path.describe(),
         "quant": "w8a8-shadow" if quant.get("outliers") == "shadow" else "w8a8",
-        "chunk": meta["chunk_len"], "placement": PROGRAM_PLACEMENT, "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
+        "chunk": meta["chunk_len"], "placement": meta["placement"], "prompt_tokens": out["prompt_tokens"], "new_tokens": len(out["tokens"]),
         "chunks": out["chunks"], "ttft_s": round(out["ttft_s"], 4), "prefill_s": round(out["prefill_s"], 4),
         "prefill_tok_s": round(out["prompt_tokens"] / out["prefill_s"], 1),
         "decode_tok_s": round(out["decode_tok_s"], 1) if out["decode_tok_s"] else None,

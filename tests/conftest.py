@@ -88,11 +88,11 @@ def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
 TINY_CHUNK = 32          # the tiny engine's chunk
 
 
-def tiny_engine(quant="w8a8-shadow"):
+def tiny_engine(quant="w8a8-shadow", placement="paper", pruning_rate=0.85):
     """The tiny llama with injected outliers, calibrated on random ids, with a fixed plan: 85 % of the
-    shadow paths pruned, every layer's effect measured alone (the plan the .pte gates in
-    test_export.py and test_qnn.py were measured on; the grouped profile ranks this random model's
-    layers differently)."""
+    shadow paths pruned (``pruning_rate``), every layer's effect measured alone (the plan the .pte
+    gates in test_export.py and test_qnn.py were measured on; the grouped profile ranks this random
+    model's layers differently)."""
     from llmnpu_delegate.models import load_model
     from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
     from llmnpu_delegate.runtime.engine import Prefiller
@@ -101,11 +101,12 @@ def tiny_engine(quant="w8a8-shadow"):
     inject_outliers(lm.model)
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
                       lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
-    quant = quant_config(quant, pruning_rate=0.85) if quant == "w8a8-shadow" else quant
+    quant = quant_config(quant, pruning_rate=pruning_rate) if quant == "w8a8-shadow" else quant
     saved, importance.OUTLIER_RATIO = importance.OUTLIER_RATIO, 0.0
     try:
         # fp32 attention, as the exported program's CPU methods compute it
-        return Prefiller(lm, chunk_len=TINY_CHUNK, quant=quant, calibration=calib, progress=False, attention="fp32")
+        return Prefiller(lm, chunk_len=TINY_CHUNK, quant=quant, calibration=calib, progress=False, attention="fp32",
+                         placement=placement)
     finally:
         importance.OUTLIER_RATIO = saved
 

@@ -11,10 +11,12 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..fanout import Failure, Job, as_dicts, run_jobs
 from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
+from ..lower.graph_methods import check_program_placement
 from ..lower.lowering_pool import default_workers
 from ..lower.npu_subgraphs import FINE_BELOW_DB
 from ..lower.pte import export_pte
 from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
+from ..partitioner.placement import PAPER, parse_placement
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_pruning
@@ -45,6 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pruning-rate", type=pruning_rate, default=None,
                    help="share of layers without a shadow path (w8a8-shadow): auto (default: priced on --soc's "
                         "device model for qnn, on this machine's engine for cpu-int8) or a share in [0, 1]")
+    p.add_argument("--placement", default=PAPER,
+                   help="what the NPU methods hold beside the linears: paper (default: the linears only), or for "
+                        "--backend cpu-int8 a placement of norms, rope, residual, act and merge (llmnpu partition "
+                        "--placement P --why shows its cut); attention on the NPU is the engine's only for now")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
                    help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
                         "in a file read when hit) or dense (the whole linear on the residue: a reference)")
@@ -101,11 +107,12 @@ def export_one(args) -> tuple[dict, str]:
     # checked before the model is loaded and planned
     config = ExportConfig(args.backend, args.soc, args.context, args.shadow_branch, args.decode,
                           None if args.output_bits == "auto" else int(args.output_bits), args.fine_outputs == "auto")
+    check_program_placement(parse_placement(args.placement), args.backend, config.bits)
     backend = backends.get(args.backend)
     if backend.uses_soc and auto.is_auto(quant):    # pruned for the phone's schedule, not this machine's
         quant = dataclasses.replace(quant, pruning_target=args.soc)
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress,
-                               choose=choose_pruning)
+                               choose=choose_pruning, placement=args.placement)
     calib_ids = calibration_ids(lm, None)
     summary = export_pte(engine, args.out, calib_ids, config, model={"spec": args.model, "blocks": args.blocks},
                          tokenizer=lm.tokenizer, workers=args.workers, progress=not args.no_progress,
@@ -129,8 +136,14 @@ def export_one(args) -> tuple[dict, str]:
             f"shadow branches ({sh['form']}, {sh['linears']} linears) per chunk: float work "
             f"{flops[sh['form']] / 1e6:.1f} MFLOP (dense {flops['dense'] / 1e6:.1f}), float rows in the program "
             f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
-            f"placement {summary['placement']}: the NPU methods hold the linears only, the one placement the "
-            f"program format writes (the engine runs the others: llmnpu run --placement; their phone speed: "
-            f"llmnpu simulate --model {args.model}{soc})\n"
+            f"placement {summary['placement']}: {_holds(summary)} (the engine runs every placement: llmnpu run "
+            f"--placement; their phone speed: llmnpu simulate --model {args.model}{soc})\n"
             f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary, text
+
+
+def _holds(summary: dict) -> str:
+    graphs = summary["npu_graphs"]
+    if not graphs:
+        return "the NPU methods hold the linears only"
+    return f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears, in float beside INT8 linears"

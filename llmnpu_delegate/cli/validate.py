@@ -34,7 +34,8 @@ def cmd_validate(args) -> dict:
     if "spec" not in model:
         raise LlmNpuError(f"{args.pte}'s sidecar does not say which model it was exported from")
     lm, engine = export_engine(model["spec"], meta["chunk_len"], QuantConfig.from_dict(meta["quant"]),
-                               model.get("blocks"), progress=not args.no_progress, choose=choose_pruning)
+                               model.get("blocks"), progress=not args.no_progress, choose=choose_pruning,
+                               placement=meta["placement"])
     ids = tokenize(lm, read_text(None, "eval"))
     prompt = ids[: args.prompt_tokens] if args.prompt_tokens else None
     result = validate_pte(args.pte, engine, ids, prompt, runner=runner)
@@ -52,7 +53,28 @@ def _bits(x: dict) -> str:
 
 
 def _format_validate(r: dict, rows: int | None = None) -> str:
-    """The report as text: the NPU linears worst SQNR first (``rows`` of them, or all), then the totals."""
+    """The report as text: the NPU linears worst SQNR first (``rows`` of them, or all), the NPU graphs,
+    then the totals."""
+    lines = _format_linears(r, rows)
+    if r["npu_graphs"]:
+        worst = min(r["npu_graphs"], key=lambda x: x["sqnr_db_min"])
+        lines.append(f"{len(r['npu_graphs'])} NPU graphs (placement {r['placement']}: methods holding more than "
+                     f"linears) on the engine's inputs of their subgraphs: every output >= "
+                     f"{worst['sqnr_db_min']:.1f} dB from the engine's (worst: {worst['method']}, layer {worst['layer']})")
+    p = r["prefill"]
+    verdict = "same next token" if p["same_next_token"] else "DIFFERENT next token"
+    lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "
+                 f"schedule): {verdict} (pte {p['next_token_pte']}, engine {p['next_token_engine']}); logits SQNR "
+                 f"{p['logits_sqnr_db']:.1f} dB, K/V SQNR >= {p['kv_sqnr_db_min']:.1f} dB")
+    vs = p["logits_sqnr_db_vs_fp32"]
+    lines.append(f"against the float model: logits SQNR pte {vs['pte']:.1f} dB, engine {vs['engine']:.1f} dB; "
+                 f"fp32 next token {p['next_token_fp32']}")
+    return "\n".join(lines)
+
+
+def _format_linears(r: dict, rows: int | None) -> list[str]:
+    if not r["linears"]:
+        return []
     where = f"{r['target']}{' on ' + r['soc'] + ' (HTP simulator)' if r['soc'] else ''}"
     ranked = sorted(r["linears"], key=lambda x: x["sqnr_db"])
     shown = ranked if rows is None else ranked[:rows]
@@ -75,12 +97,4 @@ def _format_validate(r: dict, rows: int | None = None) -> str:
                  f"{100 * min(x['within_2_steps'] for x in r['linears']):.2f} % in every linear; largest difference "
                  f"{max(inside):.2f} steps where the engine's value is inside the output range; "
                  f"{100 * max(x['saturated'] for x in r['linears']):.3f} % saturated at most")
-    p = r["prefill"]
-    verdict = "same next token" if p["same_next_token"] else "DIFFERENT next token"
-    lines.append(f"whole prefill from the .pte alone ({p['tokens']} tokens, {p['chunks']} chunks, {p['policy']} "
-                 f"schedule): {verdict} (pte {p['next_token_pte']}, engine {p['next_token_engine']}); logits SQNR "
-                 f"{p['logits_sqnr_db']:.1f} dB, K/V SQNR >= {p['kv_sqnr_db_min']:.1f} dB")
-    vs = p["logits_sqnr_db_vs_fp32"]
-    lines.append(f"against the float model: logits SQNR pte {vs['pte']:.1f} dB, engine {vs['engine']:.1f} dB; "
-                 f"fp32 next token {p['next_token_fp32']}")
-    return "\n".join(lines)
+    return lines

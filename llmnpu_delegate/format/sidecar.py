@@ -18,7 +18,11 @@ from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
 # The layout's version: both runners refuse any other. CHANGELOG.md says what each version changed.
-VERSION = 9
+VERSION = 10
+
+# An NPU subgraph's method that holds more than linears (``lower/graph_methods.py``) takes and returns
+# its tensors by name, as a CPU one does; without a form, it holds linears and takes input groups.
+GRAPH = "graph"
 
 NUM = "number"
 ANY = "any"
@@ -27,10 +31,11 @@ INTS, STRS, NUMS = [int], [str], [NUM]
 SCHEMA = {
     "format": str, "version": int, "pte": str, "pte_sha256": str, "pte_bytes": int,
     "target": str, "soc": (str, None), "chunk_len": int, "context": int, "quant": {str: ANY}, "export?": {str: ANY},
+    "placement": str,
     "model": {"fingerprint": str, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int, "spec?": str},
     "graph": {"inputs": STRS, "outputs": STRS},
     "subgraphs": [{"index": int, "method": str, "kind": str, "processor": str, "layer": (int, None), "static": bool,
-                   "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS],
+                   "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS], "form?": str,
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
     "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
@@ -127,7 +132,10 @@ def check_sidecar(meta: dict) -> str | None:
             return f"subgraphs[{i}] has index {e['index']}"
         if unknown := [x for x in e["linears"] if x not in meta["linears"] and e["kind"] == "npu"]:
             return f"subgraphs[{i}] names unknown linears {unknown[:2]}"
-        if e["kind"] == "npu" and sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
+        if "form" in e and (e["form"] != GRAPH or e["kind"] != "npu"):
+            return f"subgraphs[{i}] has form {e['form']!r}: only an NPU subgraph may be a {GRAPH!r}"
+        if e["kind"] == "npu" and e.get("form") != GRAPH and \
+                sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
             return f"subgraphs[{i}].input_groups do not cover its linears"
     for name, lin in meta["linears"].items():
         out = lin["output"]

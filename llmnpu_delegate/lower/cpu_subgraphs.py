@@ -89,7 +89,7 @@ def cold_channels(plan: LinearPlan, in_features: int) -> list[int]:
     return other_channels(program_hot_channels(plan), in_features).tolist()
 
 
-def _dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
+def past_dims(gm: fx.GraphModule, max_past: int) -> list[dict | None]:
     """Per input: the symbolic dims of the chunk step (the past length P, or P + a constant)."""
     past = Dim("past", min=0, max=max_past)
     specs = []
@@ -126,7 +126,7 @@ def export_cpu_subgraph(partition: Partition, sub: Subgraph, plans: dict[str, Li
         if plans is None:
             raise LlmNpuError("shadow subgraph without a quantization plan")
         gm, branches = shadow_branches(gm, partition.graph_module, plans, prefix, shadow)
-    dynamic = _dims(gm, max_past) if not sub.static else None
+    dynamic = past_dims(gm, max_past) if not sub.static else None
     with warnings.catch_warnings():
         # the copied nodes name the model's modules, which a subgraph module does not hold
         warnings.filterwarnings("ignore", message="Failed to fetch module")

@@ -3,7 +3,9 @@
 The ``.pte`` holds one method per subgraph of the partitioned chunk step:
 
 - ``npu_<i>``: a static NPU subgraph (``npu_subgraphs.py``), lowered once and shared by every chunk:
-  an HTP context binary (``qnn``) or XNNPACK INT8 kernels (``cpu-int8``), with our encodings;
+  an HTP context binary (``qnn``) or XNNPACK INT8 kernels (``cpu-int8``), with our encodings; under a
+  placement that puts more than the linears on the NPU, cpu-int8 writes the whole region
+  (``graph_methods.py``);
 - ``cpu_<i>``: a float CPU subgraph (``cpu_subgraphs.py``) on XNNPACK's float kernels (portable
   ones for the ops XNNPACK does not take): embedding, norms,
   RoPE, attention with its K/V (past length symbolic up to the artefact's context), the shadow
@@ -44,7 +46,7 @@ from ..format import kv as kv_format
 from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
 from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
 from ..format.tasks import dependency_table
-from ..partitioner.placement import PAPER
+from ..partitioner.placement import parse_placement
 from ..partitioner.regions import is_linear
 from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
@@ -52,17 +54,15 @@ from . import decode_method as decode_step
 from .cpu_subgraphs import cold_channels, export_cpu_subgraph, program_hot_channels
 from .embedding_head import quantize_dynamic
 from .export_config import ExportConfig
+from .graph_methods import FORM as GRAPH_FORM, check_program_placement, graph_method
 from .lowering_pool import Claims, Spool, default_workers, run_jobs
 from .lowering_shortcuts import lowering_shortcuts
+from .npu_graph import holds_more_than_linears
 from .npu_subgraphs import fine_outputs, lower_region, output_groups, part_channels, region_spec
 from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
 from .shared_methods import program_key
 from .xnnpack_forms import for_xnnpack
-
-# What the NPU methods hold beside their linears (partitioner/placement.py): the program format
-# writes the paper's split; the other placements run in the engine and the phone model
-PROGRAM_PLACEMENT = PAPER
 
 # The progress bar counts the export in units of one subgraph's lowering, so that its estimate of the
 # time left covers the decode step too: it costs about this many per decoder block (``stage_seconds``
@@ -75,8 +75,9 @@ def method_name(sub) -> str:
 
 
 def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
-    """NPU subgraphs' input rows of every chunk (for their output encodings) and the shapes of every
-    CPU subgraph's inputs at the third chunk (a past of two chunks: export must not specialise it).
+    """Linears-only NPU subgraphs' input rows of every chunk (for their output encodings) and the
+    shapes of every other subgraph's inputs at the third chunk (a past of two chunks: export must not
+    specialise it).
 
     A CPU subgraph is traced, not calibrated (its INT8 head quantizes activations per token as it
     runs), so only the shapes of its inputs are kept (``_Like``), not a large model's gigabyte of
@@ -86,9 +87,9 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
     with torch.inference_mode():
         for chunk, i, args, _ in engine.program.run_in_order(engine.feeds(ids)):
             sub = engine.program.steps[i].sub
-            if sub.kind == "npu":
+            if sub.kind == "npu" and not holds_more_than_linears(sub):
                 rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
-            elif sub.kind != "npu" and chunk == 2:
+            elif chunk == 2:
                 inputs[i] = [_Like(tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args]
     # The engine's sparse shadow product is a scalar zero when no element crossed the threshold;
     # the .pte's dense one always has the linear's shape: trace with that shape.
@@ -165,7 +166,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
 
     target, soc, shadow, decode = config.target, config.soc, config.shadow, config.decode
     context, output_bits = config.context_for(engine.context), config.bits
-    _check_export_args(engine, context, calib_ids)
+    _check_export_args(engine, context, calib_ids, target, output_bits)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
@@ -243,10 +244,11 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table),
+            "npu_graphs": sum(e.get("form") == GRAPH_FORM for e in table),
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
-            "output_bits": output_bits, "placement": PROGRAM_PLACEMENT,
+            "output_bits": output_bits, "placement": engine.config.placement,
             "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
             "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
@@ -301,7 +303,12 @@ def _lower_job(x: _Export, job: int) -> dict:
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
-        if sub.kind == "npu":
+        if sub.kind == "npu" and holds_more_than_linears(sub):
+            lowered = graph_method(x.engine, sub, _made(x.examples[job]), x.max_past)
+            out["entry"]["form"] = GRAPH_FORM
+            out["npu_outputs"] = {n: {"output": {"bits": 32}, "split_channels": [], "split_outputs": [],
+                                      "fine_outputs": []} for n in sub.linears}
+        elif sub.kind == "npu":
             rows = Spool.take(x.rows[job])
             lowered = _lower_npu(x.engine, sub, name, rows, x.target, x.soc, out["entry"], out["npu_outputs"],
                                  x.output_bits, x.fine)
@@ -327,15 +334,12 @@ def _timed(stages: dict, key: str):
     stages[key] = stages.get(key, 0.0) + time.perf_counter() - t
 
 
-def _check_export_args(engine, context: int, calib_ids: Tensor) -> None:
+def _check_export_args(engine, context: int, calib_ids: Tensor, target: str, output_bits: int) -> None:
     """What the config cannot check alone: it against the engine, and the calibration's length."""
     if engine.plans is None:
         raise LlmNpuError("export writes INT8 NPU subgraphs: prepare the engine with a quantized mode "
                           "(w8a8-shadow or w8a8), not fp32")
-    if engine.config.placement != PROGRAM_PLACEMENT:
-        raise LlmNpuError(f"the program's NPU methods hold the linears only (placement {PROGRAM_PLACEMENT}); this "
-                          f"engine runs placement {engine.config.placement}: prepare it with placement "
-                          f"'{PROGRAM_PLACEMENT}' to export")
+    check_program_placement(parse_placement(engine.config.placement), target, output_bits)
     if not isinstance(context, int) or not engine.chunk_len <= context <= engine.context:
         raise LlmNpuError(f"context must be an integer in {engine.chunk_len}..{engine.context} "
                           f"(chunk length .. the model's context), got {context!r}")
@@ -446,7 +450,7 @@ def _sidecar(engine, target, soc, context, table, npu_outputs, model, out: Path,
         "model": {**(model or {}), "fingerprint": engine.fingerprint, "layers": kv.layers, "kv_heads": kv.kv_heads,
                   "head_dim": kv.head_dim, "vocab_size": engine.model.config.vocab_size},
         "chunk_len": engine.chunk_len, "context": context,
-        "quant": quant.to_dict(),
+        "quant": quant.to_dict(), "placement": engine.config.placement,
         "graph": {"inputs": partition.graph_inputs, "outputs": partition.graph_outputs},
         "subgraphs": table,
         "tasks": dependency_table(engine.program),

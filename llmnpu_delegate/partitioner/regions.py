@@ -410,22 +410,31 @@ def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
+# Slots of region r: SLOTS * r + one of these; SLOTS * R is the tail (the CPU work after the last region)
+SLOTS = 4
+CPU_BEFORE, BESIDE, REGION, AFTER = range(SLOTS)
+
+
 def _place(graph: fx.Graph, regions: list, linears: dict, beside: list[Node]) -> dict[Node, int]:
-    """Each compute node's slot: 3r = CPU before region r, 3r+1 = its shadow work (the products of
-    ``beside``), 3r+2 = region r; 3R = the tail. A CPU node goes to the latest CPU slot before its
-    first user (an inline shadow product: the task that merges it)."""
+    """Each compute node's slot (``SLOTS``): the CPU work before region r, the shadow products of
+    ``beside`` that run beside it, the region, the products of inputs it made. A CPU node goes to
+    the latest CPU slot before its first user (an inline shadow product: the task that merges it)."""
     slot: dict[Node, int] = {}
+    made_in = {n: r for r, region in enumerate(regions) for n in region}
     for r, region in enumerate(regions):
         entries = {n.args[0] for n in region if n in linears}
         for n in region:
-            slot[n] = 3 * r + 2
+            slot[n] = SLOTS * r + REGION
         for m in beside:
             # The shadow product reads the region's float input: it can run beside the region.
-            # (When that input is made inside the region, norms on the NPU, the product follows
-            # it in the next CPU subgraph.)
-            if m.args[0] in entries and m.args[0] not in region:
-                slot[m] = 3 * r + 1
-    tail = 3 * len(regions)
+            # When that input is made inside a region (norms on the NPU), the product runs as a
+            # task of its own right after that region: a task whose output a runner can add cold
+            # rows to, as beside one.
+            if m.args[0] in made_in:
+                slot[m] = SLOTS * made_in[m.args[0]] + AFTER
+            elif m.args[0] in entries:
+                slot[m] = SLOTS * r + BESIDE
+    tail = SLOTS * len(regions)
     for node in reversed(list(graph.nodes)):
         if node.op in ("placeholder", "output", "get_attr") or node in slot:
             continue
@@ -436,7 +445,8 @@ def _place(graph: fx.Graph, regions: list, linears: dict, beside: list[Node]) ->
             s = slot.get(u)
             if s is None:      # a get_attr-free user not placed yet cannot exist in reverse order
                 raise LlmNpuError(f"partitioner: user {u.name} of {node.name} has no subgraph")
-            latest = min(latest, s if s % 3 == 0 else s - s % 3)
+            # a CPU node joins the task of a product made after a region; else the CPU slot before
+            latest = min(latest, s if s % SLOTS in (CPU_BEFORE, AFTER) else s - s % SLOTS)
         slot[node] = latest
     # Check the placement is causal: every input is produced in an earlier-or-same CPU slot.
     for node, s in slot.items():
@@ -451,7 +461,7 @@ def _subgraph(index: int, s: int, nodes: list[Node], linears: dict, markers: lis
               produced_in: set[Node]) -> Subgraph:
     """The subgraph of slot ``s`` made of ``nodes``: its kind, inputs and outputs by name."""
     members = set(nodes)
-    kind = "npu" if s % 3 == 2 else "shadow" if s % 3 == 1 else "cpu"
+    kind = {REGION: "npu", BESIDE: "shadow", AFTER: "shadow"}.get(s % SLOTS, "cpu")
     # An NPU region's weights are compiled into it: lifted weight placeholders are not runtime inputs.
     weights = {a for n in nodes if kind == "npu" and n in linears for a in n.args[1:3] if isinstance(a, Node)}
     inputs: list[str] = []
@@ -491,7 +501,7 @@ def _split_for_kv(by_slot: dict[int, list[Node]], kv: set[Node]) -> list[tuple[i
     for s in sorted(by_slot):
         nodes = by_slot[s]
         first = [n for n in nodes if n in kv]
-        if s % 3 == 0 and first and len(first) < len(nodes):
+        if s % SLOTS == CPU_BEFORE and first and len(first) < len(nodes):
             groups += [(s, first), (s, [n for n in nodes if n not in kv])]
         else:
             groups.append((s, nodes))

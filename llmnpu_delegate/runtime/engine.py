@@ -458,7 +458,7 @@ def prefill(model: LoadedModel | nn.Module, input_ids, chunk_len: int = DEFAULT_
 
 
 def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, progress: bool = True,
-                  choose=choose_host_pruning):
+                  choose=choose_host_pruning, placement: str = PAPER):
     """The cpu-int8 engine that ``llmnpu export`` lowers (and ``validate`` compares with): the model
     ``spec`` with its default calibration, optionally cut to its first ``blocks`` decoder blocks
     (planned on the whole model first, so pruning ranks every layer as in the full model). ``choose``
@@ -473,4 +473,4 @@ def export_engine(spec: str, chunk_len: int, quant, blocks: int | None = None, p
         keep_first_blocks(lm, blocks)
     # fp32 attention: the program's CPU methods attend in fp32 (decomposed SDPA), and validate compares
     return lm, Prefiller(lm, chunk_len, quant=quant, calibration=calib, progress=progress, attention="fp32",
-                         tail_len=None)
+                         tail_len=None, placement=placement)

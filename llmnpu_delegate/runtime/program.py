@@ -16,9 +16,9 @@ from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..format.tasks import past_name
+from ..lower.npu_graph import holds_more_than_linears, lower_graph
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from .fuse import fuse_cpu_subgraph
-from .npu_graph import holds_more_than_linears, lower_graph
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..errors import LlmNpuError
 from ..format.kv import KVCache, empty_cache, write_prefill, write_slot
 from ..format.npu_io import FineOutput, RegionSpec
 from ..format.rows import ColdRows
-from ..format.sidecar import load_sidecar
+from ..format.sidecar import GRAPH, load_sidecar
 from ..partitioner.regions import Subgraph
 from . import program_ops
 from .chunk_runner import ChunkRunner
@@ -48,12 +48,19 @@ def _check_arity(program, entry: dict) -> None:
     if entry["method"] not in program.method_names:
         raise ValueError(f"the program has no method {entry['method']}")
     meta = program.metadata(entry["method"])
-    given = len(entry["input_groups"]) if entry["kind"] == "npu" else len(entry["inputs"])
+    given = len(entry["input_groups"]) if _linears_only(entry) else len(entry["inputs"])
     if meta.num_inputs() != given:
         raise ValueError(f"method {entry['method']} takes {meta.num_inputs()} inputs, the sidecar gives {given}")
-    if entry["kind"] == "cpu" and meta.num_outputs() != len(entry["outputs"]):
+    # a shadow method returns its channels' hits after its outputs
+    if entry["kind"] != "shadow" and not _linears_only(entry) and meta.num_outputs() != len(entry["outputs"]):
         raise ValueError(f"method {entry['method']} returns {meta.num_outputs()} outputs, the sidecar names "
                          f"{len(entry['outputs'])}")
+
+
+def _linears_only(entry: dict) -> bool:
+    """An NPU method of linears only (input groups in, one output per linear); every other method takes
+    and returns the subgraph's tensors by name (a CPU one, or an NPU one of ``form`` graph)."""
+    return entry["kind"] == "npu" and entry.get("form") != GRAPH
 
 
 def _npu_call(method, entry: dict, linears: dict):
@@ -152,7 +159,7 @@ class PteRunner(ChunkRunner):
             _check_arity(program, e)
             method = program.load_method(e["method"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
-            fn = _npu_call(method, e, meta["linears"]) if e["kind"] == "npu" else _cpu_call(method, e, self.cold)
+            fn = _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold)
             steps.append(Step(sub, fn))
         self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
         m = meta["model"]

@@ -1,6 +1,6 @@
 """Check an exported ``.pte`` against our cpu-int8 engine on real input.
 
-Two checks, both against an engine prepared like the one that was exported:
+Three checks, all against an engine prepared like the one that was exported (its placement too):
 
 - **per NPU subgraph**: one chunk of evaluation text goes through the engine's subgraphs in order;
   each NPU subgraph's input rows go through its ``.pte`` method (on this host: Qualcomm's HTP
@@ -9,6 +9,8 @@ Two checks, both against an engine prepared like the one that was exported:
   represents (larger than anything in the calibration text) saturate: they are counted apart and
   left out of the largest difference. A float output's step is one unit of the int32 accumulator
   (activation scale x the channel's weight scale): both compute the same integer product;
+- **per NPU graph** (a method holding more than linears, ``lower/graph_methods.py``): the engine's
+  inputs of that subgraph through the method, each output's SQNR against the engine's;
 - **whole prefill**: a short prompt runs from the ``.pte`` alone (``PteRunner``, out-of-order
   executor) and from the engine: same next token, logits and K/V SQNR; and both logits against
   the float model's, which tells whether the .pte strays further from it than the engine does.
@@ -25,6 +27,7 @@ from torch import Tensor
 from ..errors import LlmNpuError
 from ..format.npu_io import part_channels
 from ..kernels import QMAX
+from ..lower.npu_graph import holds_more_than_linears
 from ..quantize.sqnr import sqnr_db  # noqa: F401  (the benchmarks and tests take it from here too)
 from .pte_runner import PteRunner
 
@@ -38,15 +41,19 @@ class RegionIO:
     outputs: list[Tensor]        # the engine's outputs, one per linear, [C, out_features]
 
 
-def capture_npu_io(engine, ids: Tensor) -> list[RegionIO]:
-    """Run the first chunk of ``ids`` through ``engine``'s subgraphs in order; keep every NPU subgraph's I/O."""
+def capture_npu_io(engine, ids: Tensor, graphs: list | None = None) -> list[RegionIO]:
+    """Run the first chunk of ``ids`` through ``engine``'s subgraphs in order; keep every linears-only
+    NPU subgraph's I/O, and (into ``graphs``, as (step, layer, inputs, outputs)) every other NPU one's."""
     program = engine.program
     ids = engine.check_prompt(ids[: engine.chunk_len])
     captured = []
     with torch.inference_mode():
         for _, i, inputs, outs in program.run_in_order(engine.feeds(ids)):
             sub = program.steps[i].sub
-            if sub.kind == "npu":
+            if sub.kind == "npu" and holds_more_than_linears(sub):
+                if graphs is not None:
+                    graphs.append((i, sub.layer, inputs, [o.clone() for o in outs.values()]))
+            elif sub.kind == "npu":
                 # copies now: a later CPU subgraph may work in place on an NPU output (the gated MLP)
                 captured.append(RegionIO(i, sub.layer, list(sub.linears), inputs[0].clone(),
                                          [o.clone() for o in outs.values()]))
@@ -111,8 +118,8 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
     meta = runner.meta
     check_engine_matches(engine, meta)
     steps = runner.program.steps
-    report = []
-    for io in capture_npu_io(engine, eval_ids):
+    report, graphs = [], []
+    for io in capture_npu_io(engine, eval_ids, graphs):
         got = steps[io.step].fn(io.rows)
         for name, out, want in zip(io.names, got, io.outputs):
             step, inside = element_steps(meta["linears"][name], want, engine.backend.linear(name).weight,
@@ -126,14 +133,21 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
                            "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
                            "saturated": round(float((~inside).float().mean()), 5),
                            "sqnr_db": round(sqnr_db(out, want), 1)})
+    methods = []
+    for i, layer, inputs, want in graphs:
+        with torch.inference_mode():
+            got = steps[i].fn(*inputs)
+        methods.append({"subgraph": i, "layer": layer, "method": runner.meta["subgraphs"][i]["method"],
+                        "outputs": len(want), "sqnr_db_min": round(min(sqnr_db(a, b) for a, b in zip(got, want)), 1)})
     prompt = engine.check_prompt(prompt_ids if prompt_ids is not None
                                  else eval_ids[engine.chunk_len: engine.chunk_len + engine.chunk_len * 3 // 2])
     ours, theirs = runner(prompt), engine(prompt)
     with torch.no_grad():     # the float model itself: how far each quantized path is from it
         fp32 = engine.model(input_ids=prompt[None], use_cache=False).logits[0, -1].float()
     return {
-        "target": meta["target"], "soc": meta["soc"], "npu_subgraphs": len({r["subgraph"] for r in report}),
-        "linears": report,
+        "target": meta["target"], "soc": meta["soc"], "placement": meta["placement"],
+        "npu_subgraphs": len({r["subgraph"] for r in report}) + len(methods), "linears": report,
+        "npu_graphs": methods,
         "prefill": {"tokens": prompt.numel(), "chunks": ours.chunks, "policy": runner.last_run.policy,
                     "next_token_pte": int(ours.logits.argmax()), "next_token_engine": int(theirs.logits.argmax()),
                     "same_next_token": bool(ours.logits.argmax() == theirs.logits.argmax()),

@@ -28,7 +28,7 @@ std::string error_text(executorch::runtime::Error e) {
 
 MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, ColdRows& cold)
     : s_(s), sub_(sub), module_(module), cold_(cold) {
-  if (sub.kind == "npu") {
+  if (sub.kind == "npu" && !sub.graph) {
     if (sub.inputs.size() != 1 || sub.input_groups.empty())
       throw InputError("NPU subgraph " + sub.method + " must have one input and its input groups: export again");
     for (const auto& group : sub.input_groups) {
@@ -176,7 +176,7 @@ std::vector<ValuePtr> MethodCall::cpu(const std::vector<ValuePtr>& inputs, bool 
 }
 
 std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs, bool break_input) const {
-  return sub_.kind == "npu" ? npu(inputs, break_input) : cpu(inputs, break_input);
+  return sub_.kind == "npu" && !sub_.graph ? npu(inputs, break_input) : cpu(inputs, break_input);
 }
 
 // ---------------------------------------------------------------- loading

@@ -44,6 +44,11 @@ Subgraph read_subgraph(const json& e) {
   s.outputs = e.at("outputs").get<std::vector<std::string>>();
   s.linears = e.at("linears").get<std::vector<std::string>>();
   if (e.contains("input_groups")) s.input_groups = e["input_groups"].get<std::vector<std::vector<int>>>();
+  if (e.contains("form")) {
+    if (e["form"] != "graph" || s.kind != "npu")
+      throw InputError("subgraph " + s.method + " has an unknown form " + e["form"].dump() + ": export again");
+    s.graph = true;
+  }
   if (e.contains("shadow")) {
     for (const auto& b : e["shadow"]) {
       ShadowBranch br;

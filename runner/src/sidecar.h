@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 9;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 10;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -25,6 +25,7 @@ struct Subgraph {
   bool is_static = true;
   std::vector<std::string> inputs, outputs, linears;
   std::vector<std::vector<int>> input_groups;   // npu: activation-scale groups (indices into linears)
+  bool graph = false;   // npu: a method holding more than linears, called with its tensors as a CPU one is
   std::vector<ShadowBranch> shadow;
 };
 
