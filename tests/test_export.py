@@ -706,18 +706,11 @@ def test_the_arm64_runner_gives_the_x86_tokens_on_the_tiny_program(exported, tmp
     """The aarch64 build under qemu-aarch64 (tests/test_native.py) on the tiny model's program (float
     decode): the x86 build's greedy tokens and cold-row count, logits within 4 float32 steps."""
     import numpy as np
-    from test_native import arm64_command
+    from test_native import arm64_and_x86
 
-    from llmnpu_delegate.runtime.native import run_native
-
-    pte = exported[0]
-    meta = json.loads(sidecar_path(pte).read_text())
     ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(4)).tolist()
-    x86 = run_native(pte, ids, meta, 8, logits_out=tmp_path / "x86.bin")
-    arm = run_native(pte, ids, meta, 8, logits_out=tmp_path / "arm.bin", binary=arm64_command())
     # the prompt's row (the decode's float steps that follow drift by a few more float32 steps on Arm)
-    vocab = meta["model"]["vocab_size"]
-    got, want = np.fromfile(tmp_path / "arm.bin", "<f4")[:vocab], np.fromfile(tmp_path / "x86.bin", "<f4")[:vocab]
+    arm, x86, got, want = arm64_and_x86(exported[0], ids, 8, tmp_path)
     assert arm.tokens == x86.tokens and arm.summary["cold_rows"] == x86.summary["cold_rows"]
     assert np.abs(got - want).max() <= 4 * np.spacing(np.abs(want).max()), np.abs(got - want).max()
 

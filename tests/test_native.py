@@ -53,6 +53,16 @@ def program(tmp_path_factory):
     return out, ids
 
 
+def arm64_and_x86(pte: Path, ids: list[int], new_tokens: int, folder: Path):
+    """``pte`` run by the Arm64 build under qemu and by the x86 one: (arm, x86) results and the
+    prompt's logits of each (decode rows follow tokens whose K/V already differ: the tokens check those)."""
+    meta = json.loads(sidecar_path(pte).read_text())
+    x86 = run_native(pte, ids, meta, new_tokens, logits_out=folder / "x86.bin")
+    arm = run_native(pte, ids, meta, new_tokens, logits_out=folder / "arm.bin", binary=arm64_command())
+    vocab = meta["model"]["vocab_size"]
+    return arm, x86, _logits(folder, "arm.bin", vocab)[0], _logits(folder, "x86.bin", vocab)[0]
+
+
 def arm64_command() -> list[str]:
     """The aarch64 build of the runner (make runner-arm64) under qemu-aarch64, with Debian's arm64
     libraries (multiarch, root /) and the aarch64 wheel's ExecuTorch libraries."""
@@ -169,15 +179,11 @@ def test_the_arm64_build_gives_the_x86_tokens_under_qemu(program, tmp_path):
     from llmnpu_delegate.runtime.validate import sqnr_db
 
     pte, ids = program
-    meta = json.loads(sidecar_path(pte).read_text())
-    x86 = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "x86.bin")
     t0 = time.perf_counter()
-    arm = run_native(pte, ids.tolist(), meta, 16, logits_out=tmp_path / "arm.bin", binary=arm64_command())
+    arm, x86, got, want = arm64_and_x86(pte, ids.tolist(), 16, tmp_path)
     seconds = time.perf_counter() - t0
-    # the prompt's row; a decode step's row follows a token whose K/V already differ, which the tokens check
-    got, want = _logits(tmp_path, "arm.bin")[0], _logits(tmp_path, "x86.bin")[0]
     db = sqnr_db(torch.from_numpy(got), torch.from_numpy(want))
-    print(f"arm64 under qemu ({ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {db:.1f} dB "
+    print(f"arm64 and x86 (qemu: {ARM64_CPU}): {seconds:.1f} s for {ids.numel()} + 16 tokens; logits {db:.1f} dB "
           f"from x86's (largest gap {np.abs(got - want).max():.2g} at |logit| {np.abs(want).max():.1f})")
     assert (arm.summary["platform"], x86.summary["platform"]) == ("linux-aarch64", "linux-x86_64")
     assert arm.tokens == x86.tokens

@@ -95,15 +95,10 @@ def test_the_native_runner_gives_the_python_runners_bits(placed, tmp_path):
 def test_the_arm64_runner_gives_the_x86_tokens(placed, tmp_path):
     """The aarch64 build under qemu (tests/test_native.py): the x86 build's tokens and cold rows, the
     prompt's logits within 4 float32 steps (as the paper placement's program, test_export.py)."""
-    from test_native import arm64_command
+    from test_native import arm64_and_x86
 
-    _, out, _ = placed
-    meta = json.loads(sidecar_path(out).read_text())
     ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(4)).tolist()
-    x86 = run_native(out, ids, meta, 6, logits_out=tmp_path / "x86.bin")
-    arm = run_native(out, ids, meta, 6, logits_out=tmp_path / "arm.bin", binary=arm64_command())
-    vocab = meta["model"]["vocab_size"]
-    got, want = np.fromfile(tmp_path / "arm.bin", "<f4")[:vocab], np.fromfile(tmp_path / "x86.bin", "<f4")[:vocab]
+    arm, x86, got, want = arm64_and_x86(placed[1], ids, 6, tmp_path)
     assert arm.tokens == x86.tokens and arm.summary["cold_rows"] == x86.summary["cold_rows"] > 0
     assert np.abs(got - want).max() <= 4 * np.spacing(np.abs(want).max()), np.abs(got - want).max()
 

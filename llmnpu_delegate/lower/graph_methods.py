@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from ..errors import LlmNpuError
-from ..format.sidecar import GRAPH as FORM
 from ..partitioner.placement import Placement
 from .cpu_subgraphs import past_dims
 from .npu_graph import lower_graph

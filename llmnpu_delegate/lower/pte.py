@@ -44,7 +44,7 @@ from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
 from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
-from ..format.sidecar import FORMAT, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
+from ..format.sidecar import FORMAT, GRAPH, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
 from ..format.tasks import dependency_table
 from ..partitioner.placement import parse_placement
 from ..partitioner.regions import is_linear
@@ -54,7 +54,7 @@ from . import decode_method as decode_step
 from .cpu_subgraphs import cold_channels, export_cpu_subgraph, program_hot_channels
 from .embedding_head import quantize_dynamic
 from .export_config import ExportConfig
-from .graph_methods import FORM as GRAPH_FORM, check_program_placement, graph_method
+from .graph_methods import check_program_placement, graph_method
 from .lowering_pool import Claims, Spool, default_workers, run_jobs
 from .lowering_shortcuts import lowering_shortcuts
 from .npu_graph import holds_more_than_linears
@@ -244,7 +244,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table),
-            "npu_graphs": sum(e.get("form") == GRAPH_FORM for e in table),
+            "npu_graphs": sum(e.get("form") == GRAPH for e in table),
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
@@ -305,7 +305,7 @@ def _lower_job(x: _Export, job: int) -> dict:
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
         if sub.kind == "npu" and holds_more_than_linears(sub):
             lowered = graph_method(x.engine, sub, _made(x.examples[job]), x.max_past)
-            out["entry"]["form"] = GRAPH_FORM
+            out["entry"]["form"] = GRAPH
             out["npu_outputs"] = {n: {"output": {"bits": 32}, "split_channels": [], "split_outputs": [],
                                       "fine_outputs": []} for n in sub.linears}
         elif sub.kind == "npu":
