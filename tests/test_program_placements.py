@@ -103,6 +103,21 @@ def test_the_arm64_runner_gives_the_x86_tokens(placed, tmp_path):
     assert np.abs(got - want).max() <= 4 * np.spacing(np.abs(want).max()), np.abs(got - want).max()
 
 
+def test_a_region_of_float_pieces_alone_is_a_method_too(tmp_path):
+    """With every path kept and the merges on the CPU, RoPE and the residual adds on the NPU make
+    regions with no linear in them (between a merge and the next linears): methods with nothing to
+    quantize, still the engine's numbers."""
+    engine = tiny_engine(placement="rope+residual", pruning_rate=0.0)
+    bare = [s.sub.index for s in engine.program.steps if s.sub.kind == "npu" and not s.sub.linears]
+    assert bare
+    out = tmp_path / "tiny.pte"
+    _export(engine, out, decode="fp32")
+    meta = json.loads(sidecar_path(out).read_text())
+    assert all(meta["subgraphs"][i].get("form") == "graph" for i in bare)
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(70))
+    assert sqnr_db(PteRunner(out)(ids).logits, engine(ids).logits) > 50
+
+
 @pytest.mark.parametrize("placement, config, match", [
     ("norms+inline", {}, "not inline: drop '\\+inline'"),
     ("norms", {"output_bits": 8}, "cpu-int8 with float outputs only"),
