@@ -49,8 +49,9 @@ def add_parser(sub) -> None:
                         "device model for qnn, on this machine's engine for cpu-int8) or a share in [0, 1]")
     p.add_argument("--placement", default=PAPER,
                    help="what the NPU methods hold beside the linears: paper (default: the linears only), or for "
-                        "--backend cpu-int8 a placement of norms, rope, residual, act and merge (llmnpu partition "
-                        "--placement P --why shows its cut); attention on the NPU is the engine's only for now")
+                        "--backend cpu-int8 any placement the engine runs but the +inline forms: norms, "
+                        "attention-half, block, or pieces joined by + (llmnpu partition --placement P --why shows "
+                        "its cut)")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
                    help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
                         "in a file read when hit) or dense (the whole linear on the residue: a reference)")

@@ -31,7 +31,7 @@ def check_program_placement(placement: Placement, target: str, output_bits: int)
     outputs any placement that keeps each shadow product a task of its own (not ``+inline``)."""
     if not placement.pieces and not placement.inline:
         return
-    fix = "prepare the engine with placement 'paper'"
+    fix = "export the paper's placement (--placement paper)"
     if placement.inline:
         # the runner adds a cold channel's product to the product's output; inside a merging task
         # there is none to add it to
