@@ -247,14 +247,19 @@ def test_idle_workers_see_every_hand_off_whether_they_spin_or_block(engine, wait
         monkeypatch.setattr(executor.native_ops, "spin_wait", lambda: None)
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(3))
     base = engine(ids, policy="inorder")
+    blocked = 0
     for policy in POLICIES:
         got = engine(ids, policy=policy)
         assert torch.equal(got.logits, base.logits), policy
         stats = engine.last_run
+        blocked += stats.waits_blocked
         if wait == "block":
-            assert stats.waits_spun == 0 and stats.waits_blocked > 0, policy
+            assert stats.waits_spun == 0, policy
         elif policy == "inorder":     # one task at a time: the idle worker waits at every hand-off
             assert stats.waits_spun > stats.waits_blocked, (stats.waits_spun, stats.waits_blocked)
+    # (a run whose workers always found a task to steal waits for nothing: once under `overlap`, in
+    # CI; `inorder` runs one task at a time, so its idle worker waits at every hand-off)
+    assert blocked > 0 or wait == "spin"
     feeds = engine.feeds(ids)
     target = build_tasks(engine.program, len(feeds))[23]
     with pytest.raises(TaskError, match=f"chunk {target.chunk}, subgraph {target.step}"):
