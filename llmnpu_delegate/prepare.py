@@ -13,6 +13,7 @@ from .chunk_step import export_chunk_step, kv_shape
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .kernels.npu_attention import attention_ranges, widen
+from .kernels.npu_norm import norm_key, norm_ranges
 from .partitioner.placement import PAPER, Placement, layer_of
 from .partitioner.regions import ATTENTION_TARGETS, Partition, partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
@@ -92,4 +93,44 @@ def attention_ranges_of(lm: LoadedModel, chunk_len: int, chunks: int = ATTENTION
             out = Observe(step).run(*torch.utils._pytree.tree_leaves(feed))
             flat = torch.utils._pytree.tree_leaves(out)
             past_k, past_v = flat[1:1 + shape.layers], flat[1 + shape.layers:1 + 2 * shape.layers]
+    return ranges
+
+
+def norm_modules(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
+    """(layer, name) -> each decoder block's RMSNorm of the form ``w * x / rms(x)`` (its block norms
+    and q/k norms, ``families.py``), the norms an NPU graph runs at its encodings."""
+    from .families import family_of
+
+    family = family_of(model.config)
+    if family.model_type.startswith("gemma"):
+        raise LlmNpuError(f"{family.model_type}'s norms scale by (1 + w): they have no NPU form here; keep them on "
+                          f"the CPU (a placement without 'norms')")
+    names = {n.split(".")[-1] for n in family.norms + (family.qk_norm or ())}
+    found = {}
+    for path, module in model.named_modules():
+        key = norm_key(path)
+        if key is not None and key[1] in names:
+            found[key] = module
+    return found
+
+
+def norm_ranges_of(lm: LoadedModel, chunk_len: int, chunks: int = ATTENTION_CALIB_CHUNKS) -> dict:
+    """Per block norm ((layer, name), ``norm_modules``), the ranges of its input and output
+    (``kernels.npu_norm.norm_ranges``) over the calibration text attention's ranges come from: a norm
+    reads one token at a time, so one float pass over those tokens shows what chunked ones would."""
+    ids = calibration_ids(lm)[: chunks * chunk_len]
+    ranges: dict[tuple[int, str], dict] = {}
+
+    def observe(key):
+        def hook(module, args, out):
+            ranges[key] = widen(ranges.get(key), norm_ranges(args[0], out))
+        return hook
+
+    hooks = [m.register_forward_hook(observe(key)) for key, m in norm_modules(lm.model).items()]
+    try:
+        with torch.inference_mode():
+            lm.model(ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
     return ranges
