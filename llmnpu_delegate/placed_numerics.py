@@ -2,12 +2,14 @@
 
 The harness scores the quantized reference (``quantize_`` on a copy of the model), which returns every
 position's logits, where the engine's chunk graphs return the last token's. Of a placement's pieces
-(``partitioner/placement.py``) only attention changes what is computed: the engine runs the others
-with the CPU's kernels wherever they sit (tested bit for bit), but attention on the NPU runs at its
-static 16-bit encodings (``kernels/npu_attention.py``). So a placement with attention on the NPU is
-scored by routing every attention module of the reference through that kernel, with the encodings the
-engine calibrates (``prepare.attention_ranges_of`` at the same chunk length): per query, the same
-rounding of q, the K/V and the scores over the keys its mask opens, chunked or not.
+(``partitioner/placement.py``) attention and the norms change what is computed: the engine runs the
+others with the CPU's kernels wherever they sit (tested bit for bit), but on the NPU attention and
+the block norms run at static 16-bit encodings (``kernels/npu_attention.py``, ``kernels/npu_norm.py``).
+So a placement with attention on the NPU is scored by routing every attention module of the reference
+through that kernel, with the encodings the engine calibrates (``prepare.attention_ranges_of`` at the
+same chunk length): per query, the same rounding of q, the K/V and the scores over the keys its mask
+opens, chunked or not. One with norms on the NPU, by swapping each block norm for ``npu_rms_norm`` at
+the engine's encodings (``prepare.norm_ranges_of``): a norm reads one token, so chunking changes nothing.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from .chunk_step import DEFAULT_CHUNK
 from .errors import LlmNpuError
 from .kernels.attention import causal_mask
 from .kernels.npu_attention import KV_BITS, AttentionEncodings, NpuAttention
+from .kernels.npu_norm import NormEncodings, npu_rms_norm
 from .models import LoadedModel
 from .partitioner.placement import PAPER, Placement, parse_placement
-from .prepare import attention_ranges_of
+from .prepare import attention_ranges_of, norm_modules, norm_ranges_of
 
 NPU_ATTN_IMPLEMENTATION = "llmnpu-npu"
 _ENCODINGS = "llmnpu_npu_encodings"     # attribute of each attention module: its layer's encodings
@@ -54,10 +57,12 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 def apply_placement(lm: LoadedModel, model: nn.Module, placement: "Placement | str", kv_bits: int = 16,
                     chunk_len: int | None = None) -> dict:
-    """Make ``model`` (a quantized copy of ``lm.model``) compute attention as ``placement`` puts it: on the
-    NPU, at the encodings the engine calibrates for ``chunk_len``-row chunks with a ``kv_bits`` window.
-    Returns what a result row records of it."""
+    """Make ``model`` (a quantized copy of ``lm.model``) compute attention and the block norms as
+    ``placement`` puts them: on the NPU, at the encodings the engine calibrates for ``chunk_len``-row
+    chunks (attention with a ``kv_bits`` window). Returns what a result row records of it."""
     placement = parse_placement(placement)
+    if placement.on_npu("norms"):
+        _norms_on_the_npu(lm, model, chunk_len or DEFAULT_CHUNK)
     if not placement.on_npu("attention"):
         return {"placement": placement.name}
     ranges = attention_ranges_of(lm, chunk_len or DEFAULT_CHUNK)
@@ -69,6 +74,29 @@ def apply_placement(lm: LoadedModel, model: nn.Module, placement: "Placement | s
         setattr(module, _ENCODINGS, AttentionEncodings.of_ranges(ranges[layer], kv_bits))
     model.config._attn_implementation = NPU_ATTN_IMPLEMENTATION
     return {"placement": placement.name, "npu_kv_bits": kv_bits}
+
+
+class _NpuNorm(nn.Module):
+    """A block norm of the reference as the NPU computes it (its weight, eps and encodings)."""
+
+    def __init__(self, norm: nn.Module, enc: NormEncodings):
+        super().__init__()
+        self.weight, self.enc = norm.weight, enc
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    def forward(self, x):
+        return npu_rms_norm(x, self.weight, self.eps, self.enc).to(x.dtype)
+
+
+def _norms_on_the_npu(lm: LoadedModel, model: nn.Module, chunk_len: int) -> None:
+    ranges, mine = norm_ranges_of(lm, chunk_len), norm_modules(model)
+    if set(mine) != set(ranges):
+        raise LlmNpuError(f"norm ranges were observed for {len(ranges)} norms, the model has {len(mine)}: score the "
+                          f"model the ranges came from")
+    paths = {module: path for path, module in model.named_modules()}
+    for key, norm in mine.items():
+        parent, _, name = paths[norm].rpartition(".")
+        setattr(model.get_submodule(parent), name, _NpuNorm(norm, NormEncodings.of_ranges(ranges[key], norm.weight)))
 
 
 def row_name(mode: str, placement: "Placement | str") -> str:

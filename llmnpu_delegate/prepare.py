@@ -96,13 +96,20 @@ def attention_ranges_of(lm: LoadedModel, chunk_len: int, chunks: int = ATTENTION
     return ranges
 
 
+def has_npu_norms(model: nn.Module) -> bool:
+    """Whether ``model``'s block norms have an NPU form (``w * x / rms(x)``; Gemma's scale by 1 + w)."""
+    from .families import family_of
+
+    return not family_of(model.config).model_type.startswith("gemma")
+
+
 def norm_modules(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
     """(layer, name) -> each decoder block's RMSNorm of the form ``w * x / rms(x)`` (its block norms
     and q/k norms, ``families.py``), the norms an NPU graph runs at its encodings."""
     from .families import family_of
 
     family = family_of(model.config)
-    if family.model_type.startswith("gemma"):
+    if not has_npu_norms(model):
         raise LlmNpuError(f"{family.model_type}'s norms scale by (1 + w): they have no NPU form here; keep them on "
                           f"the CPU (a placement without 'norms')")
     names = {n.split(".")[-1] for n in family.norms + (family.qk_norm or ())}

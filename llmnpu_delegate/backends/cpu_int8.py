@@ -5,7 +5,8 @@ Like an NPU graph it takes a float tensor at its entry, quantizes it once with a
 scale, runs INT8 x INT8 -> INT32 GEMMs and dequantizes at its exit (per-output-channel weight
 scales are applied to the int32 accumulator, as HTP does). Nothing else runs inside a region:
 under a placement beyond the paper's, the engine runs the other pieces of an NPU subgraph in float
-around its regions, on the NPU lane (``lower/npu_graph.py``). Weights are converted once, at
+around its regions, on the NPU lane, attention and the block norms at an integer NPU's 16-bit
+encodings (``lower/npu_graph.py``). Weights are converted once, at
 compile time, and cached on disk by the graph cache.
 
 With ``plans=None`` the same subgraphs run as float linears: the float reference of the engine.
@@ -190,7 +191,7 @@ class CpuInt8:
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
     # the engine runs each piece as the graph has it, in float, on the NPU lane's thread
     # (lower/npu_graph.py); a float-output program writes the region whole (lower/graph_methods.py)
-    pieces = dict.fromkeys(PIECES, "float32 on the stand-in NPU's lane (attention at NPU encodings)")
+    pieces = dict.fromkeys(PIECES, "float32 on the stand-in NPU's lane (attention and norms at NPU encodings)")
     missing = "none"
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel",

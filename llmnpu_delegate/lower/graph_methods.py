@@ -5,7 +5,8 @@ the gated activation or shadow merges (``partitioner/placement.py``). The engine
 as a graph (``npu_graph.lower_graph``); the program's method is built from that same graph: each
 group of linears that read one tensor becomes a ``FloatOutputRegion`` (XNNPACK's dynamic INT8
 linears on our codes: the engine's integer product, with float outputs), attention the engine's NPU
-numerics (``kernels/npu_attention.py``) over a symbolic past, every other op float on XNNPACK's
+numerics (``kernels/npu_attention.py``) over a symbolic past, the block norms theirs
+(``kernels/npu_norm.py``), every other op float on XNNPACK's
 kernels. The method takes and returns the subgraph's tensors by name, as a CPU method does, and a
 runner calls it on the NPU lane (the sidecar's ``form: graph``).
 
@@ -89,7 +90,7 @@ def graph_method(engine, sub, example: tuple, max_past: int):
     from .encodings import LlmNpuQuantizer
 
     rows = engine.chunk_len
-    gm = lower_graph(engine.partition, sub, _FloatRegions(engine, rows), attention=engine.program.npu_attention)
+    gm = lower_graph(engine.partition, sub, _FloatRegions(engine, rows), encodings=engine.program.npu)
     dynamic = None if sub.static else _hinted(past_dims(gm, max_past))
     graph = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False).module()
     local = {f"{path}.region.lins.{j}": engine.plans[name]

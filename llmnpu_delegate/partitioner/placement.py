@@ -138,7 +138,8 @@ def _copies_one(node: Node) -> bool:
     return sum(not (isinstance(v, torch.Tensor) and v.numel() == 0) for v in sizes) == 1
 
 
-def _innermost(node: Node) -> tuple[str, str]:
+def innermost_module(node: Node) -> tuple[str, str]:
+    """The path and class name of the innermost module ``node`` was traced in ("" "" outside any)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "", ""
@@ -172,7 +173,7 @@ def piece_of(node: Node, attention_targets) -> str | None:
         return "attention"      # with the K/V it reads and writes
     if layer_of(node) is None:
         return None
-    _, cls = _innermost(node)
+    _, cls = innermost_module(node)
     if "Norm" in cls:
         return "norms"
     if cls.endswith("Attention"):

@@ -38,9 +38,12 @@ from ..models import LoadedModel
 from ..models import fingerprint as model_fingerprint
 from ..models import keep_first_blocks, load_model
 from ..kernels.npu_attention import AttentionEncodings
+from ..kernels.npu_norm import NormEncodings
+from ..lower.npu_graph import NpuEncodings
 from ..partitioner.placement import AUTO, PAPER, Placement, parse_placement
 from ..partitioner.regions import shadow_paths
-from ..prepare import attention_ranges_of, default_calibration, partition_step, plan_and_partition
+from ..prepare import (attention_ranges_of, default_calibration, has_npu_norms, norm_modules, norm_ranges_of,
+                       partition_step, plan_and_partition)
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
 from .allocator import give_back, tune_malloc
 from .chunk_runner import ChunkRunner
@@ -75,8 +78,9 @@ class Prefiller(ChunkRunner):
             ``"paper"`` (default: linears only), ``"norms"``, ``"attention-half"``, ``"block"``,
             pieces joined by '+', or ``"auto"``: the fastest on this machine, timed once
             (``host_placement_choice``, cached with the calibration). On ``cpu-int8`` the pieces
-            run on the NPU lane's thread with the CPU's kernels, attention (quantized modes) as an
-            NPU graph computes it (``kernels/npu_attention.py``).
+            run on the NPU lane's thread with the CPU's kernels, attention and the block norms
+            (quantized modes) as an NPU graph computes them (``kernels/npu_attention.py``,
+            ``kernels/npu_norm.py``).
         npu_kv_bits: bits of that attention's K/V window (16 or 8).
         cache: the graph cache (default: on disk under the cache folder).
         policy: default scheduling policy, ``"ooo"`` | ``"cp"`` | ``"overlap"`` | ``"inorder"``.
@@ -144,7 +148,7 @@ class Prefiller(ChunkRunner):
         self.backend = npu.engine(self.model, self.fingerprint, chunk_len, self.plans, weights, self.cache)
         kv = kv_shape_of(model_config)
         program = ChunkProgram.build(self.partition, self.backend, chunk_len, kv.layers, progress, self.attention,
-                                     self._npu_attention(lm, config))
+                                     self._npu_encodings(lm, config))
         self.timings["compile_s"] = time.perf_counter() - t
         tail_len = config.tail_rows()
         tail = self._build_tail(program, tail_len, placement) if tail_len else None
@@ -244,16 +248,25 @@ class Prefiller(ChunkRunner):
             return held.flatten()[:n]
         return torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
-    def _npu_attention(self, lm: LoadedModel | None, config: EngineConfig) -> dict | None:
-        """Per layer, the encodings of attention placed on the NPU (None: the float engine, or
-        attention on the CPU)."""
-        if self.quant is None or not parse_placement(config.placement).on_npu("attention"):
+    def _npu_encodings(self, lm: LoadedModel | None, config: EngineConfig) -> NpuEncodings | None:
+        """The encodings attention and the block norms run at where the placement puts them on the NPU
+        (None: the float engine, or neither on the NPU)."""
+        placement = parse_placement(config.placement)
+        pieces = [p for p in ("attention", "norms") if placement.on_npu(p)]
+        if self.quant is None or not pieces:
             return None
         if lm is None:
-            raise LlmNpuError("attention on the NPU needs its encodings calibrated on the shipped text: pass a "
-                              "LoadedModel (load_model(...)), or keep attention on the CPU")
-        ranges = attention_ranges_of(lm, config.chunk_len)
-        return {layer: AttentionEncodings.of_ranges(r, config.npu_kv_bits) for layer, r in ranges.items()}
+            raise LlmNpuError(f"{' and '.join(pieces)} on the NPU need encodings calibrated on the shipped text: pass "
+                              f"a LoadedModel (load_model(...)), or keep {'them' if len(pieces) > 1 else 'it'} on the CPU")
+        attention = norms = None
+        if placement.on_npu("attention"):
+            ranges = attention_ranges_of(lm, config.chunk_len)
+            attention = {layer: AttentionEncodings.of_ranges(r, config.npu_kv_bits) for layer, r in ranges.items()}
+        if placement.on_npu("norms"):
+            modules = norm_modules(lm.model)
+            norms = {key: NormEncodings.of_ranges(r, modules[key].weight)
+                     for key, r in norm_ranges_of(lm, config.chunk_len).items()}
+        return NpuEncodings(attention, norms)
 
     def _build_tail(self, program: ChunkProgram, tail_len: int, placement: str) -> ChunkProgram | None:
         """The tail program: the chunk step captured and partitioned at ``tail_len`` rows, run with
@@ -391,6 +404,8 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     if config.placement != AUTO:
         return None
     candidates = backends.placements(backends.get(config.backend, engine=True))
+    if not has_npu_norms(model.model if isinstance(model, LoadedModel) else model):
+        candidates = [c for c in candidates if not parse_placement(c).on_npu("norms")]
     if config.quant is None or calibration is None or candidates == [PAPER]:
         return {"placement": PAPER, "prefill_s": {}}
     key = placement_key(config, calibration)

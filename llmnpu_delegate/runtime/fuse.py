@@ -13,6 +13,7 @@ from torch import fx
 
 from ..kernels import native_ops
 from ..kernels.attention import chunk_attention_bf16
+from ..partitioner.patterns import rms_norm_chains
 
 _aten = torch.ops.aten
 
@@ -170,47 +171,16 @@ def _bf16_weight_head(gm: fx.GraphModule, copies: dict | None = None) -> None:
         gm.graph.erase_node(node)
 
 
-def _only_user(node: fx.Node, target) -> fx.Node | None:
-    user = next(iter(node.users)) if len(node.users) == 1 else None
-    return user if user is not None and user.op == "call_function" and user.target == target else None
-
-
 def _fuse_rms_norm(gm: fx.GraphModule) -> None:
-    """The llama-family RMSNorm as exported, ``w * to(x * rsqrt(mean(x.pow(2), -1, keepdim) + eps))``
-    (seven aten ops, each a pass over the chunk and a trip through the interpreter), becomes one
-    ``native_ops.rms_norm`` call. Other norms (Gemma's ``1 + w``, layer norms) do not match and stay."""
-    for rsqrt in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _aten.rsqrt.default]:
-        add = rsqrt.args[0]
-        if not (isinstance(add, fx.Node) and add.target == _aten.add.Tensor and isinstance(add.args[1], float)):
-            continue
-        mean = add.args[0]
-        if not (isinstance(mean, fx.Node) and mean.target == _aten.mean.dim and list(mean.args[1]) == [-1]
-                and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))):
-            continue
-        pow_ = mean.args[0]
-        if not (isinstance(pow_, fx.Node) and pow_.target == _aten.pow.Tensor_Scalar and pow_.args[1] == 2):
-            continue
-        x = pow_.args[0]
-        scaled = _only_user(rsqrt, _aten.mul.Tensor)
-        if scaled is None or set(scaled.args) != {x, rsqrt}:
-            continue
-        cast = _only_user(scaled, _aten.to.dtype)
-        if cast is not None and cast.args[1:] != (torch.float32,):
-            continue
-        final = _only_user(cast if cast is not None else scaled, _aten.mul.Tensor)
-        if final is None:
-            continue
-        weight = next((a for a in final.args if a is not (cast if cast is not None else scaled)), None)
-        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
-            continue
-        if any(len(n.users) != 1 for n in (pow_, mean, add)):
-            continue
-        with gm.graph.inserting_before(final):
-            fused = gm.graph.call_function(native_ops.rms_norm, (x, weight, add.args[1]))
-        final.replace_all_uses_with(fused)
-        for node in (final, cast, scaled, rsqrt, add, mean, pow_):
-            if node is not None:
-                gm.graph.erase_node(node)
+    """The llama-family RMSNorm as exported (``patterns.rms_norm_chains``: seven aten ops, each a pass
+    over the chunk and a trip through the interpreter) becomes one ``native_ops.rms_norm`` call."""
+    for chain in rms_norm_chains(gm.graph):
+        with gm.graph.inserting_before(chain.final):
+            fused = gm.graph.call_function(native_ops.rms_norm, (chain.x, chain.weight, chain.eps))
+        fused.meta = dict(chain.final.meta)
+        chain.final.replace_all_uses_with(fused)
+        for node in reversed(chain.nodes):
+            gm.graph.erase_node(node)
 
 
 _ADDS = (_aten.add.Tensor, operator.add)

@@ -16,7 +16,7 @@ from torch import Tensor, fx
 
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..format.tasks import past_name
-from ..lower.npu_graph import holds_more_than_linears, lower_graph
+from ..lower.npu_graph import NpuEncodings, holds_more_than_linears, lower_graph
 from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from .fuse import fuse_cpu_subgraph
 
@@ -58,14 +58,14 @@ def _private_inputs(sub: Subgraph, nodes: dict[str, fx.Node]) -> set[str]:
 
 
 def build_steps(partition: Partition, backend, progress: bool = False, attention: str = "fp32",
-                like: "ChunkProgram | None" = None, npu_attention: dict | None = None) -> tuple[list[Step], dict, dict]:
+                like: "ChunkProgram | None" = None, npu: NpuEncodings | None = None) -> tuple[list[Step], dict, dict]:
     """One callable per subgraph, in order: NPU ones lowered by ``backend``, the others as float
     GraphModules with their shadow paths bound and their attention in ``attention`` precision
     ("fp32" or "bf16", see ``kernels/attention.py``). Returns the steps, the bound shadow modules
     and the weight copies the graphs read.
     ``like``: a program of the same subgraphs whose NPU regions, shadow modules and weight copies
     are used again (they take any number of rows): only the CPU graphs are built anew.
-    ``npu_attention``: per layer, the encodings attention runs at where it sits in an NPU graph."""
+    ``npu``: the encodings attention and norms run at where they sit in an NPU graph."""
     from tqdm.auto import tqdm
 
     shadow: dict[str, torch.nn.Module] = like.shadow if like is not None else {}
@@ -74,7 +74,7 @@ def build_steps(partition: Partition, backend, progress: bool = False, attention
     by_name = {n.name: n for n in partition.graph_module.graph.nodes}
     for i, sub in enumerate(tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress)):
         if sub.kind == "npu" and holds_more_than_linears(sub):     # a placement beyond the paper's
-            gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None, npu_attention)
+            gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None, npu)
             fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention, copies)   # the CPU's own kernels
             steps.append(Step(sub, gm))
             continue
@@ -102,9 +102,9 @@ class ChunkProgram:
 
     def __init__(self, steps: list[Step], graph_outputs: list[str], chunk_len: int, layers: int,
                  shadow: dict | None = None, attention: str = "fp32", copies: dict | None = None,
-                 npu_attention: dict | None = None):
+                 npu: NpuEncodings | None = None):
         self.steps, self.chunk_len, self.shadow = steps, chunk_len, shadow or {}
-        self.npu_attention = npu_attention    # layer -> encodings of attention in NPU graphs (kernels.npu_attention)
+        self.npu = npu    # what attention and norms run at in NPU graphs (lower/npu_graph.NpuEncodings)
         self.copies = copies if copies is not None else {}   # weight copies the CPU graphs read (fuse.py)
         self.attention = attention      # the CPU subgraphs' attention precision (kernels/attention.py)
         outs = graph_outputs
@@ -114,19 +114,19 @@ class ChunkProgram:
 
     @classmethod
     def build(cls, partition: Partition, backend, chunk_len: int, layers: int, progress: bool = False,
-              attention: str = "fp32", npu_attention: dict | None = None) -> "ChunkProgram":
-        steps, shadow, copies = build_steps(partition, backend, progress, attention, npu_attention=npu_attention)
-        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention, copies, npu_attention)
+              attention: str = "fp32", npu: NpuEncodings | None = None) -> "ChunkProgram":
+        steps, shadow, copies = build_steps(partition, backend, progress, attention, npu=npu)
+        return cls(steps, partition.graph_outputs, chunk_len, layers, shadow, attention, copies, npu)
 
     def tail(self, partition: Partition, backend, tail_len: int) -> "ChunkProgram":
         """The same program for chunks of ``tail_len`` rows, from ``partition`` (the step captured
         at that length, cut like this one's): its CPU graphs are its own, its NPU regions and shadow
         paths this program's. A prompt's last few tokens then run as ``tail_len`` rows instead of a
         padded chunk (on an NPU, a second static graph of that length)."""
-        steps, _, _ = build_steps(partition, backend, False, self.attention, like=self, npu_attention=self.npu_attention)
+        steps, _, _ = build_steps(partition, backend, False, self.attention, like=self, npu=self.npu)
         layers = len(self.out_k)
         return ChunkProgram(steps, partition.graph_outputs, tail_len, layers, self.shadow, self.attention,
-                            self.copies, self.npu_attention)
+                            self.copies, self.npu)
 
     def _needed(self, values: list[str]) -> list[int]:
         want, keep = set(values), []
