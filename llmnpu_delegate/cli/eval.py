@@ -37,9 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--importance", choices=["output", "ratio"], default=None,
                    help="layer ranking for pruning (default: output)")
     p.add_argument("--placement", nargs="+", type=placement_arg, default=None, metavar="PLACEMENT",
-                   help="a row per placement for each quantization mode: paper (default: attention on the CPU in "
-                        "float), or one that puts attention on the NPU (attention-half, block, ...: at the NPU's "
-                        "16-bit encodings); the other pieces compute the same wherever they run")
+                   help="a row per placement for each quantization mode: paper (default: attention and norms on "
+                        "the CPU in float), or one that puts attention or the norms on the NPU (norms, "
+                        "attention-half, block, ...: at the NPU's 16-bit encodings); the other pieces compute the "
+                        "same wherever they run")
     p.add_argument("--npu-kv-bits", type=int, choices=KV_BITS, default=None,
                    help="bits of the K/V window of attention on the NPU (default 16)")
     p.add_argument("--sweep", action="store_true",
@@ -144,10 +145,14 @@ def format_eval(result: dict) -> str:
         lines.append(f"{mode:<{width}}{_number(r['ppl']):>11}{rel:>11}{sqnr:>9}{frac:>10}{mark}")
     lines.append("SQNR: the logits against fp32's over every window (ExecuTorch's sqnr_eval)"
                  + (f"; meets/below: ExecuTorch's CI floor for this model's QNN program, {gate:g} dB" if gate else ""))
-    kv = {r["npu_kv_bits"] for r in result["results"].values() if "npu_kv_bits" in r}
-    if kv:
-        lines.append(f"mode@placement: the mode with attention on the NPU at its 16-bit encodings, its K/V window at {kv.pop()} bits "
-                     "(the placement's other pieces compute as on the CPU)")
+    placed = [parse_placement(r["placement"]) for r in result["results"].values() if r.get("placement")]
+    on_npu = [p for p in ("attention", "norms") if any(x.on_npu(p) for x in placed)]
+    if on_npu:
+        kv = {r["npu_kv_bits"] for r in result["results"].values() if "npu_kv_bits" in r}
+        window = f", its K/V window at {kv.pop()} bits" if kv else ""
+        lines.append(f"mode@placement: the mode with {' and '.join(on_npu)} on the NPU where the placement puts "
+                     f"{'them' if len(on_npu) > 1 else 'it'}, at 16-bit encodings{window} (its other pieces compute "
+                     f"as on the CPU)")
     lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
     if "ray" in result:
         lines.append(ray_line(result["ray"], len(result["results"]), "modes"))
