@@ -57,11 +57,13 @@ def main() -> None:
         steps = ((got - ref).abs() / enc.out.scale).round()
         rows.append({"layer": key[0], "norm": key[1], "input_range": [round(v, 1) for v in ranges[key]["x"]],
                      "max_steps": int(steps.max()), "off_by_1": round(float((steps == 1).float().mean()), 4),
+                     "over_1": int((steps > 1).sum()), "values": steps.numel(),
                      "sqnr_vs_float_htp": round(sqnr_db(flt, got), 2),
                      "sqnr_vs_float_reference": round(sqnr_db(flt, ref), 2), "lower_s": round(lowered, 1)})
         print(json.dumps(rows[-1]), flush=True)
     print(f"# smollm2-135m, {args.rows} rows of evaluation text, {args.soc} on the HTP simulator; host {detect().model}")
-    print(f"norms {len(rows)}: max steps {max(r['max_steps'] for r in rows)}, one step off (worst norm) "
+    print(f"norms {len(rows)}: max steps {max(r['max_steps'] for r in rows)}, more than one step off "
+          f"{sum(r['over_1'] for r in rows)} of {sum(r['values'] for r in rows)} values, one step off (worst norm) "
           f"{max(r['off_by_1'] for r in rows):.3f}; SQNR vs float: HTP min {min(r['sqnr_vs_float_htp'] for r in rows):.1f}"
           f" / median {statistics.median(r['sqnr_vs_float_htp'] for r in rows):.1f} dB, reference min "
           f"{min(r['sqnr_vs_float_reference'] for r in rows):.1f} / median "
