@@ -147,4 +147,5 @@ def _holds(summary: dict) -> str:
     graphs = summary["npu_graphs"]
     if not graphs:
         return "the NPU methods hold the linears only"
-    return f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears, in float beside INT8 linears"
+    return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears beside INT8 linears: "
+            f"attention and norms at 16-bit NPU encodings, the rest in float")
