@@ -21,10 +21,10 @@ from .chunk_step import DEFAULT_CHUNK
 from .errors import LlmNpuError
 from .kernels.attention import causal_mask
 from .kernels.npu_attention import KV_BITS, AttentionEncodings, NpuAttention
-from .kernels.npu_norm import NormEncodings, npu_rms_norm
+from .kernels.npu_norm import NormEncodings, NpuNorm
 from .models import LoadedModel
 from .partitioner.placement import PAPER, Placement, parse_placement
-from .prepare import attention_ranges_of, norm_modules, norm_ranges_of
+from .prepare import attention_ranges_of, norm_encodings_of, norm_modules
 
 NPU_ATTN_IMPLEMENTATION = "llmnpu-npu"
 _ENCODINGS = "llmnpu_npu_encodings"     # attribute of each attention module: its layer's encodings
@@ -81,22 +81,22 @@ class _NpuNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, enc: NormEncodings):
         super().__init__()
-        self.weight, self.enc = norm.weight, enc
+        self.weight, self.npu = norm.weight, NpuNorm(enc)
         self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def forward(self, x):
-        return npu_rms_norm(x, self.weight, self.eps, self.enc).to(x.dtype)
+        return self.npu(x, self.weight, self.eps).to(x.dtype)
 
 
 def _norms_on_the_npu(lm: LoadedModel, model: nn.Module, chunk_len: int) -> None:
-    ranges, mine = norm_ranges_of(lm, chunk_len), norm_modules(model)
-    if set(mine) != set(ranges):
-        raise LlmNpuError(f"norm ranges were observed for {len(ranges)} norms, the model has {len(mine)}: score the "
+    encodings, mine = norm_encodings_of(lm, chunk_len), norm_modules(model)
+    if set(mine) != set(encodings):
+        raise LlmNpuError(f"norm ranges were observed for {len(encodings)} norms, the model has {len(mine)}: score the "
                           f"model the ranges came from")
     paths = {module: path for path, module in model.named_modules()}
     for key, norm in mine.items():
         parent, _, name = paths[norm].rpartition(".")
-        setattr(model.get_submodule(parent), name, _NpuNorm(norm, NormEncodings.of_ranges(ranges[key], norm.weight)))
+        setattr(model.get_submodule(parent), name, _NpuNorm(norm, encodings[key]))
 
 
 def row_name(mode: str, placement: "Placement | str") -> str:

@@ -13,7 +13,7 @@ from .chunk_step import export_chunk_step, kv_shape
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .kernels.npu_attention import attention_ranges, widen
-from .kernels.npu_norm import norm_key, norm_ranges
+from .kernels.npu_norm import NormEncodings, norm_key, norm_ranges
 from .partitioner.placement import PAPER, Placement, layer_of
 from .partitioner.regions import ATTENTION_TARGETS, Partition, partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
@@ -141,3 +141,10 @@ def norm_ranges_of(lm: LoadedModel, chunk_len: int, chunks: int = ATTENTION_CALI
         for h in hooks:
             h.remove()
     return ranges
+
+
+def norm_encodings_of(lm: LoadedModel, chunk_len: int) -> dict:
+    """(layer, name) -> each block norm's ``NormEncodings``, from ``norm_ranges_of`` and its weight:
+    what the engine's NPU graphs and the harness's reference both run."""
+    modules = norm_modules(lm.model)
+    return {key: NormEncodings.of_ranges(r, modules[key].weight) for key, r in norm_ranges_of(lm, chunk_len).items()}

@@ -38,12 +38,11 @@ from ..models import LoadedModel
 from ..models import fingerprint as model_fingerprint
 from ..models import keep_first_blocks, load_model
 from ..kernels.npu_attention import AttentionEncodings
-from ..kernels.npu_norm import NormEncodings
 from ..lower.npu_graph import NpuEncodings
 from ..partitioner.placement import AUTO, PAPER, Placement, parse_placement
 from ..partitioner.regions import shadow_paths
-from ..prepare import (attention_ranges_of, default_calibration, has_npu_norms, norm_modules, norm_ranges_of,
-                       partition_step, plan_and_partition)
+from ..prepare import (attention_ranges_of, default_calibration, has_npu_norms, norm_encodings_of, partition_step,
+                       plan_and_partition)
 from ..quantize import Calibration, QuantConfig, ShadowCost, auto, plan_linears, resolve_quant
 from .allocator import give_back, tune_malloc
 from .chunk_runner import ChunkRunner
@@ -263,9 +262,7 @@ class Prefiller(ChunkRunner):
             ranges = attention_ranges_of(lm, config.chunk_len)
             attention = {layer: AttentionEncodings.of_ranges(r, config.npu_kv_bits) for layer, r in ranges.items()}
         if placement.on_npu("norms"):
-            modules = norm_modules(lm.model)
-            norms = {key: NormEncodings.of_ranges(r, modules[key].weight)
-                     for key, r in norm_ranges_of(lm, config.chunk_len).items()}
+            norms = norm_encodings_of(lm, config.chunk_len)
         return NpuEncodings(attention, norms)
 
     def _build_tail(self, program: ChunkProgram, tail_len: int, placement: str) -> ChunkProgram | None:
