@@ -89,14 +89,26 @@ class _NpuNorm(nn.Module):
 
 
 def _norms_on_the_npu(lm: LoadedModel, model: nn.Module, chunk_len: int) -> None:
-    encodings, mine = norm_encodings_of(lm, chunk_len), norm_modules(model)
-    if set(mine) != set(encodings):
-        raise LlmNpuError(f"norm ranges were observed for {len(encodings)} norms, the model has {len(mine)}: score the "
-                          f"model the ranges came from")
+    encodings = norm_encodings_of(lm, chunk_len)
+    if set(norm_modules(model)) != set(encodings):
+        raise LlmNpuError(f"norm ranges were observed for {len(encodings)} norms, the model has "
+                          f"{len(norm_modules(model))}: score the model the ranges came from")
+    swap_norms(model, encodings)
+
+
+def swap_norms(model: nn.Module, encodings: dict[tuple[int, str], NormEncodings]) -> int:
+    """Each block norm of ``model`` named in ``encodings`` ((layer, name) -> its encodings) computed
+    as the NPU computes it; returns how many."""
+    if not encodings:
+        return 0
+    mine = norm_modules(model)
+    if unknown := sorted(set(encodings) - set(mine)):
+        raise LlmNpuError(f"the model has no block norm {unknown[0]}: score the model the encodings came from")
     paths = {module: path for path, module in model.named_modules()}
-    for key, norm in mine.items():
-        parent, _, name = paths[norm].rpartition(".")
-        setattr(model.get_submodule(parent), name, _NpuNorm(norm, encodings[key]))
+    for key, enc in encodings.items():
+        parent, _, name = paths[mine[key]].rpartition(".")
+        setattr(model.get_submodule(parent), name, _NpuNorm(mine[key], enc))
+    return len(encodings)
 
 
 def row_name(mode: str, placement: "Placement | str") -> str:

@@ -371,3 +371,166 @@ def test_a_block_norm_as_one_htp_graph_computes_the_references_encodings(smollm2
     # (measured on this norm, layer 12's input norm: both 34.0 dB from the float norm)
     assert sqnr_db(want_float, got) > sqnr_db(want_float, ref) - 1.0
     assert sqnr_db(want_float, ref) > 30
+
+
+# ------------------------------------------------------------------ the norms placement as a QNN program
+@pytest.fixture(scope="module")
+def htp_norms(tmp_path_factory):
+    """The tiny engine under ``norms``, every shadow path kept (cold rows get hit), and its HTP program."""
+    from conftest import TINY_CHUNK, tiny_engine
+
+    from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.pte import export_pte
+
+    engine = tiny_engine(placement="norms", pruning_rate=0.0)
+    out = tmp_path_factory.mktemp("htp-norms") / "tiny.pte"
+    ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
+    summary = export_pte(engine, out, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * TINY_CHUNK,
+                                                        decode="fp32"), model={"spec": "random:tiny-llama"},
+                         progress=False)
+    return engine, out, summary
+
+
+def _norm_region_io(engine, ids) -> list:
+    """(step, inputs, outputs) of every norm region the engine runs for ``ids``."""
+    from llmnpu_delegate.lower.npu_graph import holds_more_than_linears
+
+    steps = engine.program.steps
+    regions = {i for i, s in enumerate(steps) if s.sub.kind == "npu" and holds_more_than_linears(s.sub)}
+    seen, original = [], {i: steps[i].fn for i in regions}
+
+    def recorded(i):
+        def record(*args):
+            inputs = [a.clone() for a in args]
+            outputs = original[i](*args)
+            seen.append((i, inputs, [o.clone() for o in outputs]))
+            return outputs
+        return record
+    for i in regions:
+        steps[i].fn = recorded(i)
+    try:
+        engine(ids)
+    finally:
+        for i in regions:
+            steps[i].fn = original[i]
+    return seen
+
+
+def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
+    """``export --backend qnn --placement norms``: each block norm and its linears one HTP graph (the
+    norm at the engine's 16-bit encodings, the linears at 8 bits), on the simulator against the
+    engine on its own inputs, then a whole prefill from the program alone."""
+    from conftest import TINY_CHUNK
+
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+    from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
+
+    engine, out, summary = htp_norms
+    meta = json.loads(out.with_suffix(".json").read_text())
+    regions = {e["index"]: e for e in meta["subgraphs"] if e.get("form") == "norm-region"}
+    assert meta["placement"] == summary["placement"] == "norms"
+    assert len(regions) == summary["npu_graphs"] == 2 * engine.kv.layers       # every block norm
+    for e in regions.values():         # the engine's encodings, as written
+        enc = engine.program.npu.norms[(e["norm"]["layer"], e["norm"]["name"])]
+        assert e["norm"]["x"] == {"scale": enc.x.scale, "zero": enc.x.zero, "bits": 16}
+        assert e["norm"]["out"] == {"scale": enc.out.scale, "zero": enc.out.zero, "bits": 16}
+    runner = PteRunner(out)
+    seen = _norm_region_io(engine, torch.randint(0, 1000, (4 * TINY_CHUNK,), generator=torch.Generator().manual_seed(9)))
+    assert {i for i, _, _ in seen} == set(regions)
+    for i, inputs, want in seen:
+        e = regions[i]
+        enc = engine.program.npu.norms[(e["norm"]["layer"], e["norm"]["name"])].out
+        k = next(j for j, name in enumerate(e["outputs"]) if name not in e["linear_outputs"])
+        with torch.inference_mode():
+            normed = runner.program.steps[i].fn(*inputs)[k]
+        # HTP's RmsNorm at the output's 16-bit encoding, within one step of the engine's (measured:
+        # 1.0; a float norm in the graph would be off the grid)
+        codes = normed / enc.scale + enc.zero
+        assert torch.allclose(codes, codes.round(), atol=1e-2)
+        assert float(((normed - want[k]).abs() / enc.scale).round().max()) <= 1
+    ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
+    report = validate_pte(out, engine, ids, runner=runner)
+    linears = [r for r in report["linears"] if r["subgraph"] in regions]
+    assert len(linears) == sum(len(e["linears"]) for e in regions.values())
+    # the 8-bit outputs: their rounding, and now and then an input code one apart, where the normed
+    # value HTP requantizes to 8 bits is a 16-bit step from the engine's (measured at most 1.44 steps)
+    assert min(r["within_2_steps"] for r in linears) >= 0.99, linears
+    assert max(r["max_steps"] for r in linears) <= 2, linears
+    assert min(r["sqnr_db"] for r in linears) > 30, linears       # measured 37.0-41.8
+    prefill = report["prefill"]
+    # measured 24.0 and 27.4 dB, the paper placement's program's gates
+    assert prefill["same_next_token"] and prefill["logits_sqnr_db"] > 18 and prefill["kv_sqnr_db_min"] > 18
+    vs = prefill["logits_sqnr_db_vs_fp32"]                  # measured 18.1 against the engine's 19.3
+    assert vs["pte"] > vs["engine"] - 3, vs
+
+
+def test_the_native_runner_gives_the_python_runners_bits_on_a_norms_htp_program(htp_norms, tmp_path):
+    """Both runners round a region's input to its norm's grid and merge its outputs alike: the same
+    tokens and logits bit for bit, cold rows hit and added in both."""
+    from llmnpu_delegate.runtime.native import run_native
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+    _, out, _ = htp_norms
+    runner = PteRunner(out)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    want = runner.generate(ids, 3)
+    got = run_native(out, ids.tolist(), runner.meta, 3, logits_out=tmp_path / "l.bin")
+    assert got.tokens == want.tokens and got.summary["cold_rows"] == want.cold_rows > 0
+    ref = runner(ids).logits.numpy().reshape(-1)
+    assert np.fromfile(tmp_path / "l.bin", dtype="<f4")[:ref.size].tobytes() == ref.tobytes()
+
+
+def test_the_qnn_mode_runs_a_programs_norms_at_its_encodings(htp_norms):
+    """``llmnpu eval --modes qnn`` of a norms program: every block norm of the scored model is the
+    program's, at the encodings its sidecar writes, and gives the simulator's normed rows to a step."""
+    from test_program_numerics import tiny_lm
+
+    from llmnpu_delegate.evaluate import program_model
+    from llmnpu_delegate.placed_numerics import _NpuNorm
+
+    engine, out, _ = htp_norms
+    meta = json.loads(out.with_suffix(".json").read_text())
+    model, changed = program_model(tiny_lm(), out, engine.calibration, progress=False)
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, _NpuNorm)}
+    assert changed["npu_norms"] == len(norms) == 2 * engine.kv.layers
+    for e in (e for e in meta["subgraphs"] if e.get("form") == "norm-region"):
+        mine = norms[f"model.layers.{e['norm']['layer']}.{e['norm']['name']}"].npu.enc
+        assert (mine.x.scale, mine.x.zero, mine.out.scale, mine.weight.zero) == \
+            (e["norm"]["x"]["scale"], e["norm"]["x"]["zero"], e["norm"]["out"]["scale"], e["norm"]["weight"]["zero"])
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen.setdefault(name, (args[0].clone(), out.clone()))     # the first call's rows
+        return hook
+    hooks = [m.register_forward_hook(keep(n)) for n, m in norms.items()]
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(3))[None])
+    for h in hooks:
+        h.remove()
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+    runner = PteRunner(out)
+    for e in (e for e in meta["subgraphs"] if e.get("form") == "norm-region"):
+        x, ours = seen[f"model.layers.{e['norm']['layer']}.{e['norm']['name']}"]
+        k = next(j for j, name in enumerate(e["outputs"]) if name not in e["linear_outputs"])
+        with torch.inference_mode():
+            htp = runner.program.steps[e["index"]].fn(x)[k]
+        assert float(((htp - ours).abs() / e["norm"]["out"]["scale"]).round().max()) <= 1
+
+
+@pytest.mark.parametrize("placement, match", [
+    ("block", "on qnn, the norms"),
+    ("norms+inline", "not inline"),
+])
+def test_a_qnn_program_refuses_what_it_cannot_hold_before_writing(placement, match, tmp_path):
+    from conftest import TINY_CHUNK, tiny_engine
+
+    from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.pte import export_pte
+
+    engine = tiny_engine(placement=placement)
+    with pytest.raises(LlmNpuError, match=match):
+        export_pte(engine, tmp_path / "x.pte", torch.zeros(3 * TINY_CHUNK, dtype=torch.long),
+                   ExportConfig(target="qnn", context=4 * TINY_CHUNK), progress=False)
+    assert not any(tmp_path.iterdir())

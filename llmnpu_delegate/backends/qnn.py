@@ -82,9 +82,10 @@ class Qnn:
     def check_target(self, soc: str | None) -> None:
         check_soc(soc or DEFAULT_SOC)
 
-    def quantizer(self, ours):
+    def quantizer(self, ours, *more):
+        """ExecuTorch's quantizer with our annotations (``ours``, then each of ``more``) over its own."""
         quantizer = qnn_quantizer()
-        quantizer.add_custom_quant_annotations((ours.annotate,))
+        quantizer.add_custom_quant_annotations(tuple(a.annotate for a in (ours, *more)))   # replaces, not adds
         return quantizer
 
     def lower(self, method: str, graph, example: tuple, soc: str | None):

@@ -18,15 +18,21 @@ from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
 # The layout's version: both runners refuse any other. CHANGELOG.md says what each version changed.
-VERSION = 10
+VERSION = 11
 
 # An NPU subgraph's method that holds more than linears (``lower/graph_methods.py``) takes and returns
 # its tensors by name, as a CPU one does; without a form, it holds linears and takes input groups.
 GRAPH = "graph"
+# A block norm and the linears it feeds as one integer graph (``lower/norm_region.py``): its input on
+# the norm's input grid (``norm``: its block, name and encodings) in; the subgraph's outputs no linear makes, then the linears'
+# outputs as a linears-only method gives them, merged into ``linear_outputs``.
+NORM_REGION = "norm-region"
+FORMS = (GRAPH, NORM_REGION)
 
 NUM = "number"
 ANY = "any"
 INTS, STRS, NUMS = [int], [str], [NUM]
+ENCODING = {"scale": NUM, "zero": int, "bits": int}      # kernels/npu_attention.py Encoding (unsigned)
 # A dict of fields (a trailing "?" marks an optional one), {str: T} a map, [T] a list, a tuple alternatives.
 SCHEMA = {
     "format": str, "version": int, "pte": str, "pte_sha256": str, "pte_bytes": int,
@@ -36,6 +42,8 @@ SCHEMA = {
     "graph": {"inputs": STRS, "outputs": STRS},
     "subgraphs": [{"index": int, "method": str, "kind": str, "processor": str, "layer": (int, None), "static": bool,
                    "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS], "form?": str,
+                   "norm?": {"layer": int, "name": str, "x": ENCODING, "weight": ENCODING, "out": ENCODING},
+                   "linear_outputs?": STRS,
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
     "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
@@ -132,8 +140,12 @@ def check_sidecar(meta: dict) -> str | None:
             return f"subgraphs[{i}] has index {e['index']}"
         if unknown := [x for x in e["linears"] if x not in meta["linears"] and e["kind"] == "npu"]:
             return f"subgraphs[{i}] names unknown linears {unknown[:2]}"
-        if "form" in e and (e["form"] != GRAPH or e["kind"] != "npu"):
-            return f"subgraphs[{i}] has form {e['form']!r}: only an NPU subgraph may be a {GRAPH!r}"
+        if "form" in e and (e["form"] not in FORMS or e["kind"] != "npu"):
+            return f"subgraphs[{i}] has form {e['form']!r}: an NPU subgraph may be one of {', '.join(FORMS)}"
+        if e.get("form") == NORM_REGION and ("norm" not in e or len(e.get("linear_outputs", [])) !=
+                                             len(e["linears"]) or not set(e["linear_outputs"]) <= set(e["outputs"])
+                                             or len(e["inputs"]) != 1):
+            return f"subgraphs[{i}] is a {NORM_REGION!r} without one input, its norm's encodings or its linears' outputs"
         if e["kind"] == "npu" and e.get("form") != GRAPH and \
                 sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
             return f"subgraphs[{i}].input_groups do not cover its linears"

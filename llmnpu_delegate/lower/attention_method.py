@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, fx, nn
 from torchao.quantization.pt2e.quantizer import (
-    FixedQParamsQuantizationSpec,
     QuantizationAnnotation,
     Quantizer,
     SharedQuantizationSpec,
@@ -31,7 +30,7 @@ from torchao.quantization.pt2e.quantizer import (
 from .. import backends
 from ..errors import LlmNpuError
 from ..kernels.npu_attention import PROBS, AttentionEncodings, Encoding
-from .encodings import ANNOTATION
+from .encodings import ANNOTATION, fixed_spec
 
 QNN_KV_BITS = 16
 
@@ -64,14 +63,6 @@ def output_of(out: Tensor, heads: int) -> Tensor:
     return out.reshape(1, heads, gc * kvh // heads, d).transpose(1, 2)
 
 
-def _spec(enc: Encoding, scale: float | None = None) -> FixedQParamsQuantizationSpec:
-    lo, hi = enc.codes
-    if enc.signed:
-        return FixedQParamsQuantizationSpec(torch.int16, enc.scale, 0, lo, hi, torch.per_tensor_symmetric)
-    # QNN's 16-bit activations travel as int32 holding unsigned codes (ExecuTorch's 16-bit configs)
-    return FixedQParamsQuantizationSpec(torch.int32, scale or enc.scale, enc.zero, lo, hi, torch.per_tensor_affine)
-
-
 class AttentionQuantizer(Quantizer):
     """Annotates ``AttentionGraph``'s exported ops with one layer's encodings."""
 
@@ -92,17 +83,17 @@ class AttentionQuantizer(Quantizer):
             raise LlmNpuError(f"unexpected attention graph: {', '.join(names)}")
         transpose, qk, add, softmax, pv = ops
         shared = SharedQuantizationSpec
-        transpose.meta[ANNOTATION] = QuantizationAnnotation({transpose.args[0]: _spec(enc.k)},
+        transpose.meta[ANNOTATION] = QuantizationAnnotation({transpose.args[0]: fixed_spec(enc.k)},
                                                             shared((transpose.args[0], transpose)), _annotated=True)
         qk.meta[ANNOTATION] = QuantizationAnnotation(
-            {qk.args[0]: _spec(enc.q, enc.q.scale * self.scaling), qk.args[1]: shared((transpose.args[0], transpose))},
-            _spec(enc.scores), _annotated=True)
-        add.meta[ANNOTATION] = QuantizationAnnotation({add.args[0]: shared(qk), add.args[1]: _spec(mask)},
-                                                      _spec(enc.scores), _annotated=True)
-        softmax.meta[ANNOTATION] = QuantizationAnnotation({softmax.args[0]: shared(add)}, _spec(PROBS),
+            {qk.args[0]: fixed_spec(enc.q, enc.q.scale * self.scaling), qk.args[1]: shared((transpose.args[0], transpose))},
+            fixed_spec(enc.scores), _annotated=True)
+        add.meta[ANNOTATION] = QuantizationAnnotation({add.args[0]: shared(qk), add.args[1]: fixed_spec(mask)},
+                                                      fixed_spec(enc.scores), _annotated=True)
+        softmax.meta[ANNOTATION] = QuantizationAnnotation({softmax.args[0]: shared(add)}, fixed_spec(PROBS),
                                                           _annotated=True)
-        pv.meta[ANNOTATION] = QuantizationAnnotation({pv.args[0]: shared(softmax), pv.args[1]: _spec(enc.v)},
-                                                     _spec(enc.out), _annotated=True)
+        pv.meta[ANNOTATION] = QuantizationAnnotation({pv.args[0]: shared(softmax), pv.args[1]: fixed_spec(enc.v)},
+                                                     fixed_spec(enc.out), _annotated=True)
         return model
 
     def validate(self, model: fx.GraphModule) -> None:

@@ -46,6 +46,16 @@ def activation_spec(scale: float, flavour: str) -> FixedQParamsQuantizationSpec:
     return FixedQParamsQuantizationSpec(torch.int8, scale, 0, -128, 127, torch.per_tensor_affine)
 
 
+def fixed_spec(enc, scale: float | None = None) -> FixedQParamsQuantizationSpec:
+    """A fixed encoding (``kernels.npu_attention.Encoding``) as pt2e's fixed parameters; ``scale``
+    overrides its scale (a factor folded into it)."""
+    lo, hi = enc.codes
+    if enc.signed:
+        return FixedQParamsQuantizationSpec(torch.int16, enc.scale, 0, lo, hi, torch.per_tensor_symmetric)
+    # QNN's 16-bit activations travel as int32 holding unsigned codes (ExecuTorch's 16-bit configs)
+    return FixedQParamsQuantizationSpec(torch.int32, scale or enc.scale, enc.zero, lo, hi, torch.per_tensor_affine)
+
+
 def dynamic_spec() -> QuantizationSpec:
     """XNNPACK's dynamic INT8 activation: scale and zero point from each row's range at run time."""
     return QuantizationSpec(torch.int8, PlaceholderObserver, quant_min=-128, quant_max=127,

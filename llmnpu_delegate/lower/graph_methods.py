@@ -10,8 +10,9 @@ numerics (``kernels/npu_attention.py``) over a symbolic past, the block norms th
 kernels. The method takes and returns the subgraph's tensors by name, as a CPU method does, and a
 runner calls it on the NPU lane (the sidecar's ``form: graph``).
 
-cpu-int8 with float outputs only: an integer (QNN) graph holding a norm or an add would read the
-residual stream, whose outliers no 8-bit encoding holds; that program is not written yet.
+cpu-int8 with float outputs only: an integer (QNN) graph holding an add would carry the residual
+stream, whose outliers no 8-bit encoding holds. QNN writes a norm and the linears it feeds as one
+graph of their own (``norm_region.py``).
 """
 from __future__ import annotations
 
@@ -27,21 +28,29 @@ from .npu_subgraphs import FloatOutputRegion, region_spec
 from .xnnpack_forms import for_xnnpack, int8_weights_as_rows, mark_as_rows
 
 
+# What an integer (QNN) program writes beyond the linears: the block norms, each with the linears it
+# feeds as one graph (``norm_region.py``)
+INTEGER_PIECES = frozenset({"norms"})
+
+
 def check_program_placement(placement: Placement, target: str, output_bits: int) -> None:
-    """What the program format writes: the paper's split for every target, and on cpu-int8 with float
-    outputs any placement that keeps each shadow product a task of its own (not ``+inline``)."""
+    """What the program format writes: the paper's split for every target; on cpu-int8 with float
+    outputs any placement that keeps each shadow product a task of its own (not ``+inline``); on QNN
+    the norms on the NPU too."""
     if not placement.pieces and not placement.inline:
         return
-    fix = "export the paper's placement (--placement paper)"
     if placement.inline:
         # the runner adds a cold channel's product to the product's output; inside a merging task
         # there is none to add it to
         raise LlmNpuError(f"placement {placement}: a program runs each shadow product as its own task (cold rows "
                           f"are added to its output), not inline: drop '+inline' to export")
-    if target != "cpu-int8" or output_bits != 32:
-        raise LlmNpuError(f"placement {placement}: NPU methods beyond the linears are written for --backend cpu-int8 "
-                          f"with float outputs only (an integer graph would carry the residual stream at 8 bits); "
-                          f"{fix}")
+    if target == "cpu-int8" and output_bits == 32:
+        return
+    if target != "qnn" or not placement.pieces <= INTEGER_PIECES:
+        raise LlmNpuError(f"placement {placement}: an integer NPU program ({target}, {output_bits}-bit outputs) holds "
+                          f"the linears and, on qnn, the norms (--placement norms); the rest of a block is written "
+                          f"for --backend cpu-int8 with float outputs only (an integer graph would carry the residual "
+                          f"stream at 8 bits): export --placement paper or norms")
 
 
 class _Rows(nn.Module):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
-from torchao.quantization.pt2e.quantizer import FixedQParamsQuantizationSpec, QuantizationAnnotation, Quantizer
+from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer
 
 from .. import backends
 from ..errors import LlmNpuError
-from ..kernels.npu_attention import Encoding
 from ..kernels.npu_norm import NormEncodings
-from .encodings import ANNOTATION
+from .encodings import ANNOTATION, fixed_spec
 
 
 class NormGraph(nn.Module):
@@ -27,12 +26,6 @@ class NormGraph(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def _spec(enc: Encoding) -> FixedQParamsQuantizationSpec:
-    # QNN's 16-bit activations travel as int32 holding unsigned codes (ExecuTorch's 16-bit configs)
-    lo, hi = enc.codes
-    return FixedQParamsQuantizationSpec(torch.int32, enc.scale, enc.zero, lo, hi, torch.per_tensor_affine)
 
 
 class NormQuantizer(Quantizer):
@@ -48,7 +41,7 @@ class NormQuantizer(Quantizer):
             raise LlmNpuError(f"unexpected norm graph: {len(norms)} rms_norm ops")
         (norm,) = norms
         norm.meta[ANNOTATION] = QuantizationAnnotation(
-            {norm.args[0]: _spec(self.enc.x), norm.args[2]: _spec(self.enc.weight)}, _spec(self.enc.out),
+            {norm.args[0]: fixed_spec(self.enc.x), norm.args[2]: fixed_spec(self.enc.weight)}, fixed_spec(self.enc.out),
             _annotated=True)
         return model
 

@@ -309,11 +309,11 @@ def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, Li
                                       output_bits)
     encodings = output_encodings(graph)
     edge = backend.lower(spec.method, graph, example, soc)
-    _check_delegated(edge, spec, target)
+    check_delegated(edge, spec, target)
     return edge, encodings
 
 
-def _check_delegated(edge, spec: RegionSpec, target: str) -> None:
+def check_delegated(edge, spec: RegionSpec, target: str) -> None:
     """An NPU method must be one delegate call: anything left outside would run on the CPU, in float."""
     (name,) = edge.methods
     left = [str(n.target) for n in edge.exported_program(name).graph.nodes

@@ -7,6 +7,8 @@ its sidecar writes it, applied to a model quantized by ``quantize_`` with the pr
 - each decoder linear's integer product is requantized to its 8-bit output encoding before the CPU
   adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
   encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
+- a block norm the program runs on the NPU (``norm_region.py``) at its 16-bit encodings as written
+  (``norm_encodings``; the caller swaps them in, ``placed_numerics.swap_norms``);
 - the LM head is the dynamic INT8 linear (each row quantized over its own range, ``int8`` decode
   programs); the embedding lookups read the float16 table (``embedding_head.TABLE_DTYPE``).
 
@@ -21,6 +23,9 @@ from torch import Tensor, nn
 
 from ..errors import LlmNpuError
 from ..format.npu_io import FineOutput, part_channels
+from ..format.sidecar import NORM_REGION
+from ..kernels.npu_attention import Encoding
+from ..kernels.npu_norm import NormEncodings
 from ..kernels.ops import quantize_weight
 from ..quantize.linear import QuantLinear
 from .embedding_head import TABLE_DTYPE
@@ -78,6 +83,12 @@ class DynamicInt8Head(nn.Module):
         codes = torch.clamp(torch.round(rows / scale) + zero, 0, 255) - zero
         out = (codes @ self.weight_t) * scale * self.weight_scale
         return out.float().reshape(*x.shape[:-1], self.out_features)
+
+
+def norm_encodings(meta: dict) -> dict[tuple[int, str], NormEncodings]:
+    """The block norms the program runs on the NPU, (layer, name) -> their encodings as written."""
+    return {(e["norm"]["layer"], e["norm"]["name"]): NormEncodings(*(Encoding(**e["norm"][k]) for k in ("x", "weight", "out")))
+            for e in meta["subgraphs"] if e.get("form") == NORM_REGION}
 
 
 def check_program(meta: dict, path) -> None:

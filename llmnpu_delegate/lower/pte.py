@@ -44,7 +44,17 @@ from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
 from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
-from ..format.sidecar import FORMAT, GRAPH, VERSION, rows_path, sidecar_digest, sidecar_path, tokenizer_path
+from ..format.sidecar import (
+    FORMAT,
+    FORMS,
+    GRAPH,
+    NORM_REGION,
+    VERSION,
+    rows_path,
+    sidecar_digest,
+    sidecar_path,
+    tokenizer_path,
+)
 from ..format.tasks import dependency_table
 from ..partitioner.placement import parse_placement
 from ..partitioner.regions import is_linear
@@ -58,6 +68,7 @@ from .graph_methods import check_program_placement, graph_method
 from .lowering_pool import Claims, Spool, default_workers, run_jobs
 from .lowering_shortcuts import lowering_shortcuts
 from .npu_graph import holds_more_than_linears
+from .norm_region import linear_inputs, lower_norm_region, norm_region_shape
 from .npu_subgraphs import fine_outputs, lower_region, output_groups, part_channels, region_spec
 from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
@@ -74,10 +85,10 @@ def method_name(sub) -> str:
     return f"{'npu' if sub.kind == 'npu' else 'cpu'}_{sub.index}"
 
 
-def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
-    """Linears-only NPU subgraphs' input rows of every chunk (for their output encodings) and the
-    shapes of every other subgraph's inputs at the third chunk (a past of two chunks: export must not
-    specialise it).
+def _examples(engine, ids: Tensor, row_steps: set[int]) -> tuple[dict[int, Tensor], dict[int, list]]:
+    """The input rows of every chunk of the NPU subgraphs ``row_steps`` (integer regions: for their
+    output encodings) and the shapes of every other subgraph's inputs at the third chunk (a past of
+    two chunks: export must not specialise it).
 
     A CPU subgraph is traced, not calibrated (its INT8 head quantizes activations per token as it
     runs), so only the shapes of its inputs are kept (``_Like``), not a large model's gigabyte of
@@ -87,7 +98,7 @@ def _examples(engine, ids: Tensor) -> tuple[dict[int, Tensor], dict[int, list]]:
     with torch.inference_mode():
         for chunk, i, args, _ in engine.program.run_in_order(engine.feeds(ids)):
             sub = engine.program.steps[i].sub
-            if sub.kind == "npu" and not holds_more_than_linears(sub):
+            if i in row_steps:
                 rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
             elif chunk == 2:
                 inputs[i] = [_Like(tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args]
@@ -167,12 +178,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
     target, soc, shadow, decode = config.target, config.soc, config.shadow, config.decode
     context, output_bits = config.context_for(engine.context), config.bits
     _check_export_args(engine, context, calib_ids, target, output_bits)
+    row_steps = _integer_regions(engine, target)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
     c = engine.chunk_len
     t0 = time.perf_counter()
-    rows, examples = _examples(engine, calib_ids[: 3 * c])
+    rows, examples = _examples(engine, calib_ids[: 3 * c], row_steps)
     # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
     hot = ({n: ch for n, ch in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
             if n in engine.plans} if decode == "int8" else {})
@@ -244,7 +256,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table),
-            "npu_graphs": sum(e.get("form") == GRAPH for e in table),
+            "npu_graphs": sum(e.get("form") in FORMS for e in table),
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
             "cpu_subgraphs": sum(e["kind"] != "npu" for e in table),
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
@@ -303,7 +315,10 @@ def _lower_job(x: _Export, job: int) -> dict:
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
-        if sub.kind == "npu" and holds_more_than_linears(sub):
+        if job in x.rows and holds_more_than_linears(sub):
+            lowered = _lower_norm_region(x.engine, sub, name, Spool.take(x.rows[job]), x.soc, out["entry"],
+                                         out["npu_outputs"], x.fine)
+        elif sub.kind == "npu" and holds_more_than_linears(sub):
             lowered = graph_method(x.engine, sub, _made(x.examples[job]), x.max_past)
             out["entry"]["form"] = GRAPH
             out["npu_outputs"] = {n: {"output": {"bits": 32}, "split_channels": [], "split_outputs": [],
@@ -348,19 +363,63 @@ def _check_export_args(engine, context: int, calib_ids: Tensor, target: str, out
         raise LlmNpuError(f"export needs at least {need} calibration tokens (three chunks), got {calib_ids.numel()}")
 
 
+def _integer_regions(engine, target: str) -> set[int]:
+    """The steps whose input rows export keeps: linears-only NPU subgraphs, and on QNN the regions of a
+    norm and its linears (refused in one line where a region is anything else)."""
+    steps = set()
+    for i, step in enumerate(engine.program.steps):
+        sub = step.sub
+        if sub.kind != "npu":
+            continue
+        if not holds_more_than_linears(sub):
+            steps.add(i)
+        elif target == "qnn":
+            if norm_region_shape(engine.partition, sub) is None:
+                raise LlmNpuError(f"placement {engine.config.placement}: NPU subgraph {sub.index} (layer {sub.layer}) is "
+                                  f"not one block norm feeding linears, the only region beside the linears a QNN "
+                                  f"program writes (a norm after its linears, as Qwen3's q/k norms, is not): "
+                                  f"export --placement paper")
+            steps.add(i)
+    return steps
+
+
+def _output_parts(engine, name: str, sub, linears: list, rows: dict, flavour: str, output_bits: int, fine: bool):
+    """The region's ``RegionSpec``: split channel groups and second encodings chosen on what each
+    linear reads (``rows[j]``; per-tensor weight scales would change if a linear were cut in two:
+    split only per-channel ones; float outputs have no encoding to split)."""
+    splits = ({j: output_groups(lin, rows[j]) for j, lin in enumerate(linears)}
+              if engine.backend.weights == "channel" and output_bits == 8 else {})
+    twins = ({j: fine_outputs(lin, rows[j], splits.get(j, []), flavour) for j, lin in enumerate(linears)}
+             if fine and output_bits == 8 else {})
+    return region_spec(name, sub.linears, engine.plans, splits, twins, flavour)
+
+
+def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: dict, npu_outputs: dict, fine: bool):
+    """A norm and the linears it feeds as one HTP method (``norm_region.py``); records its form, norm
+    input encoding and linears' outputs in ``entry`` and their encodings in ``npu_outputs``."""
+    shape = norm_region_shape(engine.partition, sub)
+    enc = engine.program.npu.norms[shape.norm]
+    rows = enc.x.round(rows)
+    linears = [engine.backend.linear(n) for n in sub.linears]
+    reads = linear_inputs(rows, shape, enc, region_spec(name, sub.linears, engine.plans))
+    spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
+    edge, encodings = lower_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
+                                        engine.chunk_len, soc)
+    npu_outputs.update(_encodings_by_linear(spec, encodings))
+    entry.update(form=NORM_REGION, input_groups=spec.groups, linear_outputs=shape.linear_outputs,
+                 norm={"layer": shape.norm[0], "name": shape.norm[1],
+                       **{k: {"scale": e.scale, "zero": e.zero, "bits": e.bits}
+                          for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}})
+    return edge.exported_program(name)
+
+
 def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict,
                output_bits: int, fine: bool):
     """An NPU region as the target's method; records its input groups in ``entry`` and its outputs'
     encodings in ``npu_outputs``."""
     linears = [engine.backend.linear(n) for n in sub.linears]
-    # per-tensor weight scales would change if a linear were cut in two: split only per-channel ones;
-    # float outputs have no encoding to split
-    splits = ({j: output_groups(lin, rows) for j, lin in enumerate(linears)}
-              if engine.backend.weights == "channel" and output_bits == 8 else {})
-    flavour = backends.get(target).encodings
-    twins = ({j: fine_outputs(lin, rows, splits.get(j, []), flavour) for j, lin in enumerate(linears)}
-             if fine and output_bits == 8 else {})
-    spec = region_spec(name, sub.linears, engine.plans, splits, twins, flavour)
+    spec = _output_parts(engine, name, sub, linears, [rows] * len(linears), backends.get(target).encodings,
+                         output_bits, fine)
     edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows, engine.chunk_len,
                                    target, soc, output_bits)
     npu_outputs.update(_encodings_by_linear(spec, encodings))

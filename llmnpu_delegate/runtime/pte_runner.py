@@ -29,7 +29,8 @@ from ..errors import LlmNpuError
 from ..format.kv import KVCache, empty_cache, write_prefill, write_slot
 from ..format.npu_io import FineOutput, RegionSpec
 from ..format.rows import ColdRows
-from ..format.sidecar import GRAPH, load_sidecar
+from ..format.sidecar import NORM_REGION, load_sidecar
+from ..kernels.npu_attention import Encoding
 from ..partitioner.regions import Subgraph
 from . import program_ops
 from .chunk_runner import ChunkRunner
@@ -51,6 +52,8 @@ def _check_arity(program, entry: dict) -> None:
     given = len(entry["input_groups"]) if _linears_only(entry) else len(entry["inputs"])
     if meta.num_inputs() != given:
         raise ValueError(f"method {entry['method']} takes {meta.num_inputs()} inputs, the sidecar gives {given}")
+    if entry.get("form") == NORM_REGION:        # its merge checks its outputs
+        return
     # a shadow method returns its channels' hits after its outputs
     if entry["kind"] != "shadow" and not _linears_only(entry) and meta.num_outputs() != len(entry["outputs"]):
         raise ValueError(f"method {entry['method']} returns {meta.num_outputs()} outputs, the sidecar names "
@@ -59,17 +62,35 @@ def _check_arity(program, entry: dict) -> None:
 
 def _linears_only(entry: dict) -> bool:
     """An NPU method of linears only (input groups in, one output per linear); every other method takes
-    and returns the subgraph's tensors by name (a CPU one, or an NPU one of ``form`` graph)."""
-    return entry["kind"] == "npu" and entry.get("form") != GRAPH
+    and returns the subgraph's tensors by name (a CPU one, or an NPU one of ``form`` graph or norm-region)."""
+    return entry["kind"] == "npu" and "form" not in entry
 
 
-def _npu_call(method, entry: dict, linears: dict):
+def _region_spec(entry: dict, linears: dict) -> RegionSpec:
     names = entry["linears"]
     splits = {i: linears[n]["split_channels"] for i, n in enumerate(names) if linears[n]["split_channels"]}
     scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
     fine = [FineOutput(i, f["part"], f["scale"], *f["range"]) for i, n in enumerate(names)
             for f in linears[n]["fine_outputs"]]
-    spec = RegionSpec(entry["method"], names, entry["input_groups"], scales, splits, fine)
+    return RegionSpec(entry["method"], names, entry["input_groups"], scales, splits, fine)
+
+
+def _norm_region_call(method, entry: dict, linears: dict):
+    """A norm and its linears (``lower/norm_region.py``): the input on the norm's input grid in; the
+    outputs no linear makes, then the linears' parts, merged, back in the subgraph's output order."""
+    spec, grid = _region_spec(entry, linears), Encoding(**entry["norm"]["x"])
+    others = [o for o in entry["outputs"] if o not in entry["linear_outputs"]]
+
+    def run(x: Tensor) -> tuple[Tensor, ...]:
+        outs = method.execute((grid.round(x.reshape(-1, x.shape[-1])),))
+        by_name = dict(zip(others, outs))
+        by_name.update(zip(entry["linear_outputs"], spec.merge(tuple(outs[len(others):]))))
+        return tuple(by_name[o].view(*x.shape[:-1], by_name[o].shape[-1]) for o in entry["outputs"])
+    return run
+
+
+def _npu_call(method, entry: dict, linears: dict):
+    spec = _region_spec(entry, linears)
 
     def run(x: Tensor) -> tuple[Tensor, ...]:
         rows = x.reshape(-1, x.shape[-1])
@@ -159,7 +180,8 @@ class PteRunner(ChunkRunner):
             _check_arity(program, e)
             method = program.load_method(e["method"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
-            fn = _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold)
+            fn = (_norm_region_call(method, e, meta["linears"]) if e.get("form") == NORM_REGION
+                  else _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold))
             steps.append(Step(sub, fn))
         self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
         m = meta["model"]

@@ -10,7 +10,8 @@ Three checks, all against an engine prepared like the one that was exported (its
   left out of the largest difference. A float output's step is one unit of the int32 accumulator
   (activation scale x the channel's weight scale): both compute the same integer product;
 - **per NPU graph** (a method holding more than linears, ``lower/graph_methods.py``): the engine's
-  inputs of that subgraph through the method, each output's SQNR against the engine's;
+  inputs of that subgraph through the method, each output's SQNR against the engine's; the linears
+  of a QNN norm region (``lower/norm_region.py``) are compared in steps too, as above;
 - **whole prefill**: a short prompt runs from the ``.pte`` alone (``PteRunner``, out-of-order
   executor) and from the engine: same next token, logits and K/V SQNR; and both logits against
   the float model's, which tells whether the .pte strays further from it than the engine does.
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from ..errors import LlmNpuError
 from ..format.npu_io import part_channels
+from ..format.sidecar import NORM_REGION
 from ..kernels import QMAX
 from ..lower.npu_graph import holds_more_than_linears
 from ..quantize.sqnr import sqnr_db  # noqa: F401  (the benchmarks and tests take it from here too)
@@ -119,24 +121,33 @@ def validate_pte(pte, engine, eval_ids: Tensor, prompt_ids: Tensor | None = None
     check_engine_matches(engine, meta)
     steps = runner.program.steps
     report, graphs = [], []
+
+    def compare(i: int, layer, name: str, out: Tensor, want: Tensor) -> None:
+        out, want = out.reshape(-1, out.shape[-1]), want.reshape(-1, want.shape[-1])
+        step, inside = element_steps(meta["linears"][name], want, engine.backend.linear(name).weight,
+                                     engine.backend.weights)
+        steps_off = (out - want).abs() / step
+        # an engine value beyond what the output encoding can represent saturates: counted apart
+        report.append({"subgraph": i, "layer": layer, "linear": name,
+                       "output_bits": meta["linears"][name]["output"]["bits"],
+                       "fine_outputs": len(meta["linears"][name]["fine_outputs"]),
+                       "max_steps": round(float(steps_off[inside].max()), 2) if inside.any() else None,
+                       "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
+                       "saturated": round(float((~inside).float().mean()), 5),
+                       "sqnr_db": round(sqnr_db(out, want), 1)})
+
     for io in capture_npu_io(engine, eval_ids, graphs):
-        got = steps[io.step].fn(io.rows)
-        for name, out, want in zip(io.names, got, io.outputs):
-            step, inside = element_steps(meta["linears"][name], want, engine.backend.linear(name).weight,
-                                         engine.backend.weights)
-            steps_off = (out - want).abs() / step
-            # an engine value beyond what the output encoding can represent saturates: counted apart
-            report.append({"subgraph": io.step, "layer": io.layer, "linear": name,
-                           "output_bits": meta["linears"][name]["output"]["bits"],
-                           "fine_outputs": len(meta["linears"][name]["fine_outputs"]),
-                           "max_steps": round(float(steps_off[inside].max()), 2) if inside.any() else None,
-                           "within_2_steps": round(float((steps_off <= 2).float().mean()), 5),
-                           "saturated": round(float((~inside).float().mean()), 5),
-                           "sqnr_db": round(sqnr_db(out, want), 1)})
+        for name, out, want in zip(io.names, steps[io.step].fn(io.rows), io.outputs):
+            compare(io.step, io.layer, name, out, want)
     methods = []
     for i, layer, inputs, want in graphs:
         with torch.inference_mode():
             got = steps[i].fn(*inputs)
+        entry = meta["subgraphs"][i]
+        if entry.get("form") == NORM_REGION:       # its linears' outputs are 8-bit ones: in steps too
+            for name, output in zip(entry["linears"], entry["linear_outputs"]):
+                k = entry["outputs"].index(output)
+                compare(i, layer, name, got[k], want[k])
         methods.append({"subgraph": i, "layer": layer, "method": runner.meta["subgraphs"][i]["method"],
                         "outputs": len(want), "sqnr_db_min": round(min(sqnr_db(a, b) for a, b in zip(got, want)), 1)})
     prompt = engine.check_prompt(prompt_ids if prompt_ids is not None

@@ -86,6 +86,48 @@ std::vector<ValuePtr> MethodCall::npu(const std::vector<ValuePtr>& inputs, bool 
     grids.push_back(std::move(g));
   }
   auto outs = execute(std::move(args));
+  return merge(outs, 0, std::vector<int64_t>(x.shape.begin(), x.shape.end() - 1), rows);
+}
+
+std::vector<ValuePtr> MethodCall::norm_region(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  const Value& x = *inputs.at(0);
+  const int64_t in = x.shape.back(), rows = x.numel() / in;
+  // The rows on the norm's input grid, as kernels/npu_attention.py Encoding.round: x / scale clamped
+  // to the codes less the zero point, rounded half to even, times the scale
+  const auto& enc = sub_.norm_input;
+  const float scale = static_cast<float>(enc.scale);
+  const float lo = static_cast<float>(-enc.zero), hi = static_cast<float>((int64_t{1} << enc.bits) - 1 - enc.zero);
+  auto g = Value::make(ScalarType::Float, {rows, in});
+  const float* src = x.f32();
+  float* dst = g->f32();
+  for (int64_t i = 0; i < rows * in; ++i) dst[i] = std::nearbyint(std::min(std::max(src[i] / scale, lo), hi)) * scale;
+  std::vector<TensorPtr> keep = {view(*g, break_input ? std::vector<int64_t>{rows, in - 1} : std::vector<int64_t>{})};
+  std::vector<EValue> args = {EValue(keep.back())};
+  auto outs = execute(std::move(args));
+  std::vector<int64_t> lead(x.shape.begin(), x.shape.end() - 1);
+  const size_t others = sub_.outputs.size() - sub_.linears.size();
+  if (outs.size() < others) throw RunError("method " + sub_.method + " returned too few outputs");
+  auto linears = merge(outs, others, lead, rows);
+  std::vector<ValuePtr> result;
+  size_t o = 0;
+  for (const auto& name : sub_.outputs) {
+    auto at = std::find(sub_.linear_outputs.begin(), sub_.linear_outputs.end(), name);
+    if (at != sub_.linear_outputs.end()) {
+      result.push_back(linears[static_cast<size_t>(at - sub_.linear_outputs.begin())]);
+      continue;
+    }
+    auto& v = outs[o++];
+    auto shape = lead;
+    shape.push_back(v->shape.back());
+    v->shape = shape;
+    result.push_back(v);
+  }
+  return result;
+}
+
+std::vector<ValuePtr> MethodCall::merge(std::vector<std::shared_ptr<Value>>& all, size_t first,
+                                        const std::vector<int64_t>& lead, int64_t rows) const {
+  std::vector<std::shared_ptr<Value>> outs(all.begin() + static_cast<std::ptrdiff_t>(first), all.end());
   const size_t n = sub_.linears.size();
   // outputs: each linear's main one, its split groups (linear by linear), then the fine encodings
   size_t coarse = n, fine = 0;
@@ -113,7 +155,6 @@ std::vector<ValuePtr> MethodCall::npu(const std::vector<ValuePtr>& inputs, bool 
   }
   std::vector<ValuePtr> merged;
   size_t k = n;
-  std::vector<int64_t> lead(x.shape.begin(), x.shape.end() - 1);
   for (size_t i = 0; i < n; ++i) {
     const auto& splits = s_.linears.at(sub_.linears[i]).split_channels;
     std::shared_ptr<Value> y;
@@ -176,6 +217,7 @@ std::vector<ValuePtr> MethodCall::cpu(const std::vector<ValuePtr>& inputs, bool 
 }
 
 std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  if (sub_.norm_region) return norm_region(inputs, break_input);
   return sub_.kind == "npu" && !sub_.graph ? npu(inputs, break_input) : cpu(inputs, break_input);
 }
 

@@ -16,7 +16,7 @@
 
 namespace llmnpu {
 
-// Calls one subgraph's method on one of the runner's Modules.
+// Calls one subgraph's method on one of the runner's Modules. Mirrors runtime/pte_runner.py.
 class MethodCall {
  public:
   MethodCall(const Sidecar& s, const Subgraph& sub, executorch::extension::Module& module, ColdRows& cold);
@@ -27,6 +27,11 @@ class MethodCall {
  private:
   std::vector<std::shared_ptr<Value>> execute(std::vector<executorch::runtime::EValue> args) const;
   std::vector<ValuePtr> npu(const std::vector<ValuePtr>& inputs, bool break_input) const;
+  std::vector<ValuePtr> norm_region(const std::vector<ValuePtr>& inputs, bool break_input) const;
+  // The linears' method outputs (`outs`, from `first` on: main, split groups, fine encodings) merged
+  // into one [lead..., width] value per linear
+  std::vector<ValuePtr> merge(std::vector<std::shared_ptr<Value>>& outs, size_t first,
+                              const std::vector<int64_t>& lead, int64_t rows) const;
   std::vector<ValuePtr> cpu(const std::vector<ValuePtr>& inputs, bool break_input) const;
   const Sidecar& s_;
   const Subgraph& sub_;

@@ -45,9 +45,23 @@ Subgraph read_subgraph(const json& e) {
   s.linears = e.at("linears").get<std::vector<std::string>>();
   if (e.contains("input_groups")) s.input_groups = e["input_groups"].get<std::vector<std::vector<int>>>();
   if (e.contains("form")) {
-    if (e["form"] != "graph" || s.kind != "npu")
+    if ((e["form"] != "graph" && e["form"] != "norm-region") || s.kind != "npu")
       throw InputError("subgraph " + s.method + " has an unknown form " + e["form"].dump() + ": export again");
-    s.graph = true;
+    s.graph = e["form"] == "graph";
+    s.norm_region = !s.graph;
+  }
+  if (s.norm_region) {
+    const auto& enc = e.at("norm").at("x");
+    s.norm_input.scale = enc.at("scale").get<double>();
+    s.norm_input.zero = enc.at("zero").get<int>();
+    s.norm_input.bits = enc.at("bits").get<int>();
+    s.linear_outputs = e.at("linear_outputs").get<std::vector<std::string>>();
+    if (s.linear_outputs.size() != s.linears.size() || s.inputs.size() != 1 || s.norm_input.bits < 2 ||
+        s.norm_input.bits > 16 || !(s.norm_input.scale > 0))
+      throw InputError("norm region " + s.method + " has a bad input encoding or linear outputs: export again");
+    for (const auto& name : s.linear_outputs)
+      if (std::find(s.outputs.begin(), s.outputs.end(), name) == s.outputs.end())
+        throw InputError("norm region " + s.method + " names an output it does not have: export again");
   }
   if (e.contains("shadow")) {
     for (const auto& b : e["shadow"]) {

@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 10;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 11;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -26,6 +26,11 @@ struct Subgraph {
   std::vector<std::string> inputs, outputs, linears;
   std::vector<std::vector<int>> input_groups;   // npu: activation-scale groups (indices into linears)
   bool graph = false;   // npu: a method holding more than linears, called with its tensors as a CPU one is
+  // npu: a block norm and the linears it feeds (lower/norm_region.py): its input on the norm's 16-bit
+  // grid in; the outputs no linear makes, then the linears' parts, merged into `linear_outputs`
+  bool norm_region = false;
+  struct { double scale = 1; int zero = 0, bits = 16; } norm_input;
+  std::vector<std::string> linear_outputs;   // per linear, the output its merged product is
   std::vector<ShadowBranch> shadow;
 };
 
