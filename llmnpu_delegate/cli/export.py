@@ -48,8 +48,9 @@ def add_parser(sub) -> None:
                    help="share of layers without a shadow path (w8a8-shadow): auto (default: priced on --soc's "
                         "device model for qnn, on this machine's engine for cpu-int8) or a share in [0, 1]")
     p.add_argument("--placement", default=PAPER,
-                   help="what the NPU methods hold beside the linears: paper (default: the linears only), or for "
-                        "--backend cpu-int8 any placement the engine runs but the +inline forms: norms, "
+                   help="what the NPU methods hold beside the linears: paper (default: the linears only); for "
+                        "--backend qnn also norms (each block norm at 16 bits with the linears it feeds, one HTP "
+                        "graph); for --backend cpu-int8 any placement the engine runs but the +inline forms: norms, "
                         "attention-half, block, or pieces joined by + (llmnpu partition --placement P --why shows "
                         "its cut)")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
@@ -147,5 +148,8 @@ def _holds(summary: dict) -> str:
     graphs = summary["npu_graphs"]
     if not graphs:
         return "the NPU methods hold the linears only"
+    if summary["target"] == "qnn":
+        return (f"{graphs} of the {summary['npu_methods']} NPU methods are a block norm at 16 bits with the 8-bit "
+                f"linears it feeds, one HTP graph each")
     return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears beside INT8 linears: "
             f"attention and norms at 16-bit NPU encodings, the rest in float")
