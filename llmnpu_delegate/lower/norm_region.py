@@ -40,7 +40,8 @@ REGION = "region."      # RegionModule's path inside NormRegion
 @dataclass(frozen=True)
 class NormRegionShape:
     """An NPU subgraph that is one block norm feeding linears: the norm's key ((layer, name)), its
-    weight and eps, the subgraph's outputs no linear makes (in their order) and each linear's output."""
+    weight and eps, the subgraph's outputs no linear makes (the normed rows, where a shadow product
+    reads them, or none) and each linear's output."""
     norm: tuple[int, str]
     weight: Tensor
     eps: float
@@ -67,25 +68,28 @@ def norm_region_shape(partition: Partition, sub: Subgraph) -> NormRegionShape | 
     if key is None:
         return None
     made = {n.name for n in linears}
+    others = [o for o in sub.outputs if o not in made]
+    if others not in ([], [chain.final.name]):
+        return None
     weight = gm.get_parameter(chain.weight.target) if chain.weight.target in dict(gm.named_parameters()) \
         else gm.get_buffer(chain.weight.target)
-    return NormRegionShape(key, weight.detach(), float(chain.eps), [o for o in sub.outputs if o not in made],
-                           [n.name for n in linears])
+    return NormRegionShape(key, weight.detach(), float(chain.eps), others, [n.name for n in linears])
 
 
 class NormRegion(nn.Module):
-    """The region as a module: rows in; the normed rows, then ``RegionModule``'s outputs on each
-    activation group's clamped rows."""
+    """The region as a module: rows in; the normed rows (if ``normed_out``: a shadow product reads
+    them), then ``RegionModule``'s outputs on each activation group's clamped rows."""
 
-    def __init__(self, weight: Tensor, eps: float, linears: list[nn.Linear], spec: RegionSpec):
+    def __init__(self, weight: Tensor, eps: float, linears: list[nn.Linear], spec: RegionSpec, normed_out: bool):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
-        self.eps, self.scales = float(eps), list(spec.scales)
+        self.eps, self.scales, self.normed_out = float(eps), list(spec.scales), normed_out
         self.region = RegionModule(linears, spec.groups, spec.splits, spec.fine)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         normed = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return (normed, *self.region(*(torch.clamp(normed, -127.0 * s, 127.0 * s) for s in self.scales)))
+        outs = self.region(*(torch.clamp(normed, -127.0 * s, 127.0 * s) for s in self.scales))
+        return (normed, *outs) if self.normed_out else outs
 
 
 class NormRegionAnnotation:
@@ -128,7 +132,7 @@ def quantized_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: l
 
     if calib_rows.shape[0] % rows_per_call:
         raise LlmNpuError(f"{calib_rows.shape[0]} calibration rows are not a whole number of {rows_per_call}-row calls")
-    module = NormRegion(shape.weight, shape.eps, linears, spec).eval()
+    module = NormRegion(shape.weight, shape.eps, linears, spec, bool(shape.others)).eval()
     example = (calib_rows[:rows_per_call],)
     graph = torch.export.export(module, example, strict=False).module()
     local = {REGION + k: v for k, v in plan_names(spec, plans).items()}
