@@ -460,14 +460,14 @@ def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
     linears = [r for r in report["linears"] if r["subgraph"] in regions]
     assert len(linears) == sum(len(e["linears"]) for e in regions.values())
     # the 8-bit outputs: their rounding, and now and then an input code one apart, where the normed
-    # value HTP requantizes to 8 bits is a 16-bit step from the engine's (measured at most 1.44 steps)
+    # value HTP requantizes to 8 bits is a 16-bit step from the engine's (measured at most 1.61 steps)
     assert min(r["within_2_steps"] for r in linears) >= 0.99, linears
     assert max(r["max_steps"] for r in linears) <= 2, linears
     assert min(r["sqnr_db"] for r in linears) > 30, linears       # measured 37.0-41.8
     prefill = report["prefill"]
-    # measured 24.0 and 27.4 dB, the paper placement's program's gates
+    # measured 22.2 and 24.2 dB, the paper placement's program's gates
     assert prefill["same_next_token"] and prefill["logits_sqnr_db"] > 18 and prefill["kv_sqnr_db_min"] > 18
-    vs = prefill["logits_sqnr_db_vs_fp32"]                  # measured 18.1 against the engine's 19.3
+    vs = prefill["logits_sqnr_db_vs_fp32"]                  # measured 21.6 against the engine's 20.1
     assert vs["pte"] > vs["engine"] - 3, vs
 
 
