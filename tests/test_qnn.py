@@ -75,6 +75,16 @@ def test_export_command_refuses_an_unknown_soc_before_loading_the_model(tmp_path
     assert not any(tmp_path.iterdir())
 
 
+def test_an_automatic_placement_is_a_phones_choice_refused_for_cpu_int8(tmp_path, capsys):
+    from llmnpu_delegate.cli import main
+
+    out = tmp_path / "m.pte"
+    assert main(["export", "--model", "no-such-model", "--backend", "cpu-int8", "--placement", "auto",
+                 "--out", str(out)]) == 2
+    assert "--placement auto chooses by a phone's predicted prefill, for --backend qnn" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.fixture(scope="module")
 def engine(shared_tiny_engine):
     return shared_tiny_engine
@@ -239,14 +249,19 @@ def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, htp_fine):
 
 @pytest.mark.slow
 def test_export_and_validate_commands_on_the_embedded_model(tmp_path, capsys):
-    """The issue's commands on two blocks of the embedded model: QNN methods for SM8650, then
-    `llmnpu validate`, whose exit status says the .pte predicts the engine's next token."""
+    """The issue's commands on two blocks of the embedded model: QNN methods for SM8650 under the
+    placement the phone model chooses among those a QNN program holds, then `llmnpu validate`, whose
+    exit status says the .pte predicts the engine's next token."""
     from llmnpu_delegate.cli import main
 
     out = tmp_path / "smollm2-2.pte"
     assert main(["export", "--backend", "qnn", "--soc", "SM8650", "--chunk", "64", "--blocks", "2",
-                 "--out", str(out), "--no-progress"]) == 0
-    assert "8 NPU methods for qnn SM8650" in capsys.readouterr().out
+                 "--out", str(out), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["npu_methods"] == 8 and summary["soc"] == "SM8650"
+    choice = summary["placement_choice"]
+    assert {r["placement"] for r in choice} == {"paper", "norms"}       # what a QNN program holds
+    assert summary["placement"] == choice[0]["placement"] and choice[0]["wall_s"] == min(r["wall_s"] for r in choice)
     assert out.is_file() and out.with_suffix(".json").is_file()
     assert main(["validate", "--pte", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out

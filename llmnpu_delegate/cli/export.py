@@ -16,10 +16,13 @@ from ..lower.lowering_pool import default_workers
 from ..lower.npu_subgraphs import FINE_BELOW_DB
 from ..lower.pte import export_pte
 from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
-from ..partitioner.placement import PAPER, parse_placement
+from ..backends import placements
+from ..models import load_model
+from ..partitioner.placement import AUTO, PAPER, parse_placement
+from ..prepare import has_npu_norms
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
-from ..simulate.phone import choose_pruning
+from ..simulate.phone import choose_placement, choose_pruning
 from ..text import calibration_ids
 from .common import add_output_args, add_ray_args, pruning_rate, ray_line, ray_target
 
@@ -47,12 +50,13 @@ def add_parser(sub) -> None:
     p.add_argument("--pruning-rate", type=pruning_rate, default=None,
                    help="share of layers without a shadow path (w8a8-shadow): auto (default: priced on --soc's "
                         "device model for qnn, on this machine's engine for cpu-int8) or a share in [0, 1]")
-    p.add_argument("--placement", default=PAPER,
-                   help="what the NPU methods hold beside the linears: paper (default: the linears only); for "
-                        "--backend qnn also norms (each block norm at 16 bits with the linears it feeds, one HTP "
-                        "graph); for --backend cpu-int8 any placement the engine runs but the +inline forms: norms, "
-                        "attention-half, block, or pieces joined by + (llmnpu partition --placement P --why shows "
-                        "its cut)")
+    p.add_argument("--placement", default=None,
+                   help="what the NPU methods hold beside the linears: paper (the linears only; the default for "
+                        "cpu-int8); for --backend qnn also norms (each block norm at 16 bits with the linears it "
+                        "feeds, one HTP graph) or auto (its default: of those, the one the phone model predicts the "
+                        "shortest --context-token prefill for on --soc); for --backend cpu-int8 any placement the "
+                        "engine runs but the +inline forms: norms, attention-half, block, or pieces joined by + "
+                        "(llmnpu partition --placement P --why shows its cut)")
     p.add_argument("--shadow-branch", choices=["sparse", "dense"], default="sparse",
                    help="shadow outlier branches: sparse (default: hot channels' rows in the program, cold rows "
                         "in a file read when hit) or dense (the whole linear on the residue: a reference)")
@@ -109,16 +113,22 @@ def export_one(args) -> tuple[dict, str]:
     # checked before the model is loaded and planned
     config = ExportConfig(args.backend, args.soc, args.context, args.shadow_branch, args.decode,
                           None if args.output_bits == "auto" else int(args.output_bits), args.fine_outputs == "auto")
-    check_program_placement(parse_placement(args.placement), args.backend, config.bits)
     backend = backends.get(args.backend)
+    placement, choice = program_placement(args, config)
+    check_program_placement(parse_placement(placement), args.backend, config.bits)
     if backend.uses_soc and auto.is_auto(quant):    # pruned for the phone's schedule, not this machine's
         quant = dataclasses.replace(quant, pruning_target=args.soc)
     lm, engine = export_engine(args.model, args.chunk, quant, args.blocks, progress=not args.no_progress,
-                               choose=choose_pruning, placement=args.placement)
+                               choose=choose_pruning, placement=placement)
     calib_ids = calibration_ids(lm, None)
     summary = export_pte(engine, args.out, calib_ids, config, model={"spec": args.model, "blocks": args.blocks},
                          tokenizer=lm.tokenizer, workers=args.workers, progress=not args.no_progress,
                          release_engine=True)
+    chosen = ""
+    if choice:
+        summary["placement_choice"] = choice
+        chosen = (f"placement chosen by the phone model ({args.soc}, a {args.context or DEFAULT_CONTEXT}-token prompt, "
+                  f"ooo): " + ", ".join(f"{r['placement']} {r['tok_s']:,.0f} tok/s" for r in choice) + "\n")
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
@@ -140,8 +150,36 @@ def export_one(args) -> tuple[dict, str]:
             f"{wbytes[sh['form']] / 2**20:.2f} MiB (dense {wbytes['dense'] / 2**20:.2f}){cold}\n"
             f"placement {summary['placement']}: {_holds(summary)} (the engine runs every placement: llmnpu run "
             f"--placement; their phone speed: llmnpu simulate --model {args.model}{soc})\n"
+            f"{chosen}"
             f"check it: llmnpu validate --pte {summary['pte']}   generate: llmnpu run --pte {summary['pte']} --prompt ...")
     return summary, text
+
+
+def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
+    """``--placement`` as given (default: the paper's for cpu-int8, ``auto`` for qnn), or for ``auto``
+    on a phone's backend the placement among those its program holds whose prefill of a --context
+    token prompt the phone model predicts shortest on --soc, with one row per candidate."""
+    backend = backends.get(args.backend)
+    name = args.placement or (AUTO if backend.uses_soc else PAPER)
+    if name != AUTO:
+        return name, []
+    if not backend.uses_soc:
+        raise LlmNpuError(f"--placement {AUTO} chooses by a phone's predicted prefill, for --backend qnn: name a "
+                          f"placement for {args.backend} (llmnpu run --placement auto times this machine's choice)")
+    candidates = [p for p in placements(backend) if _writable(p, args.backend, config.bits)]
+    if any(parse_placement(p).on_npu("norms") for p in candidates) and not has_npu_norms(load_model(args.model).model):
+        candidates = [p for p in candidates if not parse_placement(p).on_npu("norms")]
+    _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,
+                               args.quant, args.pruning_rate, not args.no_progress)
+    return rows[0]["placement"], rows
+
+
+def _writable(placement: str, target: str, bits: int) -> bool:
+    try:
+        check_program_placement(parse_placement(placement), target, bits)
+    except LlmNpuError:
+        return False
+    return True
 
 
 def _holds(summary: dict) -> str:
