@@ -222,7 +222,7 @@ def test_export_for_two_socs_on_ray_writes_the_sequential_programs(cluster, tmp_
     if importlib.util.find_spec("onnxruntime_qnn") is None:
         pytest.skip(missing("the qnn extra (onnxruntime-qnn)"))
     cmd = ["export", "--model", "random:tiny-llama", "--backend", "qnn", "--chunk", "32", "--blocks", "1",
-           "--context", "128", "--decode", "fp32", "--workers", str(NODE_CPUS), "--no-progress"]
+           "--context", "128", "--decode", "fp32", "--placement", "paper", "--workers", str(NODE_CPUS), "--no-progress"]
     assert main(cmd + ["--soc", "SM8650,SM8750", "--out", str(tmp_path / "m.pte"), "--ray-address", cluster,
                        "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
