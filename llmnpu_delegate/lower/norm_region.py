@@ -17,6 +17,7 @@ linears-only method's (``RegionSpec.merge``).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,7 @@ def norm_region_shape(partition: Partition, sub: Subgraph) -> NormRegionShape | 
     others = [o for o in sub.outputs if o not in made]
     if others not in ([], [chain.final.name]):
         return None
-    weight = gm.get_parameter(chain.weight.target) if chain.weight.target in dict(gm.named_parameters()) \
-        else gm.get_buffer(chain.weight.target)
+    weight = operator.attrgetter(chain.weight.target)(gm)        # a parameter or a buffer
     return NormRegionShape(key, weight.detach(), float(chain.eps), others, [n.name for n in linears])
 
 
