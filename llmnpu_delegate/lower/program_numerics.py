@@ -12,8 +12,8 @@ its sidecar writes it, applied to a model quantized by ``quantize_`` with the pr
 - the LM head is the dynamic INT8 linear (each row quantized over its own range, ``int8`` decode
   programs); the embedding lookups read the float16 table (``embedding_head.TABLE_DTYPE``).
 
-Only the HTP's own rounding of a requantization is left out: the simulator's outputs are within a
-step of these (``tests/test_qnn.py``). The decoder's shapes are the model's, so every position of a
+Only the HTP's own rounding of a requantization and of a norm's result is left out: the simulator's
+outputs are within a step of these (``tests/test_qnn.py``). The decoder's shapes are the model's, so every position of a
 window is scored, which the program (one answer row per prefill) does not return.
 """
 from __future__ import annotations
