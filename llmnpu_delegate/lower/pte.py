@@ -385,8 +385,9 @@ def _integer_regions(engine, target: str) -> set[int]:
 
 def _output_parts(engine, name: str, sub, linears: list, rows, flavour: str, output_bits: int, fine: bool):
     """The region's ``RegionSpec``: split channel groups and second encodings chosen on what each
-    linear reads (``rows[j]``, a list or a dict by linear index; per-tensor weight scales would change if a linear were cut in two:
-    split only per-channel ones; float outputs have no encoding to split)."""
+    linear reads (``rows[j]``, a list or a dict by linear index). Per-tensor weight scales would
+    change if a linear were cut in two: split only per-channel ones; float outputs have no encoding
+    to split."""
     splits = ({j: output_groups(lin, rows[j]) for j, lin in enumerate(linears)}
               if engine.backend.weights == "channel" and output_bits == 8 else {})
     twins = ({j: fine_outputs(lin, rows[j], splits.get(j, []), flavour) for j, lin in enumerate(linears)}
