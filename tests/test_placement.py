@@ -562,6 +562,33 @@ def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_mo
     assert not any(tmp_path.iterdir())
 
 
+def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
+    """``--placement auto`` (qnn's default): the phone model's prediction for each placement a QNN
+    program holds, the fastest chosen; the paper's split for cpu-int8 unless named; a model whose
+    norms have no NPU form leaves ``norms`` out."""
+    import argparse
+
+    from llmnpu_delegate.cli.export import program_placement
+    from llmnpu_delegate.lower.export_config import ExportConfig
+
+    def args(model="random:tiny-llama", backend="qnn", placement=None):
+        return argparse.Namespace(placement=placement, backend=backend, model=model, chunk=32, soc="SM8750",
+                                  context=96, quant="w8a8-shadow", pruning_rate=None, no_progress=True)
+
+    config = ExportConfig("qnn", "SM8750", 96)
+    chosen, rows = program_placement(args(), config)
+    assert {r["placement"] for r in rows} == {"paper", "norms"}
+    assert chosen == rows[0]["placement"] and rows[0]["wall_s"] == min(r["wall_s"] for r in rows)
+    # the prediction is the simulator's, as `llmnpu simulate --placement P` makes it
+    for r in rows:
+        scn = prepare("random:tiny-llama", 32, placement=r["placement"], progress=False, soc="SM8750")
+        assert simulate_prefill(scn, "SM8750", 96, ("ooo",))["policies"]["ooo"]["wall_s"] == pytest.approx(r["wall_s"])
+    assert program_placement(args(placement="paper"), config) == ("paper", [])
+    assert program_placement(args(backend="cpu-int8"), ExportConfig("cpu-int8", None, 96)) == ("paper", [])
+    chosen, rows = program_placement(args(model="random:tiny-gemma2"), config)
+    assert [r["placement"] for r in rows] == ["paper"] and chosen == "paper"
+
+
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):
     args = ["run", "--model", "random:tiny-llama", "--prompt", "one two three", "--max-new-tokens", "2",
             "--chunk", "16", "--pruning-rate", "0", "--no-progress"]
