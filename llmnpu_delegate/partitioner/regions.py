@@ -168,12 +168,17 @@ def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placem
     NPU. Each NPU node gets a *stage*, the number of NPU -> CPU -> NPU hand-overs on the longest path
     that reaches it; a region is a connected group of NPU nodes of one stage (linears that read the
     same tensor count as connected: q/k/v share one quantized input, as do gate/up). A shadow product
-    merged on the NPU thus ends one region and starts the next."""
+    merged on the NPU thus ends one region and starts the next.
+
+    A linear's output leaves its region too: NPU work that reads it (RoPE, a q/k norm, the gated
+    activation, a merge) starts the next one. An integer NPU graph gives a linear's output at 8 bits,
+    in channel groups of their own encodings (``lower/npu_subgraphs.output_groups``) that only the
+    runner puts back together; so every program, and the engine it is checked against, cuts there."""
     placement = parse_placement(placement)
     proc = {n: p for n, (p, _) in processors(gm, linears, placement).items()}
     stage: dict[Node, int] = {}      # NPU: its stage; CPU: the latest stage it depends on (-1: none)
     for node in gm.graph.nodes:
-        inputs = [stage[a] + (1 if proc[a] == "cpu" and proc.get(node) == "npu" else 0)
+        inputs = [stage[a] + (1 if proc.get(node) == "npu" and (proc[a] == "cpu" or a in linears) else 0)
                   for a in node.all_input_nodes if a in stage]
         if node in proc:
             stage[node] = max(inputs, default=0 if proc[node] == "npu" else -1)

@@ -124,10 +124,8 @@ def soc_shadow_prices(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT)
                 without = {k: v for k, v in scn.outlier_rate.items() if k != name}
                 seconds[name] = (cost.seconds(sub, 0, device, scn.outlier_rate) - cost.seconds(sub, 0, device, without))
 
+    # merged on the NPU, a path splits no graph: its linear's output ends one already (``npu_regions``)
     merged_on_npu = scn.partition.placement.on_npu("merge")
-    if merged_on_npu:   # each path splits an NPU graph: a launch and its delta's trip in
-        for name in seconds:
-            seconds[name] += device["npu.graph_launch_s"]
 
     def makespan(kept: frozenset) -> float:
         rates = {k: v for k, v in scn.outlier_rate.items() if k in kept}
