@@ -79,12 +79,17 @@ class RegionSpec:
             raise LlmNpuError(f"{self.method}: {self.names[linear]} has no split channel group {part}")
         return len(self.names) + sum(len(self.splits[i]) for i in self.splits if i < linear) + part - 1
 
+    @property
+    def outputs(self) -> int:
+        """How many outputs the method's linears return: mains, split groups, second encodings."""
+        return len(self.names) + sum(len(g) for g in self.splits.values()) + len(self.fine)
+
     def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
         """The method's outputs back to one tensor per linear, channels in their places."""
         n = len(self.names)
-        coarse = n + sum(len(g) for g in self.splits.values())
-        if len(outs) != coarse + len(self.fine):
-            raise LlmNpuError(f"{self.method} returned {len(outs)} outputs, its spec names {coarse + len(self.fine)}")
+        coarse = self.outputs - len(self.fine)
+        if len(outs) != self.outputs:
+            raise LlmNpuError(f"{self.method} returned {len(outs)} outputs, its spec names {self.outputs}")
         outs, fine = list(outs[:coarse]), outs[coarse:]
         for f, values in zip(self.fine, fine):
             k = self.output_index(f.linear, f.part)

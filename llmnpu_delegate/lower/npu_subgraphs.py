@@ -283,12 +283,12 @@ class OutputEncoding:
     high: float
 
 
-def output_encodings(graph) -> list[OutputEncoding | None]:
-    """Per output of a converted region (RegionModule's order): the encoding of its quantize node
-    (None for a float output)."""
+def output_encodings(graph, skip: int = 0) -> list[OutputEncoding | None]:
+    """Per output of a converted region (RegionModule's order) after its first ``skip`` ones: the
+    encoding of its quantize node (None for a float output)."""
     out = next(n for n in graph.graph.nodes if n.op == "output")
     encodings = []
-    for node in out.args[0]:
+    for node in out.args[0][skip:]:
         if node.op == "call_function" and node.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default):
             encodings.append(None)
             continue
