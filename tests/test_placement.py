@@ -564,7 +564,7 @@ def test_a_malformed_placement_choice_in_the_calibration_is_a_one_line_error(lla
 
 def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_model(capsys, tmp_path):
     out = tmp_path / "x.pte"
-    for extra, why in ((["--backend", "qnn", "--placement", "block"], "on qnn, the norms (--placement norms)"),
+    for extra, why in ((["--backend", "qnn", "--placement", "block"], "on qnn, the norms, RoPE and attention"),
                        (["--backend", "cpu-int8", "--placement", "norms", "--output-bits", "8"], "float outputs only"),
                        (["--backend", "cpu-int8", "--placement", "sideways"], "unknown placement 'sideways'")):
         assert main(["export", "--model", "random:tiny-llama", "--out", str(out), *extra]) == 2

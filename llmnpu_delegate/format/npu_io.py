@@ -104,3 +104,32 @@ class RegionSpec:
             keep = [c for c in range(width) if c not in set(split)]
             merged[i] = torch.cat(parts, -1).index_select(-1, torch.tensor(keep + split).argsort())
         return merged
+
+
+def window_inputs(names: list[str], args: list, past: tuple[str, str], mask: str, window: int, mask_value: float,
+                  heads: int) -> tuple[Tensor, ...]:
+    """An attention region's method inputs (``lower/attention_region.py``) from the chunk step's
+    (``args``, by the subgraph's input ``names``): the past K/V [1, KVH, P, d] padded with zeros to
+    ``window - C`` rows; the boolean mask [.., C, P + C] made additive over the window, [1, G*C,
+    window] (``mask_value`` where a query may not look: every empty slot too; repeated for the G
+    query heads of each K/V head); every input contiguous."""
+    values = dict(zip(names, args))
+    chunk = values[mask].shape[-2]
+    p = values[past[0]].shape[2]
+    if p + chunk > window:
+        raise LlmNpuError(f"a past of {p} tokens and a chunk of {chunk} pass the program's attention window of "
+                          f"{window}: prompt with fewer tokens")
+    out = []
+    for name in names:
+        a = values[name]
+        if name in past:
+            a = torch.cat([a, a.new_zeros(a.shape[0], a.shape[1], window - chunk - p, a.shape[3])], dim=2)
+        elif name == mask:
+            allowed = torch.zeros(chunk, window, dtype=torch.bool)
+            m = a.reshape(chunk, p + chunk)
+            allowed[:, :p] = m[:, :p]
+            allowed[:, window - chunk:] = m[:, p:]
+            kvh = values[past[0]].shape[1]
+            a = torch.where(allowed, 0.0, mask_value).repeat(heads // kvh, 1)[None]
+        out.append(a.contiguous())
+    return tuple(out)

@@ -18,7 +18,7 @@ from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
 # The layout's version: both runners refuse any other. CHANGELOG.md says what each version changed.
-VERSION = 11
+VERSION = 12
 
 # An NPU subgraph's method that holds more than linears (``lower/graph_methods.py``) takes and returns
 # its tensors by name, as a CPU one does; without a form, it holds linears and takes input groups.
@@ -27,12 +27,20 @@ GRAPH = "graph"
 # the norm's input grid (``norm``: its block, name and encodings) in; the subgraph's outputs no linear makes, then the linears'
 # outputs as a linears-only method gives them, merged into ``linear_outputs``.
 NORM_REGION = "norm-region"
-FORMS = (GRAPH, NORM_REGION)
+# RoPE, the chunk's attention against a fixed K/V window and the linears it feeds as one integer graph
+# (``lower/attention_region.py``): the subgraph's inputs by name, the past K/V padded to the window
+# and the mask made additive (``npu_io.window_inputs``, ``attention``: which inputs, the window, the
+# mask's value, the layer's encodings); out the chunk's new K and V (a runner writes them after the
+# past: the ``present`` outputs), the outputs no linear makes, then the linears' parts, merged into
+# ``linear_outputs``.
+ATTENTION_REGION = "attention-region"
+FORMS = (GRAPH, NORM_REGION, ATTENTION_REGION)
 
 NUM = "number"
 ANY = "any"
 INTS, STRS, NUMS = [int], [str], [NUM]
 ENCODING = {"scale": NUM, "zero": int, "bits": int}      # kernels/npu_attention.py Encoding (unsigned)
+SIGNED_ENCODING = {**ENCODING, "signed": bool}
 # A dict of fields (a trailing "?" marks an optional one), {str: T} a map, [T] a list, a tuple alternatives.
 SCHEMA = {
     "format": str, "version": int, "pte": str, "pte_sha256": str, "pte_bytes": int,
@@ -44,6 +52,9 @@ SCHEMA = {
                    "inputs": STRS, "outputs": STRS, "linears": STRS, "input_groups?": [INTS], "form?": str,
                    "norm?": {"layer": int, "name": str, "x": ENCODING, "weight": ENCODING, "out": ENCODING},
                    "linear_outputs?": STRS,
+                   "attention?": {"layer": int, "past": STRS, "present": STRS, "mask": str, "window": int,
+                                  "mask_value": NUM, "heads": int,
+                                  "encodings": {k: SIGNED_ENCODING for k in ("q", "k", "v", "scores", "out")}},
                    "shadow?": [{"linear": str, "input": int, "output": int, "hits": int}]}],
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
     "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
@@ -146,7 +157,14 @@ def check_sidecar(meta: dict) -> str | None:
                                              len(e["linears"]) or not set(e["linear_outputs"]) <= set(e["outputs"])
                                              or len(e["inputs"]) != 1):
             return f"subgraphs[{i}] is a {NORM_REGION!r} without one input, its norm's encodings or its linears' outputs"
-        if e["kind"] == "npu" and e.get("form") != GRAPH and \
+        if e.get("form") == ATTENTION_REGION and (
+                "attention" not in e or len(e.get("linear_outputs", [])) != len(e["linears"])
+                or not set(e["linear_outputs"]) <= set(e["outputs"]) or len(e["attention"]["past"]) != 2
+                or not {*e["attention"]["past"], e["attention"]["mask"]} <= set(e["inputs"])
+                or len(e["attention"]["present"]) != 2 or not set(e["attention"]["present"]) <= set(e["outputs"])):
+            return (f"subgraphs[{i}] is an {ATTENTION_REGION!r} without its past, present and mask among its inputs "
+                    f"and outputs, or its linears' outputs")
+        if e["kind"] == "npu" and e.get("form") != GRAPH and e.get("linears") and \
                 sorted(j for g in e.get("input_groups", []) for j in g) != list(range(len(e["linears"]))):
             return f"subgraphs[{i}].input_groups do not cover its linears"
     for name, lin in meta["linears"].items():

@@ -9,7 +9,7 @@ graph is that region on static shapes, as ExecuTorch's Qualcomm llama and Genie 
 - the past K/V as a fixed window of ``window - chunk`` rows (the empty slots anywhere after the
   past), the chunk's new K/V concatenated after it: ``window`` keys, whatever the past;
 - the mask an input: ``attention_method.mask_value`` wherever a query may not look (causal, and
-  every empty slot), 0 elsewhere;
+  every empty slot), 0 elsewhere (``format/npu_io.window_inputs`` makes both from the step's);
 - attention at ``kernels/npu_attention.py``'s 16-bit encodings (``attention_method.py``: q on its
   grid after RoPE, the window signed symmetric, the scores, probabilities and output); RoPE's own
   products and sums at 16 bits on ranges observed on calibration chunks, ending on q's and the
@@ -161,10 +161,11 @@ class _ClampedRegion(nn.Module):
 
 
 def static_region(partition: Partition, sub: Subgraph, shape: AttentionRegionShape, linears: list[nn.Linear],
-                  spec: RegionSpec | None) -> fx.GraphModule:
+                  spec: RegionSpec | None, probe: bool = False) -> fx.GraphModule:
     """The region as a GraphModule on static shapes: the subgraph's inputs by name, the mask additive
-    ([1, G*C, W]: ``window_inputs``); outputs the new K and V, ``shape.others``, then the linears'
-    parts (``_ClampedRegion``; none without linears)."""
+    ([1, G*C, W]: ``format/npu_io.window_inputs``); outputs the new K and V, ``shape.others``, then the linears'
+    parts (``_ClampedRegion``; none without linears). ``probe``: the linears' input instead of their
+    parts (float: what the export chooses their output encodings on)."""
     gm = subgraph_module(partition, sub)
     graph = gm.graph
     att = _attention_node(gm)
@@ -178,7 +179,9 @@ def static_region(partition: Partition, sub: Subgraph, shape: AttentionRegionSha
     news = [_kv_write(_node(gm, name))[1] for name in shape.present]
     region_outs = []
     lin_nodes = [n for n in graph.nodes if is_linear(n)]
-    if lin_nodes:
+    if lin_nodes and probe:
+        region_outs = [lin_nodes[0].args[0]]
+    elif lin_nodes:
         if spec is None or len({n.args[0] for n in lin_nodes}) != 1:
             raise LlmNpuError(f"attention region of layer {shape.layer}: its linears need one input and a region spec")
         gm.add_submodule("linears", _ClampedRegion(linears, spec))
@@ -192,33 +195,6 @@ def static_region(partition: Partition, sub: Subgraph, shape: AttentionRegionSha
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
-
-
-def window_inputs(names: list[str], args: list, shape: AttentionRegionShape, window: int,
-                  enc: AttentionEncodings, heads: int) -> tuple:
-    """The static graph's inputs from the engine step's (``args``, by the subgraph's input ``names``):
-    the past K/V padded to ``window - chunk`` rows, the boolean mask [.., C, past + C] made the
-    additive [1, G*C, window] one (the empty slots hidden)."""
-    values = dict(zip(names, args))
-    past_k = values[shape.past[0]]
-    chunk = values[shape.mask].shape[-2]
-    past = past_k.shape[2]
-    if past + chunk > window:
-        raise LlmNpuError(f"a past of {past} and a chunk of {chunk} pass the attention window of {window}")
-    out = []
-    for name in names:
-        a = values[name]
-        if name in shape.past:
-            a = torch.cat([a, a.new_zeros(a.shape[0], a.shape[1], window - chunk - past, a.shape[3])], dim=2)
-        elif name == shape.mask:
-            allowed = torch.zeros(chunk, window, dtype=torch.bool)
-            m = a.reshape(chunk, past + chunk)
-            allowed[:, :past] = m[:, :past]
-            allowed[:, window - chunk:] = m[:, past:]
-            kvh = past_k.shape[1]
-            a = torch.where(allowed, 0.0, mask_value(enc)).repeat(heads // kvh, 1)[None]
-        out.append(a.contiguous())          # the engine's views, as ExecuTorch takes inputs
-    return tuple(out)
 
 
 def _target(node: fx.Node) -> str:
@@ -366,3 +342,13 @@ def lower_attention_region(method: str, partition: Partition, sub: Subgraph, sha
     edge = backends.get("qnn").lower(method, graph, example, soc)
     check_delegated(edge, spec if spec is not None else RegionSpec(method, [], [], []), "qnn")
     return edge, encodings
+
+
+def attention_rows(partition: Partition, sub: Subgraph, shape: AttentionRegionShape, enc: AttentionEncodings,
+                   calls: list[tuple]) -> Tensor:
+    """What the region's linears read on ``calls`` (``window_inputs``), rows on attention's output grid:
+    float attention rounded to it (the NPU's lands within a few steps: ``tests/test_qnn.py``)."""
+    probe = static_region(partition, sub, shape, [], None, probe=True)
+    with torch.no_grad():
+        rows = [probe(*inputs)[-1] for inputs in calls]
+    return enc.out.round(torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]))

@@ -29,14 +29,15 @@ from .xnnpack_forms import for_xnnpack, int8_weights_as_rows, mark_as_rows
 
 
 # What an integer (QNN) program writes beyond the linears: the block norms, each with the linears it
-# feeds as one graph (``norm_region.py``)
-INTEGER_PIECES = frozenset({"norms"})
+# feeds as one graph (``norm_region.py``), and RoPE with attention and the linears it feeds
+# (``attention_region.py``)
+INTEGER_PIECES = frozenset({"norms", "attention", "rope"})
 
 
 def check_program_placement(placement: Placement, target: str, output_bits: int) -> None:
     """What the program format writes: the paper's split for every target; on cpu-int8 with float
     outputs any placement that keeps each shadow product a task of its own (not ``+inline``); on QNN
-    the norms on the NPU too."""
+    the norms, RoPE and attention on the NPU too (``attention-half``)."""
     if not placement.pieces and not placement.inline:
         return
     if placement.inline:
@@ -48,9 +49,10 @@ def check_program_placement(placement: Placement, target: str, output_bits: int)
         return
     if target != "qnn" or not placement.pieces <= INTEGER_PIECES:
         raise LlmNpuError(f"placement {placement}: an integer NPU program ({target}, {output_bits}-bit outputs) holds "
-                          f"the linears and, on qnn, the norms (--placement norms); the rest of a block is written "
-                          f"for --backend cpu-int8 with float outputs only (an integer graph would carry the residual "
-                          f"stream at 8 bits): export --placement paper or norms")
+                          f"the linears and, on qnn, the norms, RoPE and attention (--placement norms, "
+                          f"attention-half); the rest of a block is written for --backend cpu-int8 with float outputs "
+                          f"only (an integer graph would carry the residual stream at 8 bits): export --placement "
+                          f"paper, norms or attention-half")
 
 
 class _Rows(nn.Module):

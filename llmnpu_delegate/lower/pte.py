@@ -44,7 +44,9 @@ from .. import backends
 from ..errors import LlmNpuError
 from ..format import kv as kv_format
 from ..format.rows import PROGRAM_ROW_DTYPE, in_program, write_cold_rows
+from ..format.npu_io import window_inputs
 from ..format.sidecar import (
+    ATTENTION_REGION,
     FORMAT,
     FORMS,
     GRAPH,
@@ -61,6 +63,8 @@ from ..partitioner.regions import is_linear
 from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
 from . import decode_method as decode_step
+from .attention_method import mask_value
+from .attention_region import attention_region_shape, attention_rows, lower_attention_region
 from .cpu_subgraphs import cold_channels, export_cpu_subgraph, program_hot_channels
 from .embedding_head import quantize_dynamic
 from .export_config import ExportConfig
@@ -85,21 +89,26 @@ def method_name(sub) -> str:
     return f"{'npu' if sub.kind == 'npu' else 'cpu'}_{sub.index}"
 
 
-def _examples(engine, ids: Tensor, row_steps: set[int]) -> tuple[dict[int, Tensor], dict[int, list]]:
+def _examples(engine, ids: Tensor, row_steps: set[int], call_steps: set[int] = frozenset()
+              ) -> tuple[dict[int, Tensor | list], dict[int, list]]:
     """The input rows of every chunk of the NPU subgraphs ``row_steps`` (integer regions: for their
-    output encodings) and the shapes of every other subgraph's inputs at the third chunk (a past of
-    two chunks: export must not specialise it).
+    output encodings), every chunk's inputs of ``call_steps`` (attention regions: for RoPE's and
+    their linears' encodings), and the shapes of every other subgraph's inputs at the third chunk (a
+    past of two chunks: export must not specialise it).
 
     A CPU subgraph is traced, not calibrated (its INT8 head quantizes activations per token as it
     runs), so only the shapes of its inputs are kept (``_Like``), not a large model's gigabyte of
     values; the job makes zeros of them."""
     rows: dict[int, list[Tensor]] = {}
+    calls: dict[int, list] = {}
     inputs = {}
     with torch.inference_mode():
         for chunk, i, args, _ in engine.program.run_in_order(engine.feeds(ids)):
             sub = engine.program.steps[i].sub
             if i in row_steps:
                 rows.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))
+            elif i in call_steps:
+                calls.setdefault(i, []).append([a.clone() if isinstance(a, Tensor) else a for a in args])
             elif chunk == 2:
                 inputs[i] = [_Like(tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args]
     # The engine's sparse shadow product is a scalar zero when no element crossed the threshold;
@@ -111,7 +120,7 @@ def _examples(engine, ids: Tensor, row_steps: set[int]) -> tuple[dict[int, Tenso
             if isinstance(a, _Like) and isinstance(val, Tensor) and len(a.shape) != val.dim():
                 args[j] = _Like(tuple(map(int, val.shape)), a.dtype)
     # ordinary tensors, not inference-mode ones: pt2e calibration needs them
-    return {i: torch.cat(r).clone() for i, r in rows.items()}, inputs
+    return {**{i: torch.cat(r).clone() for i, r in rows.items()}, **calls}, inputs
 
 
 @dataclass(frozen=True)
@@ -178,13 +187,13 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
     target, soc, shadow, decode = config.target, config.soc, config.shadow, config.decode
     context, output_bits = config.context_for(engine.context), config.bits
     _check_export_args(engine, context, calib_ids, target, output_bits)
-    row_steps = _integer_regions(engine, target)
+    row_steps, call_steps = _integer_regions(engine, target)
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise LlmNpuError(f"workers must be a positive number of processes, got {workers!r}")
     c = engine.chunk_len
     t0 = time.perf_counter()
-    rows, examples = _examples(engine, calib_ids[: 3 * c], row_steps)
+    rows, examples = _examples(engine, calib_ids[: 3 * c], row_steps, call_steps)
     # the calibration covers the whole model; the engine may hold its first blocks only (--blocks)
     hot = ({n: ch for n, ch in hot_inputs(engine.calibration, engine.quant.clip_percentile).items()
             if n in engine.plans} if decode == "int8" else {})
@@ -315,7 +324,10 @@ def _lower_job(x: _Export, job: int) -> dict:
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
-        if job in x.rows and holds_more_than_linears(sub):
+        if job in x.rows and holds_more_than_linears(sub) and attention_region_shape(x.engine.partition, sub):
+            lowered = _lower_attention_region(x.engine, sub, name, Spool.take(x.rows[job]), x.soc,
+                                              x.max_past + x.engine.chunk_len, out["entry"], out["npu_outputs"], x.fine)
+        elif job in x.rows and holds_more_than_linears(sub):
             lowered = _lower_norm_region(x.engine, sub, name, Spool.take(x.rows[job]), x.soc, out["entry"],
                                          out["npu_outputs"], x.fine)
         elif sub.kind == "npu" and holds_more_than_linears(sub):
@@ -363,24 +375,28 @@ def _check_export_args(engine, context: int, calib_ids: Tensor, target: str, out
         raise LlmNpuError(f"export needs at least {need} calibration tokens (three chunks), got {calib_ids.numel()}")
 
 
-def _integer_regions(engine, target: str) -> set[int]:
-    """The steps whose input rows export keeps: linears-only NPU subgraphs, and on QNN the regions of a
-    norm and its linears (refused in one line where a region is anything else)."""
-    steps = set()
+def _integer_regions(engine, target: str) -> tuple[set[int], set[int]]:
+    """The steps whose input rows export keeps (linears-only NPU subgraphs, and on QNN the regions of
+    a norm and its linears), and those whose every input it keeps (on QNN, RoPE -> attention ->
+    linears). A QNN region that is neither is refused in one line."""
+    rows, calls = set(), set()
     for i, step in enumerate(engine.program.steps):
         sub = step.sub
         if sub.kind != "npu":
             continue
         if not holds_more_than_linears(sub):
-            steps.add(i)
+            rows.add(i)
         elif target == "qnn":
-            if norm_region_shape(engine.partition, sub) is None:
+            if norm_region_shape(engine.partition, sub) is not None:
+                rows.add(i)
+            elif attention_region_shape(engine.partition, sub) is not None:
+                calls.add(i)
+            else:
                 raise LlmNpuError(f"placement {engine.config.placement}: NPU subgraph {sub.index} (layer {sub.layer}) is "
-                                  f"not one block norm feeding linears, the only region beside the linears a QNN "
-                                  f"program writes (a norm after its linears, as Qwen3's q/k norms, is not): "
-                                  f"export --placement paper")
-            steps.add(i)
-    return steps
+                                  f"neither a block norm feeding linears nor RoPE -> attention -> linears, the "
+                                  f"regions a QNN program writes (Qwen3's q/k norms after their linears, a softcapped "
+                                  f"attention are not): export --placement paper")
+    return rows, calls
 
 
 def _output_parts(engine, name: str, sub, linears: list, rows, flavour: str, output_bits: int, fine: bool):
@@ -411,6 +427,37 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
                  norm={"layer": shape.norm[0], "name": shape.norm[1],
                        **{k: {"scale": e.scale, "zero": e.zero, "bits": e.bits}
                           for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}})
+    return edge.exported_program(name)
+
+
+def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, window: int, entry: dict,
+                            npu_outputs: dict, fine: bool):
+    """RoPE, attention and the linears it feeds as one HTP method (``attention_region.py``),
+    calibrated on the export's chunks; records its form, window, mask and encodings and its linears'
+    outputs in ``entry`` and their encodings in ``npu_outputs``."""
+    shape = attention_region_shape(engine.partition, sub)
+    enc = engine.program.npu.attention[shape.layer]
+    heads = engine.model.config.num_attention_heads
+    masked = mask_value(enc)
+    calib = [window_inputs(sub.inputs, args, shape.past, shape.mask, window, masked, heads) for args in calls]
+    linears = [engine.backend.linear(n) for n in sub.linears]
+    spec = None
+    if linears:
+        rows = attention_rows(engine.partition, sub, shape, enc, calib)
+        grids = region_spec(name, sub.linears, engine.plans).grid_inputs(rows)
+        spec = _output_parts(engine, name, sub, linears, {i: grids[g] for g, group in enumerate(
+            region_spec(name, sub.linears, engine.plans).groups) for i in group}, "qnn", 8, fine)
+        entry["input_groups"] = spec.groups
+    edge, encodings = lower_attention_region(name, engine.partition, sub, shape, enc, linears, spec, engine.plans,
+                                             engine.backend.weights, calib, soc)
+    if spec is not None:
+        npu_outputs.update(_encodings_by_linear(spec, encodings))
+    codes = {k: {"scale": e.scale, "zero": e.zero, "bits": e.bits, "signed": e.signed}
+             for k, e in (("q", enc.q), ("k", enc.k), ("v", enc.v), ("scores", enc.scores), ("out", enc.out))}
+    entry.update(form=ATTENTION_REGION, linear_outputs=shape.linear_outputs,
+                 attention={"layer": shape.layer, "past": list(shape.past), "present": list(shape.present),
+                            "mask": shape.mask, "window": window, "mask_value": masked, "heads": heads,
+                            "encodings": codes})
     return edge.exported_program(name)
 
 

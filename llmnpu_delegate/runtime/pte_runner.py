@@ -27,9 +27,9 @@ from .. import backends
 from ..chunk_step import KVShape
 from ..errors import LlmNpuError
 from ..format.kv import KVCache, empty_cache, write_prefill, write_slot
-from ..format.npu_io import FineOutput, RegionSpec
+from ..format.npu_io import FineOutput, RegionSpec, window_inputs
 from ..format.rows import ColdRows
-from ..format.sidecar import NORM_REGION, load_sidecar
+from ..format.sidecar import ATTENTION_REGION, NORM_REGION, load_sidecar
 from ..kernels.npu_attention import Encoding
 from ..partitioner.regions import Subgraph
 from . import program_ops
@@ -52,7 +52,7 @@ def _check_arity(program, entry: dict) -> None:
     given = len(entry["input_groups"]) if _linears_only(entry) else len(entry["inputs"])
     if meta.num_inputs() != given:
         raise ValueError(f"method {entry['method']} takes {meta.num_inputs()} inputs, the sidecar gives {given}")
-    if entry.get("form") == NORM_REGION:        # its merge checks its outputs
+    if entry.get("form") in (NORM_REGION, ATTENTION_REGION):        # its merge checks its outputs
         return
     # a shadow method returns its channels' hits after its outputs
     if entry["kind"] != "shadow" and not _linears_only(entry) and meta.num_outputs() != len(entry["outputs"]):
@@ -86,6 +86,31 @@ def _norm_region_call(method, entry: dict, linears: dict):
         by_name = dict(zip(others, outs))
         by_name.update(zip(entry["linear_outputs"], spec.merge(tuple(outs[len(others):]))))
         return tuple(by_name[o].view(*x.shape[:-1], by_name[o].shape[-1]) for o in entry["outputs"])
+    return run
+
+
+def _attention_region_call(method, entry: dict, linears: dict):
+    """RoPE, attention and the linears it feeds (``lower/attention_region.py``): the step's inputs with
+    the past K/V padded to the window and the mask made additive in; out the chunk's new K/V, written
+    after the past, the outputs no linear makes and the linears' parts, merged, in the subgraph's
+    output order."""
+    att = entry["attention"]
+    spec = _region_spec(entry, linears) if entry["linears"] else None
+    past_of = dict(zip(att["present"], att["past"]))
+    others = [o for o in entry["outputs"] if o not in entry["linear_outputs"] and o not in past_of]
+    names, past = entry["inputs"], tuple(att["past"])
+
+    def run(*inputs) -> tuple[Tensor, ...]:
+        outs = method.execute(window_inputs(names, inputs, past, att["mask"], att["window"], att["mask_value"],
+                                            att["heads"]))
+        values = dict(zip(names, inputs))
+        by_name = {name: torch.cat([values[past_of[name]], new], dim=2) for name, new in zip(att["present"], outs)}
+        by_name.update(zip(others, outs[2:2 + len(others)]))
+        if spec is not None:
+            lead = (1, values[att["mask"]].shape[-2])
+            by_name.update((name, y.view(*lead, y.shape[-1])) for name, y in
+                           zip(entry["linear_outputs"], spec.merge(tuple(outs[2 + len(others):]))))
+        return tuple(by_name[o] for o in entry["outputs"])
     return run
 
 
@@ -181,6 +206,7 @@ class PteRunner(ChunkRunner):
             method = program.load_method(e["method"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
             fn = (_norm_region_call(method, e, meta["linears"]) if e.get("form") == NORM_REGION
+                  else _attention_region_call(method, e, meta["linears"]) if e.get("form") == ATTENTION_REGION
                   else _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold))
             steps.append(Step(sub, fn))
         self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
