@@ -28,7 +28,7 @@ std::string error_text(executorch::runtime::Error e) {
 
 MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, ColdRows& cold)
     : s_(s), sub_(sub), module_(module), cold_(cold) {
-  if (sub.kind == "npu" && !sub.graph) {
+  if (sub.kind == "npu" && !sub.graph && !sub.attention_region) {
     if (sub.inputs.size() != 1 || sub.input_groups.empty())
       throw InputError("NPU subgraph " + sub.method + " must have one input and its input groups: export again");
     for (const auto& group : sub.input_groups) {
@@ -121,6 +121,88 @@ std::vector<ValuePtr> MethodCall::norm_region(const std::vector<ValuePtr>& input
     shape.push_back(v->shape.back());
     v->shape = shape;
     result.push_back(v);
+  }
+  return result;
+}
+
+std::vector<ValuePtr> MethodCall::attention_region(const std::vector<ValuePtr>& inputs, bool break_input) const {
+  const auto& a = sub_.attention;
+  auto input = [&](const std::string& name) {
+    return static_cast<size_t>(std::find(sub_.inputs.begin(), sub_.inputs.end(), name) - sub_.inputs.begin());
+  };
+  const size_t ik = input(a.past[0]), iv = input(a.past[1]), im = input(a.mask);
+  const Value& past_k = *inputs.at(ik);
+  const Value& mask = *inputs.at(im);
+  if (past_k.shape.size() != 4 || mask.shape.size() < 2 || mask.dtype != ScalarType::Bool)
+    throw RunError("attention region " + sub_.method + ": its past K or mask has an unexpected shape or type");
+  const int64_t kvh = past_k.shape[1], p = past_k.shape[2], d = past_k.shape[3];
+  const int64_t c = mask.shape[mask.shape.size() - 2], w = a.window;
+  if (mask.numel() != c * (p + c) || a.heads % kvh)
+    throw RunError("attention region " + sub_.method + ": its mask does not cover the past and the chunk");
+  if (p + c > w)
+    throw InputError("a past of " + std::to_string(p) + " tokens and a chunk of " + std::to_string(c) +
+                     " pass the program's attention window of " + std::to_string(w) + ": prompt with fewer tokens");
+  // As format/npu_io.py window_inputs: the past padded with zeros to w - c rows; the mask additive
+  // over the window (0 where a query may look, mask_value elsewhere: every empty slot too), repeated
+  // for the query heads of each K/V head
+  std::vector<std::shared_ptr<Value>> made;
+  std::vector<TensorPtr> keep;
+  std::vector<EValue> args;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Value* v = inputs[i].get();
+    if (i == ik || i == iv) {
+      auto pad = Value::make(ScalarType::Float, {1, kvh, w - c, d});
+      for (int64_t h = 0; h < kvh; ++h)
+        std::memcpy(pad->f32() + h * (w - c) * d, v->f32() + h * p * d, static_cast<size_t>(p * d) * sizeof(float));
+      v = pad.get();
+      made.push_back(std::move(pad));
+    } else if (i == im) {
+      const int64_t g = a.heads / kvh;
+      auto add = Value::make(ScalarType::Float, {1, g * c, w});
+      const float hidden = static_cast<float>(a.mask_value);
+      const auto* open = reinterpret_cast<const bool*>(mask.bytes.data());
+      for (int64_t r = 0; r < c; ++r)
+        for (int64_t col = 0; col < w; ++col) {
+          const bool seen = col < p ? open[r * (p + c) + col] : col >= w - c && open[r * (p + c) + p + col - (w - c)];
+          for (int64_t j = 0; j < g; ++j) add->f32()[(j * c + r) * w + col] = seen ? 0.0f : hidden;
+        }
+      v = add.get();
+      made.push_back(std::move(add));
+    }
+    auto shape = v->shape;
+    if (break_input && i == 0) shape.push_back(1);
+    keep.push_back(view(*v, shape));
+    args.emplace_back(keep.back());
+  }
+  auto outs = execute(std::move(args));
+  size_t others = 0;
+  for (const auto& name : sub_.outputs)
+    if (name != a.present[0] && name != a.present[1] &&
+        std::find(sub_.linear_outputs.begin(), sub_.linear_outputs.end(), name) == sub_.linear_outputs.end())
+      ++others;
+  if (outs.size() < 2 + others) throw RunError("method " + sub_.method + " returned too few outputs");
+  auto linears = sub_.linears.empty() ? std::vector<ValuePtr>{} : merge(outs, 2 + others, {1, c}, c);
+  std::vector<ValuePtr> result;
+  size_t o = 2;
+  for (const auto& name : sub_.outputs) {
+    auto at = std::find(sub_.linear_outputs.begin(), sub_.linear_outputs.end(), name);
+    if (at != sub_.linear_outputs.end()) {
+      result.push_back(linears[static_cast<size_t>(at - sub_.linear_outputs.begin())]);
+    } else if (name == a.present[0] || name == a.present[1]) {
+      // the past, then the chunk's new rows: cat along the positions, head by head
+      const int k = name == a.present[0] ? 0 : 1;
+      const Value& past = *inputs[k == 0 ? ik : iv];
+      const Value& next = *outs[static_cast<size_t>(k)];
+      if (next.numel() != kvh * c * d) throw RunError("method " + sub_.method + " returned a new K/V of another shape");
+      auto cat = Value::make(ScalarType::Float, {1, kvh, p + c, d});
+      for (int64_t h = 0; h < kvh; ++h) {
+        std::memcpy(cat->f32() + h * (p + c) * d, past.f32() + h * p * d, static_cast<size_t>(p * d) * sizeof(float));
+        std::memcpy(cat->f32() + (h * (p + c) + p) * d, next.f32() + h * c * d, static_cast<size_t>(c * d) * sizeof(float));
+      }
+      result.push_back(std::move(cat));
+    } else {
+      result.push_back(outs[o++]);
+    }
   }
   return result;
 }
@@ -218,6 +300,7 @@ std::vector<ValuePtr> MethodCall::cpu(const std::vector<ValuePtr>& inputs, bool 
 
 std::vector<ValuePtr> MethodCall::operator()(const std::vector<ValuePtr>& inputs, bool break_input) const {
   if (sub_.norm_region) return norm_region(inputs, break_input);
+  if (sub_.attention_region) return attention_region(inputs, break_input);
   return sub_.kind == "npu" && !sub_.graph ? npu(inputs, break_input) : cpu(inputs, break_input);
 }
 

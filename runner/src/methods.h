@@ -28,6 +28,7 @@ class MethodCall {
   std::vector<std::shared_ptr<Value>> execute(std::vector<executorch::runtime::EValue> args) const;
   std::vector<ValuePtr> npu(const std::vector<ValuePtr>& inputs, bool break_input) const;
   std::vector<ValuePtr> norm_region(const std::vector<ValuePtr>& inputs, bool break_input) const;
+  std::vector<ValuePtr> attention_region(const std::vector<ValuePtr>& inputs, bool break_input) const;
   // The linears' method outputs (`outs`, from `first` on: main, split groups, fine encodings) merged
   // into one [lead..., width] value per linear
   std::vector<ValuePtr> merge(std::vector<std::shared_ptr<Value>>& outs, size_t first,

@@ -45,10 +45,33 @@ Subgraph read_subgraph(const json& e) {
   s.linears = e.at("linears").get<std::vector<std::string>>();
   if (e.contains("input_groups")) s.input_groups = e["input_groups"].get<std::vector<std::vector<int>>>();
   if (e.contains("form")) {
-    if ((e["form"] != "graph" && e["form"] != "norm-region") || s.kind != "npu")
+    if ((e["form"] != "graph" && e["form"] != "norm-region" && e["form"] != "attention-region") || s.kind != "npu")
       throw InputError("subgraph " + s.method + " has an unknown form " + e["form"].dump() + ": export again");
     s.graph = e["form"] == "graph";
-    s.norm_region = !s.graph;
+    s.norm_region = e["form"] == "norm-region";
+    s.attention_region = e["form"] == "attention-region";
+  }
+  auto has = [](const std::vector<std::string>& names, const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  if (s.attention_region) {
+    const auto& a = e.at("attention");
+    auto& at = s.attention;
+    for (int i = 0; i < 2; ++i) {
+      at.past[i] = a.at("past").at(i).get<std::string>();
+      at.present[i] = a.at("present").at(i).get<std::string>();
+    }
+    at.mask = a.at("mask").get<std::string>();
+    at.window = a.at("window").get<int64_t>();
+    at.heads = a.at("heads").get<int64_t>();
+    at.mask_value = a.at("mask_value").get<double>();
+    s.linear_outputs = e.at("linear_outputs").get<std::vector<std::string>>();
+    bool named = has(s.inputs, at.past[0]) && has(s.inputs, at.past[1]) && has(s.inputs, at.mask) &&
+                 has(s.outputs, at.present[0]) && has(s.outputs, at.present[1]);
+    for (const auto& name : s.linear_outputs) named = named && has(s.outputs, name);
+    if (!named || s.linear_outputs.size() != s.linears.size() || at.window < 1 || at.heads < 1)
+      throw InputError("attention region " + s.method + " names inputs or outputs it does not have, or a bad window: "
+                       "export again");
   }
   if (s.norm_region) {
     const auto& enc = e.at("norm").at("x");

@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 11;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 12;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -31,6 +31,16 @@ struct Subgraph {
   bool norm_region = false;
   struct { double scale = 1; int zero = 0, bits = 16; } norm_input;
   std::vector<std::string> linear_outputs;   // per linear, the output its merged product is
+  // npu: RoPE, the chunk's attention against a fixed K/V window and the linears it feeds
+  // (lower/attention_region.py): the inputs by name, the past K/V padded with zeros to `window` - C
+  // rows and the boolean mask made additive (format/npu_io.py window_inputs); out the chunk's new K
+  // and V (written after the past: the `present` outputs), the outputs no linear makes, the linears' parts
+  bool attention_region = false;
+  struct {
+    std::string past[2], present[2], mask;
+    int64_t window = 0, heads = 0;
+    double mask_value = 0;
+  } attention;
   std::vector<ShadowBranch> shadow;
 };
 
