@@ -14,7 +14,7 @@ from .errors import LlmNpuError
 from .fanout import Job, Ran, as_dicts, run_jobs
 from .models import LoadedModel, decoder_layers, job_memory, loaded
 from .partitioner.placement import PAPER
-from .placed_numerics import apply_placement, check_kv_bits, row_name, swap_norms
+from .placed_numerics import apply_placement, check_kv_bits, row_name, swap_attention, swap_norms
 from .quantize.calibrate import calibration_samples
 from .recipes import RECIPES, recipe_model
 from .quantize import CalibConfig, QuantConfig, load_or_calibrate, outlier_counters, quantize_
@@ -98,12 +98,13 @@ def quantized_model(lm: LoadedModel, config: QuantConfig, calib=None, progress: 
 def program_model(lm: LoadedModel, pte, calib=None, progress: bool = True):
     """(a quantized copy of the model computing what the exported program ``pte`` computes, what that
     changed): the ``qnn`` mode (``lower/program_numerics.py``)."""
-    from .lower.program_numerics import apply_program_numerics, norm_encodings, program_quant
+    from .lower.program_numerics import apply_program_numerics, attention_encodings, norm_encodings, program_quant
 
     meta = program_of(lm, pte)
     model, _ = quantized_model(lm, program_quant(meta), calib, progress)
     changed = apply_program_numerics(model, meta)
-    return model, {**changed, "npu_norms": swap_norms(model, norm_encodings(meta))}
+    return model, {**changed, "npu_norms": swap_norms(model, norm_encodings(meta)),
+                   "npu_attention": swap_attention(model, attention_encodings(meta))}
 
 
 def program_of(lm: LoadedModel, pte) -> dict:

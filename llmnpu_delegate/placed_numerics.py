@@ -66,14 +66,23 @@ def apply_placement(lm: LoadedModel, model: nn.Module, placement: "Placement | s
     if not placement.on_npu("attention"):
         return {"placement": placement.name}
     ranges = attention_ranges_of(lm, chunk_len or DEFAULT_CHUNK)
-    modules = attention_modules(model)
-    if set(modules) != set(ranges):
-        raise LlmNpuError(f"attention ranges were observed for layers {sorted(ranges)}, the model has "
-                          f"{sorted(modules)}: score the model the ranges came from")
-    for layer, module in modules.items():
-        setattr(module, _ENCODINGS, AttentionEncodings.of_ranges(ranges[layer], kv_bits))
-    model.config._attn_implementation = NPU_ATTN_IMPLEMENTATION
+    swap_attention(model, {layer: AttentionEncodings.of_ranges(r, kv_bits) for layer, r in ranges.items()})
     return {"placement": placement.name, "npu_kv_bits": kv_bits}
+
+
+def swap_attention(model: nn.Module, encodings: dict[int, AttentionEncodings]) -> int:
+    """Every attention of ``model`` computed as the NPU computes it, at ``encodings`` (layer -> its
+    encodings; all layers or none); returns how many."""
+    if not encodings:
+        return 0
+    modules = attention_modules(model)
+    if set(modules) != set(encodings):
+        raise LlmNpuError(f"attention encodings are given for layers {sorted(encodings)}, the model has "
+                          f"{sorted(modules)}: score the model they came from")
+    for layer, module in modules.items():
+        setattr(module, _ENCODINGS, encodings[layer])
+    model.config._attn_implementation = NPU_ATTN_IMPLEMENTATION
+    return len(modules)
 
 
 class _NpuNorm(nn.Module):

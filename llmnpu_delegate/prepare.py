@@ -103,6 +103,14 @@ def has_npu_norms(model: nn.Module) -> bool:
     return not family_of(model.config).model_type.startswith("gemma")
 
 
+def has_qnn_attention(model: nn.Module) -> bool:
+    """Whether a QNN program can hold ``model``'s attention (``lower/attention_region.py``): RoPE straight
+    into attention, no per-head q/k norms between the linears and RoPE, no logit softcapping."""
+    from .families import family_of
+
+    return family_of(model.config).qk_norm is None and not getattr(model.config, "attn_logit_softcapping", None)
+
+
 def norm_modules(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
     """(layer, name) -> each decoder block's RMSNorm of the form ``w * x / rms(x)`` (its block norms
     and q/k norms, ``families.py``), the norms an NPU graph runs at its encodings."""

@@ -10,6 +10,7 @@ from ..backends.qnn import DEFAULT_SOC
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..fanout import Failure, Job, as_dicts, run_jobs
+from ..format.sidecar import ATTENTION_REGION, NORM_REGION
 from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
 from ..lower.graph_methods import check_program_placement
 from ..lower.lowering_pool import default_workers
@@ -19,7 +20,7 @@ from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
 from ..backends import placements
 from ..models import load_model
 from ..partitioner.placement import AUTO, PAPER, parse_placement
-from ..prepare import has_npu_norms
+from ..prepare import has_npu_norms, has_qnn_attention
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_placement, choose_pruning
@@ -167,8 +168,11 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
         raise LlmNpuError(f"--placement {AUTO} chooses by a phone's predicted prefill, for --backend qnn: name a "
                           f"placement for {args.backend} (llmnpu run --placement auto times this machine's choice)")
     candidates = [p for p in placements(backend) if _writable(p, args.backend, config.bits)]
-    if any(parse_placement(p).on_npu("norms") for p in candidates) and not has_npu_norms(load_model(args.model).model):
+    model = load_model(args.model).model
+    if not has_npu_norms(model):
         candidates = [p for p in candidates if not parse_placement(p).on_npu("norms")]
+    if not has_qnn_attention(model):
+        candidates = [p for p in candidates if not parse_placement(p).on_npu("attention")]
     _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,
                                args.quant, args.pruning_rate, not args.no_progress)
     return rows[0]["placement"], rows
@@ -187,7 +191,12 @@ def _holds(summary: dict) -> str:
     if not graphs:
         return "the NPU methods hold the linears only"
     if summary["target"] == "qnn":
-        return (f"{graphs} of the {summary['npu_methods']} NPU methods are a block norm at 16 bits with the 8-bit "
-                f"linears it feeds, one HTP graph each")
+        forms = summary["npu_forms"]
+        kinds = [f"{n} {what}" for n, what in ((forms.get(NORM_REGION, 0), "a block norm at 16 bits with the 8-bit "
+                                                "linears it feeds"),
+                                               (forms.get(ATTENTION_REGION, 0), "RoPE and attention at 16 bits against "
+                                                "a fixed K/V window, with the 8-bit linears they feed")) if n]
+        return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears, one HTP graph each: "
+                f"{'; '.join(kinds)}")
     return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears beside INT8 linears: "
             f"attention and norms at 16-bit NPU encodings, the rest in float")

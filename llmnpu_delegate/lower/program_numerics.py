@@ -9,11 +9,14 @@ its sidecar writes it, applied to a model quantized by ``quantize_`` with the pr
   encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
 - a block norm the program runs on the NPU (``norm_region.py``) at its 16-bit encodings as written
   (``norm_encodings``; the caller swaps them in, ``placed_numerics.swap_norms``);
+- attention the program runs on the NPU (``attention_region.py``) at its 16-bit encodings as written
+  (``attention_encodings``; ``placed_numerics.swap_attention``);
 - the LM head is the dynamic INT8 linear (each row quantized over its own range, ``int8`` decode
   programs); the embedding lookups read the float16 table (``embedding_head.TABLE_DTYPE``).
 
-Only the HTP's own rounding of a requantization and of a norm's result is left out: the simulator's
-outputs are within a step of these (``tests/test_qnn.py``). The decoder's shapes are the model's, so every position of a
+Left out: the HTP's own rounding of a requantization and of a norm's result (the simulator's outputs
+are within a step of these), RoPE's 16-bit products, and HTP's softmax, its own approximation (the
+attention's outputs a few steps of its grid off: ``tests/test_qnn.py``). The decoder's shapes are the model's, so every position of a
 window is scored, which the program (one answer row per prefill) does not return.
 """
 from __future__ import annotations
@@ -23,8 +26,8 @@ from torch import Tensor, nn
 
 from ..errors import LlmNpuError
 from ..format.npu_io import FineOutput, part_channels
-from ..format.sidecar import NORM_REGION
-from ..kernels.npu_attention import Encoding
+from ..format.sidecar import ATTENTION_REGION, NORM_REGION
+from ..kernels.npu_attention import AttentionEncodings, Encoding
 from ..kernels.npu_norm import NormEncodings
 from ..kernels.ops import quantize_weight
 from ..quantize.linear import QuantLinear
@@ -89,6 +92,12 @@ def norm_encodings(meta: dict) -> dict[tuple[int, str], NormEncodings]:
     """The block norms the program runs on the NPU, (layer, name) -> their encodings as written."""
     return {(e["norm"]["layer"], e["norm"]["name"]): NormEncodings(*(Encoding(**e["norm"][k]) for k in ("x", "weight", "out")))
             for e in meta["subgraphs"] if e.get("form") == NORM_REGION}
+
+
+def attention_encodings(meta: dict) -> dict[int, AttentionEncodings]:
+    """The attention the program runs on the NPU, layer -> its encodings as written."""
+    return {e["attention"]["layer"]: AttentionEncodings(**{k: Encoding(**v) for k, v in e["attention"]["encodings"].items()})
+            for e in meta["subgraphs"] if e.get("form") == ATTENTION_REGION}
 
 
 def check_program(meta: dict, path) -> None:
