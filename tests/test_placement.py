@@ -576,7 +576,7 @@ def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_mo
 def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
     """``--placement auto`` (qnn's default): the phone model's prediction for each placement a QNN
     program holds, the fastest chosen; the paper's split for cpu-int8 unless named; a model whose
-    norms have no NPU form leaves ``norms`` out."""
+    norms or attention a QNN program cannot hold leaves out the placements that would."""
     import argparse
 
     from llmnpu_delegate.cli.export import program_placement
@@ -588,7 +588,7 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
 
     config = ExportConfig("qnn", "SM8750", 96)
     chosen, rows = program_placement(args(), config)
-    assert {r["placement"] for r in rows} == {"paper", "norms"}
+    assert {r["placement"] for r in rows} == {"paper", "norms", "attention-half"}
     assert chosen == rows[0]["placement"] and rows[0]["wall_s"] == min(r["wall_s"] for r in rows)
     # the prediction is the simulator's, as `llmnpu simulate --placement P` makes it
     for r in rows:
@@ -596,8 +596,10 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
         assert simulate_prefill(scn, "SM8750", 96, ("ooo",))["policies"]["ooo"]["wall_s"] == pytest.approx(r["wall_s"])
     assert program_placement(args(placement="paper"), config) == ("paper", [])
     assert program_placement(args(backend="cpu-int8"), ExportConfig("cpu-int8", None, 96)) == ("paper", [])
-    chosen, rows = program_placement(args(model="random:tiny-gemma2"), config)
-    assert [r["placement"] for r in rows] == ["paper"] and chosen == "paper"
+    # Gemma 2: norms without an NPU form, softcapped attention; Qwen3: q/k norms after their linears
+    for model in ("random:tiny-gemma2", "random:tiny-qwen3"):
+        chosen, rows = program_placement(args(model=model), config)
+        assert [r["placement"] for r in rows] == ["paper"] and chosen == "paper"
 
 
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):

@@ -9,6 +9,7 @@ from .. import backends
 from ..backends.qnn import DEFAULT_SOC
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
+from ..families import family_of
 from ..fanout import Failure, Job, as_dicts, run_jobs
 from ..format.sidecar import ATTENTION_REGION, NORM_REGION
 from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
@@ -169,10 +170,10 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
                           f"placement for {args.backend} (llmnpu run --placement auto times this machine's choice)")
     candidates = [p for p in placements(backend) if _writable(p, args.backend, config.bits)]
     model = load_model(args.model).model
-    if not has_npu_norms(model):
-        candidates = [p for p in candidates if not parse_placement(p).on_npu("norms")]
-    if not has_qnn_attention(model):
-        candidates = [p for p in candidates if not parse_placement(p).on_npu("attention")]
+    # a q/k norm sits after its linear, which no QNN region holds (Qwen3); Gemma's norms have no NPU form
+    norms = has_npu_norms(model) and family_of(model.config).qk_norm is None
+    candidates = [p for p in candidates if (norms or not parse_placement(p).on_npu("norms"))
+                  and (has_qnn_attention(model) or not parse_placement(p).on_npu("attention"))]
     _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,
                                args.quant, args.pruning_rate, not args.no_progress)
     return rows[0]["placement"], rows
