@@ -250,17 +250,19 @@ def test_the_qnn_mode_computes_what_the_htp_program_computes(engine, htp_fine):
 @pytest.mark.slow
 def test_export_and_validate_commands_on_the_embedded_model(tmp_path, capsys):
     """The issue's commands on two blocks of the embedded model: QNN methods for SM8650 with the
-    block norms in their HTP graphs (the automatic choice is tested in test_placement.py: here it
-    would partition the whole model twice), then `llmnpu validate`, whose exit status says the .pte
-    predicts the engine's next token."""
+    block norms, RoPE and attention in their HTP graphs (the automatic choice is tested in
+    test_placement.py: here it would partition the whole model three times), then `llmnpu
+    validate`, whose exit status says the .pte predicts the engine's next token."""
+    import re
+
     from llmnpu_delegate.cli import main
 
     out = tmp_path / "smollm2-2.pte"
     assert main(["export", "--backend", "qnn", "--soc", "SM8650", "--chunk", "64", "--blocks", "2",
-                 "--placement", "norms", "--out", str(out), "--no-progress"]) == 0
+                 "--placement", "attention-half", "--out", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "8 NPU methods for qnn SM8650" in text
-    assert "placement norms: 4 of the 8 NPU methods are a block norm at 16 bits" in text
+    assert re.search(r"placement attention-half: 6 of the \d+ NPU methods hold more than linears, one HTP graph "
+                     r"each: 4 a block norm at 16 bits with the 8-bit linears it feeds; 2 RoPE and attention", text), text
     assert out.is_file() and out.with_suffix(".json").is_file()
     assert main(["validate", "--pte", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
