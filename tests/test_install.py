@@ -78,3 +78,20 @@ def test_wheel_install_in_a_fresh_virtualenv_finds_its_default_text(tmp_path):
                           "--no-progress", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "cache" / "text" / "calib.txt").is_file() and (tmp_path / "cache" / "text" / "eval.txt").is_file()
+
+
+def test_json_output_stays_json_when_a_native_library_writes_to_stdout():
+    """The QNN libraries print a line to the process's stdout as they load; under --json the command
+    line sends such writes to stderr, and its JSON alone to stdout."""
+    script = ("import json, os\n"
+              "from llmnpu_delegate.cli import _native_output_to_stderr\n"
+              "with _native_output_to_stderr(True):\n"
+              "    os.write(1, b' # LIBNATIVE: chatter\\n')\n"
+              "    print('a progress line')\n"
+              "print(json.dumps({'ok': 1}))\n"
+              "with _native_output_to_stderr(False):\n"
+              "    os.write(1, b'plain\\n')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == '{"ok": 1}\nplain\n'
+    assert "LIBNATIVE: chatter" in done.stderr and "a progress line" in done.stderr

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 from ..logs import quiet_third_party_logs
 
@@ -30,10 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextmanager
+def _native_output_to_stderr(active: bool):
+    """While ``active``: what native libraries write to the process's stdout (the QNN libraries print
+    a line as they load) goes to stderr, so that ``--json`` output stays JSON."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:          # no stdout descriptor to move: nothing to keep clean
+        yield
+        return
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = args.func(args)
+        with _native_output_to_stderr(bool(getattr(args, "json", False))):
+            result = args.func(args)
     except LlmNpuError as e:
         print(f"llmnpu: error: {e}", file=sys.stderr)
         return 2
