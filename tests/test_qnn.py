@@ -394,13 +394,18 @@ def test_a_block_norm_as_one_htp_graph_computes_the_references_encodings(smollm2
 def htp_norms(tmp_path_factory):
     """The tiny engine under ``norms`` with 70 % of its shadow paths (a region whose linears have none
     returns no normed rows; cold rows still get hit), and its HTP program."""
+    return _tiny_htp_program("norms", tmp_path_factory.mktemp("htp-norms") / "tiny.pte")
+
+
+def _tiny_htp_program(placement: str, out):
+    """(the tiny engine under ``placement`` with 70 % of its shadow paths, its SM8650 program at
+    ``out`` with a 4-chunk context, the export's summary)."""
     from conftest import TINY_CHUNK, tiny_engine
 
     from llmnpu_delegate.lower.export_config import ExportConfig
     from llmnpu_delegate.lower.pte import export_pte
 
-    engine = tiny_engine(placement="norms", pruning_rate=0.3)
-    out = tmp_path_factory.mktemp("htp-norms") / "tiny.pte"
+    engine = tiny_engine(placement=placement, pruning_rate=0.3)
     ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
     summary = export_pte(engine, out, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * TINY_CHUNK,
                                                         decode="fp32"), model={"spec": "random:tiny-llama"},
@@ -408,12 +413,9 @@ def htp_norms(tmp_path_factory):
     return engine, out, summary
 
 
-def _norm_region_io(engine, ids) -> list:
-    """(step, inputs, outputs) of every norm region the engine runs for ``ids``."""
-    from llmnpu_delegate.lower.npu_graph import holds_more_than_linears
-
+def _region_io(engine, ids, regions) -> list:
+    """(step, inputs, outputs) of every call the engine makes of the steps ``regions`` for ``ids``."""
     steps = engine.program.steps
-    regions = {i for i, s in enumerate(steps) if s.sub.kind == "npu" and holds_more_than_linears(s.sub)}
     seen, original = [], {i: steps[i].fn for i in regions}
 
     def recorded(i):
@@ -423,9 +425,9 @@ def _norm_region_io(engine, ids) -> list:
             seen.append((i, inputs, [o.clone() for o in outputs]))
             return outputs
         return record
-    for i in regions:
-        steps[i].fn = recorded(i)
     try:
+        for i in regions:
+            steps[i].fn = recorded(i)
         engine(ids)
     finally:
         for i in regions:
@@ -439,6 +441,7 @@ def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
     engine on its own inputs, then a whole prefill from the program alone."""
     from conftest import TINY_CHUNK
 
+    from llmnpu_delegate.lower.npu_graph import holds_more_than_linears
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import sqnr_db, validate_pte
 
@@ -456,8 +459,11 @@ def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
         assert e["norm"]["x"] == {"scale": enc.x.scale, "zero": enc.x.zero, "bits": 16}
         assert e["norm"]["out"] == {"scale": enc.out.scale, "zero": enc.out.zero, "bits": 16}
     runner = PteRunner(out)
-    seen = _norm_region_io(engine, torch.randint(0, 1000, (4 * TINY_CHUNK,), generator=torch.Generator().manual_seed(9)))
-    assert {i for i, _, _ in seen} == set(regions)
+    seen = _region_io(engine, torch.randint(0, 1000, (4 * TINY_CHUNK,), generator=torch.Generator().manual_seed(9)),
+                      set(regions))
+    # every region of the engine's that holds more than linears is one
+    assert {i for i, _, _ in seen} == set(regions) == {i for i, s in enumerate(engine.program.steps)
+                                                       if s.sub.kind == "npu" and holds_more_than_linears(s.sub)}
     for i, inputs, want in seen:
         e = regions[i]
         enc = engine.program.npu.norms[(e["norm"]["layer"], e["norm"]["name"])].out
@@ -487,13 +493,16 @@ def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
     assert vs["pte"] > vs["engine"] - 3, vs
 
 
-def test_the_native_runner_gives_the_python_runners_bits_on_a_norms_htp_program(htp_norms, tmp_path):
-    """Both runners round a region's input to its norm's grid and merge its outputs alike: the same
-    tokens and logits bit for bit, cold rows hit and added in both."""
+@pytest.mark.parametrize("program", ["htp_norms", "htp_attention"])
+def test_the_native_runner_gives_the_python_runners_bits_on_an_htp_program_with_more_than_linears(
+        program, request, tmp_path):
+    """Both runners round a norm region's input to its norm's grid, pad an attention region's past to
+    its window, make its mask and write its new K/V, and merge the linears' outputs alike: the same
+    tokens and logits bit for bit over three chunks, cold rows hit and added in both."""
     from llmnpu_delegate.runtime.native import run_native
     from llmnpu_delegate.runtime.pte_runner import PteRunner
 
-    _, out, _ = htp_norms
+    _, out, _ = request.getfixturevalue(program)
     runner = PteRunner(out)
     ids = torch.randint(0, 1000, (90,), generator=torch.Generator().manual_seed(0))
     want = runner.generate(ids, 3)
@@ -567,40 +576,7 @@ def htp_attention(tmp_path_factory):
     """The tiny engine under ``attention-half`` with 70 % of its shadow paths (layer 0's o_proj reads
     attention's output inside its region, layer 1's has a shadow path and a region of its own), and
     its HTP program."""
-    from conftest import TINY_CHUNK, tiny_engine
-
-    from llmnpu_delegate.lower.export_config import ExportConfig
-    from llmnpu_delegate.lower.pte import export_pte
-
-    engine = tiny_engine(placement="attention-half", pruning_rate=0.3)
-    out = tmp_path_factory.mktemp("htp-attention") / "tiny.pte"
-    ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
-    summary = export_pte(engine, out, ids, ExportConfig(target="qnn", soc="SM8650", context=4 * TINY_CHUNK,
-                                                        decode="fp32"), model={"spec": "random:tiny-llama"},
-                         progress=False)
-    return engine, out, summary
-
-
-def _region_io(engine, ids, regions) -> list:
-    """(step, inputs, outputs) of every call the engine makes of the steps ``regions`` for ``ids``."""
-    steps = engine.program.steps
-    seen, original = [], {i: steps[i].fn for i in regions}
-
-    def recorded(i):
-        def record(*args):
-            inputs = [a.clone() for a in args]
-            outputs = original[i](*args)
-            seen.append((i, inputs, [o.clone() for o in outputs]))
-            return outputs
-        return record
-    try:
-        for i in regions:
-            steps[i].fn = recorded(i)
-        engine(ids)
-    finally:
-        for i in regions:
-            steps[i].fn = original[i]
-    return seen
+    return _tiny_htp_program("attention-half", tmp_path_factory.mktemp("htp-attention") / "tiny.pte")
 
 
 def test_rope_attention_and_the_linears_it_feeds_run_as_one_htp_graph(htp_attention):
@@ -681,22 +657,6 @@ def test_rope_attention_and_the_linears_it_feeds_run_as_one_htp_graph(htp_attent
     assert prefill["same_next_token"] and prefill["logits_sqnr_db"] > 18 and prefill["kv_sqnr_db_min"] > 18
     vs = prefill["logits_sqnr_db_vs_fp32"]                  # measured 21.3 against the engine's 20.1
     assert vs["pte"] > vs["engine"] - 3, vs
-
-
-def test_the_native_runner_gives_the_python_runners_bits_on_an_attention_htp_program(htp_attention, tmp_path):
-    """Both runners pad the past to the window, make the mask and write the new K/V alike: the same
-    tokens and logits bit for bit, cold rows hit and added in both, over three chunks."""
-    from llmnpu_delegate.runtime.native import run_native
-    from llmnpu_delegate.runtime.pte_runner import PteRunner
-
-    _, out, _ = htp_attention
-    runner = PteRunner(out)
-    ids = torch.randint(0, 1000, (90,), generator=torch.Generator().manual_seed(0))
-    want = runner.generate(ids, 3)
-    got = run_native(out, ids.tolist(), runner.meta, 3, logits_out=tmp_path / "l.bin")
-    assert got.tokens == want.tokens and got.summary["cold_rows"] == want.cold_rows > 0
-    ref = runner(ids).logits.numpy().reshape(-1)
-    assert np.fromfile(tmp_path / "l.bin", dtype="<f4")[:ref.size].tobytes() == ref.tobytes()
 
 
 def test_the_qnn_mode_runs_a_programs_attention_at_its_encodings(htp_attention):
