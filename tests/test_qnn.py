@@ -132,6 +132,23 @@ def test_the_qnn_quantizer_leaves_onednn_as_it_was():
     assert torch.backends.mkldnn.enabled
 
 
+def test_the_runtimes_kernels_register_before_the_qualcomm_packages():
+    """ExecuTorch keeps the first kernel registered for an op; the Qualcomm package loads portable
+    ones (``executorch.kernels.quantized``). Built first in a process, its quantizer left a float
+    LM head on the portable loop in every program that process ran (other bits than the native
+    runner's: the bit-for-bit tests below failed after this file's quantizer tests)."""
+    script = ("import sys\n"
+              "from llmnpu_delegate import backends\n"
+              "from llmnpu_delegate.lower.encodings import LlmNpuQuantizer\n"
+              "backends.get('qnn').quantizer(LlmNpuQuantizer({}))\n"
+              "names = list(sys.modules)\n"
+              "print(names.index('executorch.extension.pybindings.portable_lib') < "
+              "names.index('executorch.kernels.quantized'))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     """`export --backend qnn` of the tiny model: every NPU method (an HTP context binary with our
     encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""

@@ -140,5 +140,10 @@ def activate(sdk: QnnSdk | None = None) -> QnnSdk:
     htp = sdk.lib / "libQnnHtp.so"
     if htp.is_file() and htp.stat().st_size:
         ctypes.CDLL(str(htp), mode=ctypes.RTLD_GLOBAL)
+    # The runtime's kernels before the Qualcomm package's: ExecuTorch keeps the first kernel
+    # registered for an op, and that package loads one (``executorch.kernels.quantized``) holding
+    # portable ones. After it, a program's float ``linear.out`` (the float LM head) ran the portable
+    # loop in this process instead of the optimized kernel: slower, and not the native runner's bits.
+    import executorch.runtime  # noqa: F401
     _active = sdk
     return sdk
