@@ -598,8 +598,7 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
     assert program_placement(args(backend="cpu-int8"), ExportConfig("cpu-int8", None, 96)) == ("paper", [])
     # Gemma 2: norms without an NPU form, softcapped attention; Qwen3: q/k norms after their linears
     for model in ("random:tiny-gemma2", "random:tiny-qwen3"):
-        chosen, rows = program_placement(args(model=model), config)
-        assert [r["placement"] for r in rows] == ["paper"] and chosen == "paper"
+        assert program_placement(args(model=model), config) == ("paper", [])
 
 
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):

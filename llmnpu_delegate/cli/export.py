@@ -160,7 +160,8 @@ def export_one(args) -> tuple[dict, str]:
 def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
     """``--placement`` as given (default: the paper's for cpu-int8, ``auto`` for qnn), or for ``auto``
     on a phone's backend the placement among those its program holds whose prefill of a --context
-    token prompt the phone model predicts shortest on --soc, with one row per candidate."""
+    token prompt the phone model predicts shortest on --soc, with one row per candidate (none when
+    the model allows one only)."""
     backend = backends.get(args.backend)
     name = args.placement or (AUTO if backend.uses_soc else PAPER)
     if name != AUTO:
@@ -174,6 +175,8 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
     norms = has_npu_norms(model) and family_of(model.config).qk_norm is None
     candidates = [p for p in candidates if (norms or not parse_placement(p).on_npu("norms"))
                   and (has_qnn_attention(model) or not parse_placement(p).on_npu("attention"))]
+    if len(candidates) == 1:        # nothing to choose between: no prediction to make
+        return candidates[0], []
     _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,
                                args.quant, args.pruning_rate, not args.no_progress)
     return rows[0]["placement"], rows
