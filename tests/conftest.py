@@ -1,6 +1,8 @@
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -83,6 +85,14 @@ def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
                 else:
                     w[list(channels)] *= scale
     return model
+
+
+def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter (``args`` its ``sys.argv[1:]``), which must exit 0; its
+    output captured as text. For what a process's state would hide: what loads first, file descriptors."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    return done
 
 
 TINY_CHUNK = 32          # the tiny engine's chunk

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.text import LEE, WIKI, default_text_file, prepare_text
@@ -91,7 +92,6 @@ def test_json_output_stays_json_when_a_native_library_writes_to_stdout():
               "print(json.dumps({'ok': 1}))\n"
               "with _native_output_to_stderr(False):\n"
               "    os.write(1, b'plain\\n')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_python(script)
     assert done.stdout == '{"ok": 1}\nplain\n'
     assert "LIBNATIVE: chatter" in done.stderr and "a progress line" in done.stderr

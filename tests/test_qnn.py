@@ -2,12 +2,11 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import missing
+from conftest import missing, run_python
 
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.quantize.sqnr import sqnr_db
@@ -144,9 +143,7 @@ def test_the_runtimes_kernels_register_before_the_qualcomm_packages():
               "names = list(sys.modules)\n"
               "print(names.index('executorch.extension.pybindings.portable_lib') < "
               "names.index('executorch.kernels.quantized'))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert run_python(script).stdout.strip().splitlines()[-1] == "True"
 
 
 def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
@@ -299,8 +296,7 @@ def test_a_timeline_draws_after_the_sdk_is_activated(tmp_path):
               " wall_s=2e-3, policy='ooo')\n"
               "write_timeline(stats, __import__('pathlib').Path(sys.argv[1]), 'after QNN')\n")
     out = tmp_path / "timeline.png"
-    done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    run_python(script, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
