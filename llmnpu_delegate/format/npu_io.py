@@ -70,6 +70,12 @@ class RegionSpec:
             raise LlmNpuError(f"{self.method}: one activation scale per input group is needed")
         return tuple(quantize(x, s).to(x.dtype).mul_(s) for s in self.scales)
 
+    def linear_reads(self, x: Tensor) -> dict[int, Tensor]:
+        """Per linear (index into ``names``), the rows its INT8 product reads: ``x`` on its group's
+        grid (``grid_inputs``). Split channels and second encodings are chosen on these."""
+        grids = self.grid_inputs(x)
+        return {i: grids[g] for g, group in enumerate(self.groups) for i in group}
+
     def output_index(self, linear: int, part: int) -> int:
         """Where the method returns ``linear``'s output ``part`` (0: main, j: j-th split group)."""
         if part == 0:

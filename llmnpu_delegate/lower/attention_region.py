@@ -10,10 +10,10 @@ graph is that region on static shapes, as ExecuTorch's Qualcomm llama and Genie 
   past), the chunk's new K/V concatenated after it: ``window`` keys, whatever the past;
 - the mask an input: ``attention_method.mask_value`` wherever a query may not look (causal, and
   every empty slot), 0 elsewhere (``format/npu_io.window_inputs`` makes both from the step's);
-- attention at ``kernels/npu_attention.py``'s 16-bit encodings (``attention_method.py``: q on its
-  grid after RoPE, the window signed symmetric, the scores, probabilities and output); RoPE's own
-  products and sums at 16 bits on ranges observed on calibration chunks, ending on q's and the
-  window's grids;
+- attention at ``kernels/npu_attention.py``'s 16-bit encodings (``attention_method.py``'s graph: q
+  on its grid after RoPE, the window signed symmetric, the scores, probabilities and output); RoPE's
+  own products and sums at 16 bits on a fixed grid that holds any rotated value of q's and the
+  window's ranges, q's ending on its grid, K's converted to the window's where it is written;
 - the linears as a norm region's (``norm_region.py``): the attention's output clamped to each
   activation group's +-127 codes at 16 bits, then the INT8 region (8-bit outputs, split channel
   groups, second encodings).
@@ -38,7 +38,7 @@ from ..format.npu_io import RegionSpec
 from ..kernels.npu_attention import PROBS, AttentionEncodings, Encoding
 from ..partitioner.placement import layer_of, movable, op_name
 from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_linear, subgraph_module
-from .attention_method import QNN_KV_BITS, mask_value
+from .attention_method import QNN_KV_BITS, AttentionGraph, mask_value, output_of
 from .encodings import ANNOTATION, LlmNpuQuantizer, fixed_spec
 from .npu_subgraphs import RegionModule, check_delegated, fixed_outputs, output_encodings, plan_names
 
@@ -140,10 +140,7 @@ def static_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: flo
     [1, G*C, W] additive -> [1, C, H, d]. The query heads that share a K/V head are stacked."""
     _, h, c, d = q.shape
     kvh = k.shape[1]
-    qs = q.reshape(kvh, h // kvh * c, d) * scaling
-    scores = torch.bmm(qs, k[0].transpose(1, 2)) + mask
-    out = torch.bmm(torch.softmax(scores, dim=-1), v[0])
-    return out.reshape(1, h, c, d).transpose(1, 2)
+    return output_of(AttentionGraph()(q.reshape(kvh, h // kvh * c, d) * scaling, k[0], v[0], mask), h)
 
 
 class _ClampedRegion(nn.Module):
@@ -203,9 +200,9 @@ def _target(node: fx.Node) -> str:
 
 class AttentionRegionAnnotation:
     """Fixes the encodings the engine's attention rounds to (``kernels/npu_attention.py``) on the
-    static graph's ops; RoPE's own ops keep the 16-bit observed encodings of the default config.
+    static graph's ops, and RoPE's (``_fix_rope``).
 
-    - the past K/V inputs, the K/V writes (``cat``) and the new K's RoPE result: the window's grid;
+    - the past K/V inputs and the K/V writes (``cat``): the window's grid (the new K converted to it);
     - RoPE's result for q and its scaled copy: q's grid (the scaling folded into the scale);
     - the scores (before and after the mask's add), the probabilities, the output: theirs;
     - the clamps before the linears: the output's grid (HTP requantizes to 8 bits at the linear)."""
@@ -226,9 +223,9 @@ class AttentionRegionAnnotation:
         (soft,) = softmax
         (add,) = [n for n in nodes if _target(n) == "add" and places[self.shape.mask] in n.args]
         scale_q = qk.args[0]                               # q * scaling
-        for (past, cat), e in zip(((places[p], next(u for u in places[p].users if _target(u) == "cat"))
-                                  for p in self.shape.past), (enc.k, enc.v)):
-            spec = fixed_spec(e)
+        writes = [next(u for u in places[p].users if _target(u) == "cat") for p in self.shape.past]
+        for past, cat, e in zip(self.shape.past, writes, (enc.k, enc.v)):
+            spec, past = fixed_spec(e), places[past]
             new = cat.args[0][1]
             cat.meta[ANNOTATION] = QuantizationAnnotation({past: spec, new: spec}, spec, _annotated=True)
             _fix_producer(new, spec, e.signed)
@@ -243,7 +240,7 @@ class AttentionRegionAnnotation:
         # the grid they end on: fixed there, not observed (a prompt past the calibration's ranges
         # would clamp them)
         tables = fixed_spec(Encoding.of_range(-1.0, 1.0, enc.q.bits))
-        new_k = next(u for u in places[self.shape.past[0]].users if _target(u) == "cat").args[0][1]
+        new_k = writes[0].args[0][1]
         # q's RoPE ends on q's grid; k's on the RoPE grid, converted to the window's signed one after
         for end, e, ends_on_grid in ((scale_q.args[0], enc.q, True), (new_k, enc.k, False)):
             bound = 2 ** 0.5 * max(abs(e.floor), abs((e.codes[1] - e.zero) * e.scale))
@@ -252,13 +249,13 @@ class AttentionRegionAnnotation:
         shared = SharedQuantizationSpec
         for mm, e in ((qk, enc.k), (pv, enc.v)):      # the window's views into the product: its grid
             _fix_producer(mm.args[1], fixed_spec(e), True)
-        qk.meta[ANNOTATION] = QuantizationAnnotation({scale_q: shared(scale_q), qk.args[1]: _shared_of(qk.args[1])},
+        qk.meta[ANNOTATION] = QuantizationAnnotation({scale_q: shared(scale_q), qk.args[1]: shared(qk.args[1])},
                                                      fixed_spec(enc.scores), _annotated=True)
         mask = Encoding.of_range(mask_value(enc), 0.0, enc.scores.bits)
         add.meta[ANNOTATION] = QuantizationAnnotation({qk: shared(qk), places[self.shape.mask]: fixed_spec(mask)},
                                                       fixed_spec(enc.scores), _annotated=True)
         soft.meta[ANNOTATION] = QuantizationAnnotation({add: shared(add)}, fixed_spec(PROBS), _annotated=True)
-        pv.meta[ANNOTATION] = QuantizationAnnotation({soft: shared(soft), pv.args[1]: _shared_of(pv.args[1])},
+        pv.meta[ANNOTATION] = QuantizationAnnotation({soft: shared(soft), pv.args[1]: shared(pv.args[1])},
                                                      fixed_spec(enc.out), _annotated=True)
         for clamp in (n for n in nodes if _target(n) == "clamp"):
             clamp.meta[ANNOTATION] = QuantizationAnnotation({clamp.args[0]: fixed_spec(enc.out)},
@@ -285,11 +282,6 @@ def _fix_rope(end: fx.Node, spec, tables: set, table_spec, keep_end: bool) -> No
         todo.extend(a for a in node.all_input_nodes if a not in tables)
 
 
-def _shared_of(node: fx.Node):
-    """An input spec that takes ``node``'s own encoding (a view of the window: the K/V write's)."""
-    return SharedQuantizationSpec(node)
-
-
 def _fix_producer(node: fx.Node, spec, signed: bool) -> None:
     """The views that make ``node`` keep ``spec``, and so does the op before them, unless ``spec``
     is signed: RoPE's ops work on the default config's unsigned 16 bits, and HTP's ElementWiseAdd
@@ -307,9 +299,9 @@ def _fix_producer(node: fx.Node, spec, signed: bool) -> None:
 def quantized_attention_region(partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
                                enc: AttentionEncodings, linears: list[nn.Linear], spec: RegionSpec | None,
                                plans: dict, granularity: str, calib: list[tuple]):
-    """The static graph exported, annotated (the attention's encodings and the linears' inputs fixed;
-    RoPE's and the linears' outputs observed over ``calib``, each a call's inputs from
-    ``window_inputs``), converted (pt2e). Returns (graph, example inputs)."""
+    """The static graph exported, annotated (the attention's, RoPE's and the linears' input encodings
+    fixed; the linears' outputs observed over ``calib``, each a call's inputs from ``window_inputs``),
+    converted (pt2e). Returns (graph, example inputs)."""
     from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -324,7 +316,7 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
                                flavour="qnn", fixed_outputs={REGION + k: v for k, v in fixed_outputs(spec, "qnn").items()})
         annotations.insert(0, ours)
     quantizer = backends.get("qnn").quantizer(*annotations)
-    quantizer.set_default_quant_config(QuantDtype.use_16a8w)        # RoPE's products and sums
+    quantizer.set_default_quant_config(QuantDtype.use_16a8w)        # 16 bits for what is left (views)
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for inputs in calib:

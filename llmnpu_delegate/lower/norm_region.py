@@ -119,8 +119,7 @@ class NormRegionAnnotation:
 def linear_inputs(rows: Tensor, shape: NormRegionShape, enc: NormEncodings, spec: RegionSpec) -> dict[int, Tensor]:
     """Per linear, what its INT8 product reads from ``rows`` (the region's input, on its grid): the
     16-bit normed rows on its group's INT8 grid. Split channels and second encodings are chosen on these."""
-    grids = spec.grid_inputs(npu_rms_norm(rows, shape.weight, shape.eps, enc))
-    return {i: grids[g] for g, group in enumerate(spec.groups) for i in group}
+    return spec.linear_reads(npu_rms_norm(rows, shape.weight, shape.eps, enc))
 
 
 def quantized_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: list[nn.Linear], spec: RegionSpec,

@@ -444,10 +444,9 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
     linears = [engine.backend.linear(n) for n in sub.linears]
     spec = None
     if linears:
-        rows = attention_rows(engine.partition, sub, shape, enc, calib)
-        grids = region_spec(name, sub.linears, engine.plans).grid_inputs(rows)
-        spec = _output_parts(engine, name, sub, linears, {i: grids[g] for g, group in enumerate(
-            region_spec(name, sub.linears, engine.plans).groups) for i in group}, "qnn", 8, fine)
+        reads = region_spec(name, sub.linears, engine.plans).linear_reads(
+            attention_rows(engine.partition, sub, shape, enc, calib))
+        spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
         entry["input_groups"] = spec.groups
     edge, encodings = lower_attention_region(name, engine.partition, sub, shape, enc, linears, spec, engine.plans,
                                              engine.backend.weights, calib, soc)

@@ -160,10 +160,11 @@ std::vector<ValuePtr> MethodCall::attention_region(const std::vector<ValuePtr>& 
       const int64_t g = a.heads / kvh;
       auto add = Value::make(ScalarType::Float, {1, g * c, w});
       const float hidden = static_cast<float>(a.mask_value);
-      const auto* open = reinterpret_cast<const bool*>(mask.bytes.data());
+      const auto* allowed = reinterpret_cast<const bool*>(mask.bytes.data());
       for (int64_t r = 0; r < c; ++r)
         for (int64_t col = 0; col < w; ++col) {
-          const bool seen = col < p ? open[r * (p + c) + col] : col >= w - c && open[r * (p + c) + p + col - (w - c)];
+          const bool seen = col < p ? allowed[r * (p + c) + col]
+                                    : col >= w - c && allowed[r * (p + c) + p + col - (w - c)];
           for (int64_t j = 0; j < g; ++j) add->f32()[(j * c + r) * w + col] = seen ? 0.0f : hidden;
         }
       v = add.get();
