@@ -1,13 +1,16 @@
 """Where our phone program stands against the program users would pick instead, on the phone model.
 
-For each model, SoC and prompt length: our `.pte` as `llmnpu export` writes it today (program
-`ours`: W8A8 linears on the NPU, the float work on the CPU, out of order, automatic pruning for that
-SoC), the Genie / ExecuTorch form predicted (program `genie`: everything on the NPU, w4a16, a fixed
+For each model, SoC and prompt length: our `.pte` under ``--placement`` (program `ours`: W8A8
+linears on the NPU, out of order, automatic pruning for that SoC and placement; by default
+`attention-half`, which `llmnpu export --backend qnn` chooses for each of these models: RoPE,
+attention and the norms on the NPU too, the shadow paths, residual adds and activation on the CPU;
+`paper` keeps all float work on the CPU), the Genie / ExecuTorch form predicted (program `genie`: everything on the NPU, w4a16, a fixed
 window of the prompt's length), and that form as Qualcomm AI Hub published it (Genie-X on QAIRT,
 `geniex_qairt` rows of `simulate/data/aihub.csv`; its prompt is the perf prompt of that context,
 shorter than the context). Prints a markdown table (the one in docs/simulate.md):
 
     python benchmarks/phone_standing.py [--socs SM8650 SM8750 SM8850] [--lengths 512 1024 4096]
+        [--placement attention-half]
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--socs", nargs="+", default=["SM8650", "SM8750", "SM8850"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 4096])
+    ap.add_argument("--placement", default="attention-half")
     args = ap.parse_args()
     print("| model | SoC | tokens | ours tok/s | NPU / CPU ms | NPU bubbles | J | the longer lane: its biggest parts "
           "| genie predicted | genie published |")
@@ -41,7 +45,7 @@ def main() -> int:
     for name, shape in MODELS.items():
         config = model_config(f"random:{shape}")
         for soc in args.socs:
-            scn = prepare(f"random:{shape}", PROGRAMS["ours"].chunk, progress=False, soc=soc)
+            scn = prepare(f"random:{shape}", PROGRAMS["ours"].chunk, placement=args.placement, progress=False, soc=soc)
             for length in args.lengths:
                 r = simulate_prefill(scn, soc, length, ("ooo",))
                 ooo, lanes = r["policies"]["ooo"], r["lanes"]

@@ -103,12 +103,20 @@ def has_npu_norms(model: nn.Module) -> bool:
     return not family_of(model.config).model_type.startswith("gemma")
 
 
-def has_qnn_attention(model: nn.Module) -> bool:
-    """Whether a QNN program can hold ``model``'s attention (``lower/attention_region.py``): RoPE straight
-    into attention, no per-head q/k norms between the linears and RoPE, no logit softcapping."""
+def qnn_holds(model: nn.Module, placement: "Placement | str") -> bool:
+    """Whether a QNN program's regions hold ``model``'s NPU work under ``placement``: a block norm
+    feeding linears (``lower/norm_region.py``), and attention with RoPE and any per-head q/k norms
+    before it (``lower/attention_region.py``). Norms need the NPU's form (``has_npu_norms``); a q/k
+    norm sits between its linear and RoPE, so only an attention region holds it; attention may not
+    be softcapped."""
     from .families import family_of
+    from .partitioner.placement import parse_placement
 
-    return family_of(model.config).qk_norm is None and not getattr(model.config, "attn_logit_softcapping", None)
+    placement = parse_placement(placement)
+    qk_norms = family_of(model.config).qk_norm is not None
+    if placement.on_npu("norms") and not (has_npu_norms(model) and (not qk_norms or placement.on_npu("attention"))):
+        return False
+    return not (placement.on_npu("attention") and getattr(model.config, "attn_logit_softcapping", None))
 
 
 def norm_modules(model: nn.Module) -> dict[tuple[int, str], nn.Module]:

@@ -98,8 +98,8 @@ def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.Comple
 TINY_CHUNK = 32          # the tiny engine's chunk
 
 
-def tiny_engine(quant="w8a8-shadow", placement="paper", pruning_rate=0.85):
-    """The tiny llama with injected outliers, calibrated on random ids, with a fixed plan: 85 % of the
+def tiny_engine(quant="w8a8-shadow", placement="paper", pruning_rate=0.85, spec="random:tiny-llama"):
+    """The tiny llama (or ``spec``) with injected outliers, calibrated on random ids, with a fixed plan: 85 % of the
     shadow paths pruned (``pruning_rate``), every layer's effect measured alone (the plan the .pte
     gates in test_export.py and test_qnn.py were measured on; the grouped profile ranks this random
     model's layers differently)."""
@@ -107,7 +107,7 @@ def tiny_engine(quant="w8a8-shadow", placement="paper", pruning_rate=0.85):
     from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
     from llmnpu_delegate.runtime.engine import Prefiller
 
-    lm = load_model("random:tiny-llama")
+    lm = load_model(spec)
     inject_outliers(lm.model)
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
                       lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)

@@ -581,6 +581,7 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
 
     from llmnpu_delegate.cli.export import program_placement
     from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.prepare import qnn_holds
 
     def args(model="random:tiny-llama", backend="qnn", placement=None):
         return argparse.Namespace(placement=placement, backend=backend, model=model, chunk=32, soc="SM8750",
@@ -596,9 +597,11 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
         assert simulate_prefill(scn, "SM8750", 96, ("ooo",))["policies"]["ooo"]["wall_s"] == pytest.approx(r["wall_s"])
     assert program_placement(args(placement="paper"), config) == ("paper", [])
     assert program_placement(args(backend="cpu-int8"), ExportConfig("cpu-int8", None, 96)) == ("paper", [])
-    # Gemma 2: norms without an NPU form, softcapped attention; Qwen3: q/k norms after their linears
-    for model in ("random:tiny-gemma2", "random:tiny-qwen3"):
-        assert program_placement(args(model=model), config) == ("paper", [])
+    # Gemma 2: norms without an NPU form, softcapped attention: nothing to choose
+    assert program_placement(args(model="random:tiny-gemma2"), config) == ("paper", [])
+    # Qwen3: a q/k norm sits between its linear and RoPE, so only an attention region holds it
+    qwen3 = load_model("random:tiny-qwen3").model
+    assert [p for p in ("paper", "norms", "attention-half") if qnn_holds(qwen3, p)] == ["paper", "attention-half"]
 
 
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):

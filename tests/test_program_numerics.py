@@ -20,9 +20,9 @@ from llmnpu_delegate.runtime.pte_runner import PteRunner
 from llmnpu_delegate.runtime.validate import capture_npu_io, element_steps, sqnr_db
 
 
-def tiny_lm():
+def tiny_lm(spec="random:tiny-llama"):
     """The tiny engine's model, as tiny_engine builds it (its weights and injected outliers)."""
-    lm = load_model("random:tiny-llama")
+    lm = load_model(spec)
     inject_outliers(lm.model)
     return lm
 

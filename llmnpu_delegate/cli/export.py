@@ -9,7 +9,6 @@ from .. import backends
 from ..backends.qnn import DEFAULT_SOC
 from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
-from ..families import family_of
 from ..fanout import Failure, Job, as_dicts, run_jobs
 from ..format.sidecar import ATTENTION_REGION, NORM_REGION
 from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
@@ -21,7 +20,7 @@ from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
 from ..backends import placements
 from ..models import load_model
 from ..partitioner.placement import AUTO, PAPER, parse_placement
-from ..prepare import has_npu_norms, has_qnn_attention
+from ..prepare import qnn_holds
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_placement, choose_pruning
@@ -171,10 +170,7 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
                           f"placement for {args.backend} (llmnpu run --placement auto times this machine's choice)")
     candidates = [p for p in placements(backend) if _writable(p, args.backend, config.bits)]
     model = load_model(args.model).model
-    # a q/k norm sits after its linear, which no QNN region holds (Qwen3); Gemma's norms have no NPU form
-    norms = has_npu_norms(model) and family_of(model.config).qk_norm is None
-    candidates = [p for p in candidates if (norms or not parse_placement(p).on_npu("norms"))
-                  and (has_qnn_attention(model) or not parse_placement(p).on_npu("attention"))]
+    candidates = [p for p in candidates if qnn_holds(model, p)]
     if len(candidates) == 1:        # nothing to choose between: no prediction to make
         return candidates[0], []
     _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,

@@ -2,7 +2,7 @@
 region when the placement puts attention on the NPU (``attention-half``).
 
 The engine's NPU region (``partitioner/regions.npu_regions``: it starts at the q/k/v linears'
-outputs) holds RoPE of q and k, the write of the chunk's K/V beside the past, the attention, and
+outputs) holds the per-head q/k norms where the model has them (Qwen3's), RoPE of q and k, the write of the chunk's K/V beside the past, the attention, and
 the linears that read its output (o_proj, unless a shadow product reads that output too). The
 graph is that region on static shapes, as ExecuTorch's Qualcomm llama and Genie build theirs:
 
@@ -10,6 +10,8 @@ graph is that region on static shapes, as ExecuTorch's Qualcomm llama and Genie 
   past), the chunk's new K/V concatenated after it: ``window`` keys, whatever the past;
 - the mask an input: ``attention_method.mask_value`` wherever a query may not look (causal, and
   every empty slot), 0 elsewhere (``format/npu_io.window_inputs`` makes both from the step's);
+- the q/k norms as HTP's RmsNorm at their 16-bit encodings (``kernels/npu_norm.py``, as a norm
+  region's), over each head's last dim;
 - attention at ``kernels/npu_attention.py``'s 16-bit encodings (``attention_method.py``'s graph: q
   on its grid after RoPE, the window signed symmetric, the scores, probabilities and output); RoPE's
   own products and sums at 16 bits on a fixed grid that holds any rotated value of q's and the
@@ -28,6 +30,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, SharedQuantizationSpec
@@ -36,16 +39,20 @@ from .. import backends
 from ..errors import LlmNpuError
 from ..format.npu_io import RegionSpec
 from ..kernels.npu_attention import PROBS, AttentionEncodings, Encoding
-from ..partitioner.placement import layer_of, movable, op_name
+from ..kernels.npu_norm import NormEncodings, norm_key
+from ..partitioner.patterns import RmsNormChain, rms_norm_chains
+from ..partitioner.placement import innermost_module, layer_of, movable, op_name
 from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_linear, subgraph_module
 from .attention_method import QNN_KV_BITS, AttentionGraph, mask_value, output_of
 from .encodings import ANNOTATION, LlmNpuQuantizer, fixed_spec
+from .norm_region import annotate_norm
 from .npu_subgraphs import RegionModule, check_delegated, fixed_outputs, output_encodings, plan_names
 
 REGION = "linears.region."      # RegionModule's path inside the static graph
 
 # the float work of RoPE an attention region may hold beside views (HF's rotate_half form)
 _ROPE_OPS = {"mul", "neg", "cat", "add", "slice"}
+_RMS_NORM = torch.ops.aten.rms_norm.default
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class AttentionRegionShape:
     scaling: float
     others: list[str]               # outputs no linear makes beyond the K/V (attention's, for shadows)
     linear_outputs: list[str]
+    norms: dict[str, tuple[int, str]]   # "q", "k" -> the per-head norm before RoPE ((layer, name)), if any
 
 
 def _attention_node(gm: fx.GraphModule) -> fx.Node | None:
@@ -89,8 +97,13 @@ def attention_region_shape(partition: Partition, sub: Subgraph) -> AttentionRegi
         return None
     linears = [n for n in gm.graph.nodes if is_linear(n)]
     kv = set(att.args[1:3])
+    norms = _qk_norms(gm, att)
+    if norms is None:
+        return None
+    in_norms = {n for chain in norms.values() for n in chain.nodes}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node is att or node in kv or node in linears or movable(node):
+        if node.op != "call_function" or node is att or node in kv or node in linears or movable(node) \
+                or node in in_norms:
             continue
         if op_name(node) not in _ROPE_OPS or _derives(node, att):
             return None
@@ -105,8 +118,25 @@ def attention_region_shape(partition: Partition, sub: Subgraph) -> AttentionRegi
     source = {n.name: n for n in partition.graph_module.graph.nodes}
     tables = tuple(i for i in sub.inputs if i not in past and i != att.args[3].name
                    and source[i].op != "placeholder" and layer_of(source[i]) is None)
+    keys = {role: norm_key(innermost_module(chain.final)[0]) for role, chain in norms.items()}
     return AttentionRegionShape(layer_of(att) if layer_of(att) is not None else sub.layer, past, present,
-                                att.args[3].name, tables, float(att.args[4]), others, [n.name for n in linears])
+                                att.args[3].name, tables, float(att.args[4]), others, [n.name for n in linears], keys)
+
+
+def _qk_norms(gm: fx.GraphModule, att: fx.Node) -> dict[str, RmsNormChain] | None:
+    """"q"/"k" -> the RMSNorm of the region's input that q / the new K is computed from (the q/k
+    norms, at most one each, each of a block's own norm); None if a norm is anything else."""
+    found = {}
+    for chain in rms_norm_chains(gm.graph):
+        x = chain.x
+        while movable(x) and x.all_input_nodes:
+            x = x.all_input_nodes[0]
+        roles = [r for r, end in (("q", att.args[0]), ("k", att.args[1])) if _derives(end, chain.final)]
+        if x.op != "placeholder" or len(roles) != 1 or roles[0] in found or \
+                norm_key(innermost_module(chain.final)[0]) is None:
+            return None
+        found[roles[0]] = chain
+    return found
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:
@@ -166,6 +196,11 @@ def static_region(partition: Partition, sub: Subgraph, shape: AttentionRegionSha
     gm = subgraph_module(partition, sub)
     graph = gm.graph
     att = _attention_node(gm)
+    for chain in _qk_norms(gm, att).values():          # one op, as HTP's RmsNorm takes it
+        weight = operator.attrgetter(chain.weight.target)(gm)
+        with graph.inserting_after(chain.final):
+            normed = graph.call_function(F.rms_norm, (chain.x, (weight.shape[-1],), chain.weight, float(chain.eps)))
+        chain.final.replace_all_uses_with(normed)
     with graph.inserting_before(att):
         out = graph.call_function(static_attention, (att.args[0], att.args[1], att.args[2], att.args[3],
                                                      shape.scaling))
@@ -202,13 +237,14 @@ class AttentionRegionAnnotation:
     """Fixes the encodings the engine's attention rounds to (``kernels/npu_attention.py``) on the
     static graph's ops, and RoPE's (``_fix_rope``).
 
+    - the q/k norms: theirs (``kernels/npu_norm.py``);
     - the past K/V inputs and the K/V writes (``cat``): the window's grid (the new K converted to it);
     - RoPE's result for q and its scaled copy: q's grid (the scaling folded into the scale);
     - the scores (before and after the mask's add), the probabilities, the output: theirs;
     - the clamps before the linears: the output's grid (HTP requantizes to 8 bits at the linear)."""
 
-    def __init__(self, enc: AttentionEncodings, shape: AttentionRegionShape):
-        self.enc, self.shape = enc, shape
+    def __init__(self, enc: AttentionEncodings, shape: AttentionRegionShape, norms: dict[str, NormEncodings]):
+        self.enc, self.shape, self.norms = enc, shape, norms
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         enc = self.enc
@@ -223,6 +259,16 @@ class AttentionRegionAnnotation:
         (soft,) = softmax
         (add,) = [n for n in nodes if _target(n) == "add" and places[self.shape.mask] in n.args]
         scale_q = qk.args[0]                               # q * scaling
+        norms = [n for n in nodes if n.target == _RMS_NORM]
+        if len(norms) != len(self.shape.norms) or set(self.norms) != set(self.shape.norms):
+            raise LlmNpuError(f"attention region graph of layer {self.shape.layer}: {len(norms)} q/k norms, "
+                              f"{len(self.shape.norms)} expected, encodings for {sorted(self.norms)}")
+        for norm in norms:
+            norm_enc = self.norms["q" if _derives(scale_q, norm) else "k"]
+            annotate_norm(norm, norm_enc)
+            # the views from the region's input keep the norm's input grid (an observed one would
+            # clamp a prompt past the calibration's range)
+            _fix_producer(norm.args[0], fixed_spec(norm_enc.x), True)
         writes = [next(u for u in places[p].users if _target(u) == "cat") for p in self.shape.past]
         for past, cat, e in zip(self.shape.past, writes, (enc.k, enc.v)):
             spec, past = fixed_spec(e), places[past]
@@ -264,15 +310,15 @@ class AttentionRegionAnnotation:
 
 
 def _fix_rope(end: fx.Node, spec, tables: set, table_spec, keep_end: bool) -> None:
-    """Every op ``end`` is computed from (RoPE's, within the region) reads and writes ``spec``, the
-    cos/sin ``tables`` theirs; the last op's output keeps its annotation if ``keep_end`` (the grid
-    it ends on)."""
+    """Every op ``end`` is computed from (RoPE's, within the region, up to a q/k norm, which keeps its
+    own) reads and writes ``spec``, the cos/sin ``tables`` theirs; the last op's output keeps its
+    annotation if ``keep_end`` (the grid it ends on)."""
     while movable(end) and end.op == "call_function":
         end = end.all_input_nodes[0]
     todo, seen = [end], set()
     while todo:
         node = todo.pop()
-        if node in seen or node.op != "call_function":
+        if node in seen or node.op != "call_function" or node.target == _RMS_NORM:
             continue
         seen.add(node)
         old = node.meta.get(ANNOTATION)
@@ -297,10 +343,10 @@ def _fix_producer(node: fx.Node, spec, signed: bool) -> None:
 
 
 def quantized_attention_region(partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
-                               enc: AttentionEncodings, linears: list[nn.Linear], spec: RegionSpec | None,
-                               plans: dict, granularity: str, calib: list[tuple]):
+                               enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
+                               spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple]):
     """The static graph exported, annotated (the attention's, RoPE's and the linears' input encodings
-    fixed; the linears' outputs observed over ``calib``, each a call's inputs from ``window_inputs``),
+    fixed, and the q/k norms' at ``norms`` by role; the linears' outputs observed over ``calib``, each a call's inputs from ``window_inputs``),
     converted (pt2e). Returns (graph, example inputs)."""
     from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -310,7 +356,7 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
                           f"prepare the engine with npu_kv_bits={QNN_KV_BITS}")
     example = tuple(calib[0])
     graph = torch.export.export(static_region(partition, sub, shape, linears, spec), example, strict=False).module()
-    annotations = [AttentionRegionAnnotation(enc, shape)]
+    annotations = [AttentionRegionAnnotation(enc, shape, norms)]
     if spec is not None:
         ours = LlmNpuQuantizer({REGION + k: v for k, v in plan_names(spec, plans).items()}, granularity,
                                flavour="qnn", fixed_outputs={REGION + k: v for k, v in fixed_outputs(spec, "qnn").items()})
@@ -325,11 +371,12 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
 
 
 def lower_attention_region(method: str, partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
-                           enc: AttentionEncodings, linears: list[nn.Linear], spec: RegionSpec | None, plans: dict,
-                           granularity: str, calib: list[tuple], soc: str | None):
+                           enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
+                           spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple], soc: str | None):
     """The region lowered to one HTP context binary; returns (edge program manager, the encodings of
     its linears' outputs, as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
-    graph, example = quantized_attention_region(partition, sub, shape, enc, linears, spec, plans, granularity, calib)
+    graph, example = quantized_attention_region(partition, sub, shape, enc, norms, linears, spec, plans, granularity,
+                                                calib)
     encodings = output_encodings(graph, 2 + len(shape.others)) if spec is not None else []
     edge = backends.get("qnn").lower(method, graph, example, soc)
     check_delegated(edge, spec if spec is not None else RegionSpec(method, [], [], []), "qnn")

@@ -107,13 +107,17 @@ class NormRegionAnnotation:
             raise LlmNpuError(f"unexpected norm region graph: {len(norms)} norms, {len(clamps)} clamps for "
                               f"{len(self.scales)} activation groups")
         (norm,) = norms
-        norm.meta[ANNOTATION] = QuantizationAnnotation(
-            {norm.args[0]: fixed_spec(self.enc.x), norm.args[2]: fixed_spec(self.enc.weight)}, fixed_spec(self.enc.out),
-            _annotated=True)
+        annotate_norm(norm, self.enc)
         for clamp, scale in zip(clamps, self.scales):
             clamp.meta[ANNOTATION] = QuantizationAnnotation({norm: fixed_spec(self.enc.out)}, fixed_spec(self.enc.out),
                                                             _annotated=True)
         return model
+
+
+def annotate_norm(norm: fx.Node, enc: NormEncodings) -> None:
+    """An ``aten.rms_norm`` at ``enc``'s 16-bit encodings: its input, weight and output."""
+    norm.meta[ANNOTATION] = QuantizationAnnotation({norm.args[0]: fixed_spec(enc.x), norm.args[2]: fixed_spec(enc.weight)},
+                                                   fixed_spec(enc.out), _annotated=True)
 
 
 def linear_inputs(rows: Tensor, shape: NormRegionShape, enc: NormEncodings, spec: RegionSpec) -> dict[int, Tensor]:

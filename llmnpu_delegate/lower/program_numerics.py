@@ -7,7 +7,8 @@ its sidecar writes it, applied to a model quantized by ``quantize_`` with the pr
 - each decoder linear's integer product is requantized to its 8-bit output encoding before the CPU
   adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
   encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
-- a block norm the program runs on the NPU (``norm_region.py``) at its 16-bit encodings as written
+- a norm the program runs on the NPU (``norm_region.py``; a q/k norm in ``attention_region.py``) at its
+  16-bit encodings as written
   (``norm_encodings``; the caller swaps them in, ``placed_numerics.swap_norms``);
 - attention the program runs on the NPU (``attention_region.py``) at its 16-bit encodings as written
   (``attention_encodings``; ``placed_numerics.swap_attention``);
@@ -89,9 +90,12 @@ class DynamicInt8Head(nn.Module):
 
 
 def norm_encodings(meta: dict) -> dict[tuple[int, str], NormEncodings]:
-    """The block norms the program runs on the NPU, (layer, name) -> their encodings as written."""
-    return {(e["norm"]["layer"], e["norm"]["name"]): NormEncodings(*(Encoding(**e["norm"][k]) for k in ("x", "weight", "out")))
-            for e in meta["subgraphs"] if e.get("form") == NORM_REGION}
+    """The norms the program runs on the NPU (block norms, and q/k norms in attention regions),
+    (layer, name) -> their encodings as written."""
+    entries = [e["norm"] for e in meta["subgraphs"] if e.get("form") == NORM_REGION]
+    entries += [n for e in meta["subgraphs"] if e.get("form") == ATTENTION_REGION
+                for n in e["attention"].get("norms", {}).values()]
+    return {(n["layer"], n["name"]): NormEncodings(*(Encoding(**n[k]) for k in ("x", "weight", "out"))) for n in entries}
 
 
 def attention_encodings(meta: dict) -> dict[int, AttentionEncodings]:

@@ -394,9 +394,9 @@ def _integer_regions(engine, target: str) -> tuple[set[int], set[int]]:
                 calls.add(i)
             else:
                 raise LlmNpuError(f"placement {engine.config.placement}: NPU subgraph {sub.index} (layer {sub.layer}) is "
-                                  f"neither a block norm feeding linears nor RoPE -> attention -> linears, the "
-                                  f"regions a QNN program writes (Qwen3's q/k norms after their linears, a softcapped "
-                                  f"attention are not): export --placement paper")
+                                  f"neither a block norm feeding linears nor (q/k norms ->) RoPE -> attention -> "
+                                  f"linears, the regions a QNN program writes (a softcapped attention is not): "
+                                  f"export --placement paper")
     return rows, calls
 
 
@@ -425,10 +425,14 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
                                         engine.chunk_len, soc)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
     entry.update(form=NORM_REGION, input_groups=spec.groups, linear_outputs=shape.linear_outputs,
-                 norm={"layer": shape.norm[0], "name": shape.norm[1],
-                       **{k: {"scale": e.scale, "zero": e.zero, "bits": e.bits}
-                          for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}})
+                 norm=_norm_entry(shape.norm, enc))
     return edge.exported_program(name)
+
+
+def _norm_entry(key: tuple[int, str], enc) -> dict:
+    """A norm the program runs on the NPU as the sidecar records it (``program_numerics.norm_encodings`` reads it)."""
+    return {"layer": key[0], "name": key[1], **{k: {"scale": e.scale, "zero": e.zero, "bits": e.bits}
+                                                 for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}}
 
 
 def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, window: int, entry: dict,
@@ -438,6 +442,7 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
     outputs in ``entry`` and their encodings in ``npu_outputs``."""
     shape = attention_region_shape(engine.partition, sub)
     enc = engine.program.npu.attention[shape.layer]
+    norms = {role: engine.program.npu.norms[key] for role, key in shape.norms.items()}
     heads = engine.model.config.num_attention_heads
     masked = mask_value(enc)
     calib = [window_inputs(sub.inputs, args, shape.past, shape.mask, window, masked, heads) for args in calls]
@@ -448,8 +453,8 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
             attention_rows(engine.partition, sub, shape, enc, calib))
         spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
         entry["input_groups"] = spec.groups
-    edge, encodings = lower_attention_region(name, engine.partition, sub, shape, enc, linears, spec, engine.plans,
-                                             engine.backend.weights, calib, soc)
+    edge, encodings = lower_attention_region(name, engine.partition, sub, shape, enc, norms, linears, spec,
+                                             engine.plans, engine.backend.weights, calib, soc)
     if spec is not None:
         npu_outputs.update(_encodings_by_linear(spec, encodings))
     codes = {k: {"scale": e.scale, "zero": e.zero, "bits": e.bits, "signed": e.signed}
@@ -457,7 +462,8 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
     entry.update(form=ATTENTION_REGION, linear_outputs=shape.linear_outputs,
                  attention={"layer": shape.layer, "past": list(shape.past), "present": list(shape.present),
                             "mask": shape.mask, "window": window, "mask_value": masked, "heads": heads,
-                            "encodings": codes})
+                            "encodings": codes,
+                            "norms": {role: _norm_entry(key, norms[role]) for role, key in shape.norms.items()}})
     return edge.exported_program(name)
 
 
