@@ -3,9 +3,10 @@
 A ``Program`` says what runs where and at which precision; the device profile says how fast each
 piece goes. Two kinds of program are priced:
 
-- ``placement="linears"``: the paper's split, which ``llmnpu export`` writes today. INT8 linears
-  run as NPU graphs, attention, norms, RoPE and the shadow products run in float on the CPU, both
-  lanes overlapped by the scheduler (``phone.simulate_prefill`` on the partitioned FX graph).
+- ``placement="linears"``: ``llmnpu export``'s program. INT8 linears run as NPU graphs with what
+  the placement adds to them (``partitioner/placement.py``; the paper's split adds nothing), the
+  rest and the shadow products in float on the CPU, both lanes overlapped by the scheduler
+  (``phone.simulate_prefill`` on the partitioned FX graph).
 - ``placement="all"``: every op of a chunk on the NPU, one graph per split of the model, chunks
   back to back (``whole_npu.py``), the form of Qualcomm's Genie and ExecuTorch's Qualcomm llama.
 
@@ -50,14 +51,22 @@ class Program:
             raise LlmNpuError(f"program {self.name}: rates must be 'qnn' or 'paper'")
 
 
-_OURS = Program("ours", "llmnpu export's .pte: W8A8 linears on the NPU (one graph per NPU subgraph), attention, "
-                        "norms, RoPE and shadow products in fp16 on the CPU, overlapped out of order",
+_OURS = Program("ours", "llmnpu export's .pte: W8A8 linears on the NPU with what --placement adds (one graph per "
+                        "NPU subgraph), the rest and the shadow products in fp16 on the CPU, overlapped out of order",
                 placement="linears", activations="a8", weight_bits=8, kv_bits=16, chunk=256, window="growing",
                 head_rows="last", graphs_per_chunk=0, kv_update=False)
 _GENIE = Program("genie", "Qualcomm Genie / ExecuTorch's Qualcomm llama: everything on the NPU, w4a16, 128-row "
                           "chunks against a fixed K/V window of the context, logits for every row",
                  placement="all", activations="a16", weight_bits=4, kv_bits=8, chunk=128, window="fixed",
                  head_rows="all", graphs_per_chunk=4, kv_update=True)
+# ExecuTorch's Qualcomm llama (examples/qualcomm/oss_scripts/llama in the executorch wheel) as its
+# recipes quantize it: K/V I/O at 16 bits unless 8a8w (StaticLLMQuantRecipe.get_kv_io_bit_width),
+# one graph per chunk (SmolLM2's num_sharding), chunks of --prefill_ar_len rows (128 here; its
+# default is 32)
+_EXECUTORCH = Program("executorch-16a8w", "ExecuTorch's Qualcomm llama with its 16a8w recipe (SmolLM2's): everything "
+                                          "on the NPU, 16-bit K/V, one graph per 128-row chunk against a fixed window",
+                      placement="all", activations="a16", weight_bits=8, kv_bits=16, chunk=128, window="fixed",
+                      head_rows="all", graphs_per_chunk=1, kv_update=True)
 PROGRAMS: dict[str, Program] = {p.name: p for p in (
     _OURS,
     replace(_OURS, name="paper", rates="paper",
@@ -69,6 +78,11 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in (
                                 "512-row batches against the tokens before them, f16 K/V cache",
             placement="all", activations="fp16", weight_bits=4.5, kv_bits=16, chunk=512, window="growing",
             head_rows="last", graphs_per_chunk=1, kv_update=False, padded=False),
+    _EXECUTORCH,
+    replace(_EXECUTORCH, name="executorch-16a4w", weight_bits=4,
+            description="as executorch-16a8w with 4-bit weights (its 16a4w setting)"),
+    replace(_EXECUTORCH, name="executorch-8a8w", activations="a8", kv_bits=8,
+            description="as executorch-16a8w with 8-bit activations and K/V (its 8a8w setting)"),
 )}
 
 
