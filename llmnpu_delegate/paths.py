@@ -67,6 +67,40 @@ def exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def source_digest() -> str:
+    """A digest of this package's own files (code and data): what a cached result computed by the
+    code depends on beyond its inputs. Any change to the package makes new entries."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+
+    def source(path: Path) -> bool:         # not what a build wrote beside the sources
+        parts = path.relative_to(root).parts[:-1]
+        return path.suffix in (".py", ".json", ".csv") and not any(p.startswith("build") for p in parts)
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and source(p)):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_json(kind: str, key: dict, make):
+    """``make()``'s JSON result, kept under the cache dir by a digest of ``key`` and of the package's
+    source (``source_digest``): computed once per distinct key and code, written atomically; a
+    damaged entry is computed again."""
+    import json
+
+    digest = hashlib.sha256(json.dumps({"key": key, "source": source_digest()}, sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / kind / f"{digest[:24]}.json"
+    with exclusive(path):
+        try:
+            return json.loads(path.read_text())["value"]
+        except (OSError, ValueError, KeyError):
+            pass
+        value = make()
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({"key": key, "value": value}))
+        return value
+
+
 class DamagedFile(ValueError):
     """A checked file that is unreadable, truncated, altered, or of another kind."""
 

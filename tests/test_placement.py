@@ -604,6 +604,43 @@ def test_a_qnn_export_chooses_among_what_its_program_holds_by_the_phone_model():
     assert [p for p in ("paper", "norms", "attention-half") if qnn_holds(qwen3, p)] == ["paper", "attention-half"]
 
 
+def test_the_phone_models_choice_is_kept_per_model_phone_and_settings(tmp_path, monkeypatch):
+    """The automatic QNN placement's predictions are made once per model, SoC, prompt and settings:
+    a second export reads them back, any other key computes its own, a damaged entry is made again."""
+    import argparse
+    import json
+
+    from llmnpu_delegate.cli import export
+    from llmnpu_delegate.lower.export_config import ExportConfig
+
+    monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def predicted(model, chunk, soc, prompt_len, candidates, *rest):
+        calls.append((soc, prompt_len))
+        rows = [{"placement": p, "wall_s": 1.0 / (1 + i + len(calls)), "tok_s": 1.0} for i, p in enumerate(candidates)]
+        return None, sorted(rows, key=lambda r: r["wall_s"])
+    monkeypatch.setattr(export, "choose_placement", predicted)
+
+    def choose(soc="SM8750", context=96):
+        args = argparse.Namespace(placement=None, backend="qnn", model="random:tiny-llama", chunk=32, soc=soc,
+                                  context=context, quant="w8a8-shadow", pruning_rate=None, no_progress=True)
+        return export.program_placement(args, ExportConfig("qnn", soc, context))
+
+    first = choose()
+    assert len(calls) == 1 and first[0] == first[1][0]["placement"] == "attention-half"
+    assert choose() == first and len(calls) == 1                  # read back, not predicted again
+    assert choose(soc="SM8650") != first and len(calls) == 2      # another phone, another prompt: their own
+    choose(context=64)
+    assert len(calls) == 3
+    entries = list((tmp_path / "phone-placement").glob("*.json"))
+    assert len(entries) == 3 and all(json.loads(e.read_text())["key"]["model"] for e in entries)
+    for e in entries:
+        e.write_text("{trunc")
+    assert choose() != first and len(calls) == 4                  # damaged: predicted again
+    assert choose() == choose() and len(calls) == 4
+
+
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):
     args = ["run", "--model", "random:tiny-llama", "--prompt", "one two three", "--max-new-tokens", "2",
             "--chunk", "16", "--pruning-rate", "0", "--no-progress"]

@@ -126,8 +126,16 @@ def test_eval_reports_the_program_and_refuses_what_it_cannot_reproduce(engine, p
 def test_a_program_of_other_activation_scales_is_refused(program):
     """The mode quantizes the model with the calibration it is given: one whose scales are not the
     program's is refused in one line, not evaluated as if it were."""
+    from llmnpu_delegate.quantize import CalibConfig, calibrate
+
+    lm = tiny_lm()
+    # another calibration, made in memory: a cached one here would be filed under the model before
+    # its outliers were injected (tiny_lm keeps the loaded model's fingerprint, as tiny_engine does),
+    # and a later command loading random:tiny-llama would read it
+    other = calibrate(lm.model, torch.randint(0, 1000, (1024,), generator=torch.Generator().manual_seed(5)),
+                      lm.fingerprint, CalibConfig(samples=2, tokens=128, probe_tokens=128), progress=False)
     with pytest.raises(LlmNpuError, match="activation scale differs from the program's"):
-        program_model(tiny_lm(), program, None, progress=False)
+        program_model(lm, program, other, progress=False)
 
 
 def test_quantized_model_keeps_float_outputs_without_a_program(engine):

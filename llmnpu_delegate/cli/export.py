@@ -20,6 +20,7 @@ from ..models import DEFAULT_MODEL, fp32_weight_bytes, job_memory
 from ..backends import placements
 from ..models import load_model
 from ..partitioner.placement import AUTO, PAPER, parse_placement
+from ..paths import cached_json
 from ..prepare import qnn_holds
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
@@ -169,12 +170,17 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
         raise LlmNpuError(f"--placement {AUTO} chooses by a phone's predicted prefill, for --backend qnn: name a "
                           f"placement for {args.backend} (llmnpu run --placement auto times this machine's choice)")
     candidates = [p for p in placements(backend) if _writable(p, args.backend, config.bits)]
-    model = load_model(args.model).model
-    candidates = [p for p in candidates if qnn_holds(model, p)]
+    lm = load_model(args.model)
+    candidates = [p for p in candidates if qnn_holds(lm.model, p)]
     if len(candidates) == 1:        # nothing to choose between: no prediction to make
         return candidates[0], []
-    _, rows = choose_placement(args.model, args.chunk, args.soc, args.context or DEFAULT_CONTEXT, candidates,
-                               args.quant, args.pruning_rate, not args.no_progress)
+    prompt = args.context or DEFAULT_CONTEXT
+    # the predictions partition the model once per candidate (minutes for a large one): kept per
+    # model, phone, settings and code (``paths.cached_json``)
+    key = {"model": lm.fingerprint, "soc": args.soc, "chunk": args.chunk, "prompt": prompt, "candidates": candidates,
+           "quant": args.quant, "pruning_rate": args.pruning_rate}
+    rows = cached_json("phone-placement", key, lambda: choose_placement(
+        args.model, args.chunk, args.soc, prompt, candidates, args.quant, args.pruning_rate, not args.no_progress)[1])
     return rows[0]["placement"], rows
 
 
