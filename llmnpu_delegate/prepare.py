@@ -14,7 +14,7 @@ from .errors import LlmNpuError
 from .models import LoadedModel
 from .kernels.npu_attention import attention_ranges, widen
 from .kernels.npu_norm import NormEncodings, norm_key, norm_ranges
-from .partitioner.placement import PAPER, Placement, layer_of
+from .partitioner.placement import PAPER, Placement, layer_of, parse_placement
 from .partitioner.regions import ATTENTION_TARGETS, Partition, partition_graph
 from .quantize import CalibConfig, Calibration, QuantConfig, load_or_calibrate, plan_linears, quantizable_linears
 from .text import calibration_ids
@@ -110,7 +110,6 @@ def qnn_holds(model: nn.Module, placement: "Placement | str") -> bool:
     norm sits between its linear and RoPE, so only an attention region holds it; attention may not
     be softcapped."""
     from .families import family_of
-    from .partitioner.placement import parse_placement
 
     placement = parse_placement(placement)
     qk_norms = family_of(model.config).qk_norm is not None

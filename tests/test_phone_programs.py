@@ -50,9 +50,12 @@ def test_activation_precision_sets_the_matrix_rate():
     fp16 = chunk_seconds(TINY, PROGRAMS["genie-fp16"], dev, 128, 128, 1, 128)
     assert fp16["attention"] == pytest.approx(4 * a16["attention"])
     # ExecuTorch's recipes: 16a8w's matrix work at the a16 rate, 8a8w's at a8, their K/V at 16 and 8 bits
-    et16, et8 = (chunk_seconds(TINY, PROGRAMS[f"executorch-{r}"], dev, 128, 128, 1, 128) for r in ("16a8w", "8a8w"))
-    assert et16["attention"] == pytest.approx(a16["attention"]) and et8["attention"] == pytest.approx(a16["attention"] / 2)
-    assert et16["kv_read"] == pytest.approx(2 * et8["kv_read"]) and et16["kv_update"] == pytest.approx(2 * et8["kv_update"])
+    et16, et8 = (chunk_seconds(TINY, PROGRAMS[f"executorch-{r}"], dev, 128, 128, 1, 128)
+                 for r in ("16a8w", "8a8w"))
+    assert et16["attention"] == pytest.approx(a16["attention"])
+    assert et8["attention"] == pytest.approx(a16["attention"] / 2)
+    assert et16["kv_read"] == pytest.approx(2 * et8["kv_read"])
+    assert et16["kv_update"] == pytest.approx(2 * et8["kv_update"])
 
 
 def test_a_fixed_window_pays_the_context_a_growing_one_pays_its_past():

@@ -2,9 +2,10 @@
 region when the placement puts attention on the NPU (``attention-half``).
 
 The engine's NPU region (``partitioner/regions.npu_regions``: it starts at the q/k/v linears'
-outputs) holds the per-head q/k norms where the model has them (Qwen3's), RoPE of q and k, the write of the chunk's K/V beside the past, the attention, and
-the linears that read its output (o_proj, unless a shadow product reads that output too). The
-graph is that region on static shapes, as ExecuTorch's Qualcomm llama and Genie build theirs:
+outputs) holds the per-head q/k norms where the model has them (Qwen3's), RoPE of q and k, the
+write of the chunk's K/V beside the past, the attention, and the linears that read its output
+(o_proj, unless a shadow product reads that output too). The graph is that region on static
+shapes, as ExecuTorch's Qualcomm llama and Genie build theirs:
 
 - the past K/V as a fixed window of ``window - chunk`` rows (the empty slots anywhere after the
   past), the chunk's new K/V concatenated after it: ``window`` keys, whatever the past;
@@ -346,8 +347,8 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
                                enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
                                spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple]):
     """The static graph exported, annotated (the attention's, RoPE's and the linears' input encodings
-    fixed, and the q/k norms' at ``norms`` by role; the linears' outputs observed over ``calib``, each a call's inputs from ``window_inputs``),
-    converted (pt2e). Returns (graph, example inputs)."""
+    fixed, and the q/k norms' at ``norms`` by role; the linears' outputs observed over ``calib``, each
+    a call's inputs from ``window_inputs``), converted (pt2e). Returns (graph, example inputs)."""
     from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 

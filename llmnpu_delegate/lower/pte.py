@@ -430,7 +430,8 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
 
 
 def _norm_entry(key: tuple[int, str], enc) -> dict:
-    """A norm the program runs on the NPU as the sidecar records it (``program_numerics.norm_encodings`` reads it)."""
+    """A norm the program runs on the NPU as the sidecar records it (``program_numerics.norm_encodings``
+    reads it back)."""
     return {"layer": key[0], "name": key[1], **{k: {"scale": e.scale, "zero": e.zero, "bits": e.bits}
                                                  for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}}
 
