@@ -87,6 +87,18 @@ def inject_outliers(model, scale: float = 60.0, channels=(3, 17)):
     return model
 
 
+def outlier_model(spec: str = "random:tiny-llama"):
+    """``spec`` with injected outliers (``inject_outliers``), fingerprinted after the injection: what
+    is calibrated or compiled for it is filed apart from the clean model's, which a CLI run of the
+    same spec loads and must not be handed."""
+    from llmnpu_delegate.models import fingerprint, load_model
+
+    lm = load_model(spec)
+    inject_outliers(lm.model)
+    lm.fingerprint = fingerprint(lm.model)
+    return lm
+
+
 def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``script`` in a fresh interpreter (``args`` its ``sys.argv[1:]``), which must exit 0; its
     output captured as text. For what a process's state would hide: what loads first, file descriptors."""
@@ -103,12 +115,10 @@ def tiny_engine(quant="w8a8-shadow", placement="paper", pruning_rate=0.85, spec=
     shadow paths pruned (``pruning_rate``), every layer's effect measured alone (the plan the .pte
     gates in test_export.py and test_qnn.py were measured on; the grouped profile ranks this random
     model's layers differently)."""
-    from llmnpu_delegate.models import load_model
     from llmnpu_delegate.quantize import CalibConfig, calibrate, importance, quant_config
     from llmnpu_delegate.runtime.engine import Prefiller
 
-    lm = load_model(spec)
-    inject_outliers(lm.model)
+    lm = outlier_model(spec)
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,), generator=torch.Generator().manual_seed(1)),
                       lm.fingerprint, CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
     quant = quant_config(quant, pruning_rate=pruning_rate) if quant == "w8a8-shadow" else quant

@@ -14,13 +14,12 @@ import time
 
 import pytest
 import torch
-from conftest import inject_outliers
+from conftest import outlier_model
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.cpu_int8 import CpuInt8Engine
 from llmnpu_delegate.backends.graph_cache import GraphCache
 from llmnpu_delegate.errors import LlmNpuError
-from llmnpu_delegate.models import load_model
 from llmnpu_delegate.paths import load_checked, save_checked
 from llmnpu_delegate.quantize import CalibConfig, Calibration, QuantConfig, calibrate, load_or_calibrate, plan_linears
 from llmnpu_delegate.runtime.engine import Prefiller
@@ -92,8 +91,7 @@ def one_line_naming(error: Exception, path, fix: str) -> None:
 # --------------------------------------------------------------------------- calibration artefact
 @pytest.fixture(scope="module")
 def tiny():
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     ids = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))
     calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     return lm, ids, calib

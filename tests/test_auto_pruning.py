@@ -36,10 +36,9 @@ def test_held_apart_windows_never_overlap_calibration_samples():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from conftest import inject_outliers
+    from conftest import outlier_model
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     text = torch.randint(0, 1000, (4096,), generator=torch.Generator().manual_seed(1))
     return lm, text
 

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import inject_outliers, on_int64
+from conftest import on_int64, outlier_model
 
 import llmnpu_delegate.compile as C
 from llmnpu_delegate.errors import LlmNpuError
@@ -33,8 +33,7 @@ def partitioned(monkeypatch):
 
 
 def _calibrated(spec):
-    lm = load_model(spec)
-    inject_outliers(lm.model)
+    lm = outlier_model(spec)
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint,
                       CalibConfig(samples=4, tokens=128, probe_tokens=128), progress=False)
     return lm, calib

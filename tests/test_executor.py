@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import inject_outliers, missing, on_int64
+from conftest import missing, on_int64, outlier_model
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
@@ -22,8 +22,7 @@ from llmnpu_delegate.runtime.schedule import POLICIES, Scheduler
 
 @pytest.fixture(scope="module")
 def calibrated():
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     ids = torch.randint(0, 1000, (4 * 64,), generator=torch.Generator().manual_seed(2))
     calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     return lm, calib

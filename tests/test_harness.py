@@ -81,13 +81,12 @@ def test_quantized_scores_follow_the_engine():
     on a random model with outlier channels: within a tenth of what quantization changes. (On the
     embedded model a float-level change alone, e.g. another attention implementation, moves the
     quantized logits as much as quantization does: its 25,000 activations flip roundings.)"""
-    from conftest import assert_within_quant_effect, inject_outliers
+    from conftest import assert_within_quant_effect, outlier_model
 
     from llmnpu_delegate.backends.graph_cache import GraphCache
     from llmnpu_delegate.runtime.engine import Prefiller
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
                       CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     adapter = LlmNpuLM(lm, quant="w8a8-shadow", calibration=calib)
@@ -110,13 +109,12 @@ def test_a_placement_with_attention_on_the_npu_scores_as_the_engine_runs_it():
     kernels/npu_attention.py inside the FX graph's NPU region): within a tenth of what moving
     attention to the NPU changes. Paper-placement adapter and engine bracket it: were the placement
     ignored, the adapter would sit a whole effect away."""
-    from conftest import assert_within_quant_effect, inject_outliers
+    from conftest import assert_within_quant_effect, outlier_model
 
     from llmnpu_delegate.backends.graph_cache import GraphCache
     from llmnpu_delegate.runtime.engine import Prefiller
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
                       CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     ids = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(5))

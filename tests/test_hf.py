@@ -109,10 +109,9 @@ def test_unsupported_inputs_are_refused_clearly(llama):
 
 def test_quantized_prefill_hands_its_own_kv_to_the_decoder():
     """W8A8+shadow: generate's first token and the (float) decode steps use the engine's logits and K/V."""
-    from conftest import inject_outliers
+    from conftest import outlier_model
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     from llmnpu_delegate.quantize import CalibConfig, calibrate
 
     calib = calibrate(lm.model, torch.randint(0, 1000, (2048,)), lm.fingerprint, CalibConfig(samples=4, tokens=128,
@@ -164,10 +163,9 @@ def test_two_wrappers_over_one_model_generate_from_two_threads():
     import gc
     import threading
 
-    from conftest import inject_outliers
+    from conftest import outlier_model
 
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     wrappers = {"fp32": LlmNpuForCausalLM(lm, quant="fp32", chunk_len=16, progress=False),
                 "w8a8": LlmNpuForCausalLM(lm, quant="w8a8-shadow", chunk_len=16, progress=False),
                 "hf": lm.model}

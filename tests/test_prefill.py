@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_within_quant_effect, inject_outliers, on_int64
+from conftest import assert_within_quant_effect, inject_outliers, on_int64, outlier_model
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmnpu_delegate.backends.graph_cache import GraphCache
@@ -38,8 +38,7 @@ def _assert_kv_close(result, hf_cache, atol=1e-4):
 
 @pytest.fixture(scope="module")
 def llama():
-    lm = load_model("random:tiny-llama")
-    inject_outliers(lm.model)
+    lm = outlier_model()
     return lm
 
 
@@ -385,8 +384,7 @@ def test_backend_and_policy_errors(llama):
 
 @pytest.mark.parametrize("family", FAMILIES[1:])
 def test_shadow_prefill_equals_quantized_model_for_every_family(family):
-    lm = load_model(f"random:{family}")
-    inject_outliers(lm.model)
+    lm = outlier_model(f"random:{family}")
     calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
                       CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
     ids = torch.randint(0, 1000, (100,))

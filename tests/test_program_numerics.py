@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_CHUNK as CHUNK, inject_outliers
+from conftest import TINY_CHUNK as CHUNK, outlier_model
 
 from llmnpu_delegate import kernels as K
 from llmnpu_delegate.errors import LlmNpuError
@@ -22,9 +22,7 @@ from llmnpu_delegate.runtime.validate import capture_npu_io, element_steps, sqnr
 
 def tiny_lm(spec="random:tiny-llama"):
     """The tiny engine's model, as tiny_engine builds it (its weights and injected outliers)."""
-    lm = load_model(spec)
-    inject_outliers(lm.model)
-    return lm
+    return outlier_model(spec)
 
 
 def method_gaps(engine, pte, model, ids) -> dict[str, dict]:

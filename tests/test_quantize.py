@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CHUNK, inject_outliers
+from conftest import TINY_CHUNK, outlier_model
 
 from llmnpu_delegate import LlmNpuError
 from llmnpu_delegate.format.rows import ColdRows
@@ -182,10 +182,7 @@ def test_a_prompt_leaves_no_channel_list_behind(shared_tiny_engine, monkeypatch)
 
 # --------------------------------------------------------------------------- calibration
 def _tiny(shape="tiny-llama", outliers=True):
-    lm = load_model(f"random:{shape}")
-    if outliers:
-        inject_outliers(lm.model)
-    return lm
+    return outlier_model(f"random:{shape}") if outliers else load_model(f"random:{shape}")
 
 
 def test_calibration_statistics_match_an_independent_reference():
@@ -362,7 +359,6 @@ def test_output_importance_replay_equals_full_recompute(shape):
 
     from llmnpu_delegate.quantize import importance as I
     lm = _tiny(shape)
-    inject_outliers(lm.model)
     ids = torch.randint(0, 2000, (400,))
     calib = calibrate(lm.model, ids, lm.fingerprint, CalibConfig(samples=2, tokens=48, probe_tokens=96,
                                                                  percentiles=(95.0, 99.5)), progress=False)
