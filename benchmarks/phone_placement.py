@@ -3,6 +3,7 @@
 
     python benchmarks/phone_placement.py [--soc SM8750] [--models qwen3-0.6b qwen3-1.7b]
                                          [--lengths 1024 4096] [--chunks 256 512]
+                                         [--placements paper norms attention-half block]
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--chunks", nargs="+", type=int, default=[256, 512])
+    ap.add_argument("--placements", nargs="+", default=None,
+                    help="placements to predict (default: every one the qnn backend's pieces allow)")
     args = ap.parse_args()
-    names = placements(get("qnn"))
+    names = args.placements or placements(get("qnn"))
     print(f"| model | tokens | chunk | {' | '.join(names)} | genie predicted |\n|" + "---|" * (len(names) + 4))
     for model in args.models:
         spec = f"random:{model}"
