@@ -97,6 +97,16 @@ def tiny():
     return lm, ids, calib
 
 
+def test_a_model_with_injected_outliers_is_filed_apart_from_the_clean_one(tiny):
+    """The tests' outlier models key their calibrations and graphs by their own weights: under the
+    clean model's key a CLI run of the same spec would read them (as it once did)."""
+    from llmnpu_delegate.models import fingerprint, load_model
+
+    lm = tiny[0]
+    assert lm.fingerprint == fingerprint(lm.model)
+    assert lm.fingerprint != load_model("random:tiny-llama").fingerprint
+
+
 @pytest.fixture(scope="module")
 def calib_file(tiny, tmp_path_factory):
     return tiny[2].save(tmp_path_factory.mktemp("calib") / "c.pt")
