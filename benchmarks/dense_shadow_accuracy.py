@@ -4,7 +4,7 @@ accuracy a phone program would give up if its shadow products ran inside the NPU
 A static NPU graph can multiply a fixed set of input channels' residues as a small 16-bit GEMM
 beside the 8-bit linear, with no trip to the CPU (``htp_dense_shadow.py``); an outlier in any other
 channel would be clipped. Two static sets: the dense channels (``dense_channels``: outliers in at
-least 1/20 of the calibration tokens) and the peak channels (``htp_dense_shadow.peak_channels``:
+least 1/20 of the calibration tokens) and the peak channels (``quantize.shadow_rows.peak_channels``:
 the ``--peak`` channels whose calibrated peak, clipped, would cost the output most). This scores
 the embedded model over the evaluation text with the engine's shadow paths as they are (every
 channel), with each static set, with the peak set on the linears reading a norm's output (q/k/v,
@@ -19,15 +19,15 @@ import argparse
 import json
 
 import torch
-from htp_dense_shadow import peak_channels
 
 from llmnpu_delegate.evaluate import eval_windows, quantized_model, window_scores
 from llmnpu_delegate.kernels.cpu import detect
 from llmnpu_delegate.models import load_model
+from llmnpu_delegate.placed_numerics import peak_products
 from llmnpu_delegate.prepare import default_calibration
 from llmnpu_delegate.quantize import quant_config
 from llmnpu_delegate.quantize.linear import QuantLinear
-from llmnpu_delegate.quantize.shadow_rows import dense_channels
+from llmnpu_delegate.quantize.shadow_rows import dense_channels, peak_channels
 from llmnpu_delegate.text import read_text, tokenize
 
 
@@ -35,30 +35,15 @@ def shadowed(model) -> dict[str, QuantLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and not m.pruned}
 
 
-NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
 def restrict(model, channels_of) -> dict:
     """Each shadow path of ``model`` restricted to ``channels_of(name, linear)`` (None: every
-    channel, the engine's own product): the other channels' inputs are clamped to the clip before
-    the product, so their residue is zero. Returns the channels kept per linear."""
+    channel, the engine's own product; ``QuantLinear.shadow_channels``). Returns the channels kept
+    per restricted linear."""
     kept = {}
     for name, lin in shadowed(model).items():
-        add = lin.__dict__.setdefault("_engine_add", lin.shadow.add_product_)
-        keep = channels_of(name, lin)
-        if keep is None:
-            lin.shadow.add_product_ = add
-            continue
-        cold = torch.ones(lin.in_features, dtype=torch.bool)
-        cold[keep] = False
-        kept[name] = int(keep.numel())
-
-        def only(y, x2, clip, add=add, cold=cold):
-            x2 = x2.clone()
-            x2[:, cold] = x2[:, cold].clamp(-clip, clip)
-            return add(y, x2, clip)
-
-        lin.shadow.add_product_ = only
+        lin.shadow_channels = keep = channels_of(name, lin)
+        if keep is not None:
+            kept[name] = int(keep.numel())
     return kept
 
 
@@ -82,10 +67,12 @@ def main() -> None:
         return dense_channels(stats.channel_outliers[p], stats.elements)
 
     def peak(name, lin):
-        return peak_channels(calib.layers[name].channel_absmax, lin.clip, lin.weight_q.float() * lin.weight_scale.reshape(-1, 1), args.peak)
+        return peak_channels(calib.layers[name].channel_absmax, lin.clip, lm.model.get_submodule(name).weight, args.peak)
 
-    def split(name, lin):
-        return peak(name, lin) if name.endswith(NORM_READERS) else None
+    def split(name, lin):   # placement piece peak's numerics (``llmnpu eval --placement peak``)
+        return kept.get(name)
+
+    kept = peak_products(lm, model, calib, args.peak)
 
     sizes = {}
     for label, channels_of in (("shadow, dense channels only", dense), (f"shadow, {args.peak} peak channels only", peak),

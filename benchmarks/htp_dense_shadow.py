@@ -38,6 +38,7 @@ from llmnpu_delegate.qnn.sdk import activate
 from llmnpu_delegate.quantize import quant_config
 from llmnpu_delegate.quantize.apply import plan_linears
 from llmnpu_delegate.quantize.calibrate import quantizable_linears
+from llmnpu_delegate.quantize.shadow_rows import peak_channels
 from llmnpu_delegate.quantize.sqnr import sqnr_db
 from llmnpu_delegate.text import read_text, tokenize
 
@@ -92,14 +93,6 @@ def annotator(x_enc, clip, y8, residue_enc, out_enc):
         def validate(self, m):
             pass
     return Annotate()
-
-
-def peak_channels(channel_absmax, clip: float, weight, count: int):
-    """The ``count`` input channels whose calibrated peak, clipped, would cost the output most:
-    ``(absmax - clip) * |W[:, c]|``, channels that never crossed the clip left out."""
-    cost = (channel_absmax.float() - clip).clamp(min=0) * weight.norm(dim=0)
-    order = cost.argsort(descending=True)[:count]
-    return order[cost[order] > 0].sort().values
 
 
 def captured_inputs(lm, names, rows: int) -> dict:

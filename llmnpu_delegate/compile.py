@@ -183,6 +183,8 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
         raise LlmNpuError("torch.compile(backend='llmnpu') needs the model's quantization plan: pass "
                           "options=llmnpu_delegate.compile.compile_options(model) (or quant='fp32' there)")
     _check_fallback(options.get("fallback", "error"))
+    placement = backends.check_placement(backends.get(options.get("backend", backends.DEFAULT), engine=True),
+                                         options.get("placement", PAPER))
     counters = options.get("counters")
     if not isinstance(counters, CompileCounters):
         counters = CompileCounters()
@@ -195,7 +197,7 @@ def llmnpu_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict |
         return gm.forward                 # nothing for the NPU in this graph
     try:
         partition = partition_graph(gm, found, shadowed=[n for n, p in (plans or {}).items() if p.shadow],
-                                    placement=options.get("placement", PAPER), param_of_placeholder=names)
+                                    placement=placement, param_of_placeholder=names)
         if not partition.by_kind("npu"):
             raise LlmNpuError("no NPU region was formed")
     except Exception as e:  # noqa: BLE001 - an unsupported graph runs eagerly, never crashes

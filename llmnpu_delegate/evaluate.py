@@ -130,7 +130,7 @@ def run_quantized(lm: LoadedModel, windows: Tensor, calib, config: QuantConfig |
         model, changed = program_model(lm, program, calib, progress)
         return {**window_scores(model, windows, desc, progress, lm.model), "program": str(program), **changed}
     model, report = quantized_model(lm, config, calib, progress)
-    where = apply_placement(lm, model, *placed)
+    where = apply_placement(lm, model, *placed, calib=calib)
     entry = {**window_scores(model, windows, desc, progress, lm.model), **where}
     c = outlier_counters(model)
     # share of elements beyond a full-range (calibrated absmax) scale, clipped by saturation

@@ -10,6 +10,10 @@ through that kernel, with the encodings the engine calibrates (``prepare.attenti
 same chunk length): per query, the same rounding of q, the K/V and the scores over the keys its mask
 opens, chunked or not. One with norms on the NPU, by swapping each block norm for ``npu_rms_norm`` at
 the engine's encodings (``prepare.norm_ranges_of``): a norm reads one token, so chunking changes nothing.
+One with the norm readers' products in the NPU graphs (piece ``peak``), by restricting the shadow
+product of q/k/v and gate/up to the input channels of their static peak set
+(``quantize.shadow_rows.peak_channels`` on the calibration); o_proj's and down_proj's keep every channel.
+No backend runs ``peak`` yet, so its row is what the engine would compute, in float outputs.
 """
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ from .kernels.attention import causal_mask
 from .kernels.npu_attention import KV_BITS, AttentionEncodings, NpuAttention
 from .kernels.npu_norm import NormEncodings, NpuNorm
 from .models import LoadedModel
-from .partitioner.placement import PAPER, Placement, parse_placement
-from .prepare import attention_ranges_of, norm_encodings_of, norm_modules
+from .families import FAMILIES
+from .partitioner.placement import PAPER, PEAK_CHANNELS, Placement, parse_placement
+from .prepare import attention_ranges_of, default_calibration, norm_encodings_of, norm_modules
+from .quantize.linear import QuantLinear
+from .quantize.shadow_rows import peak_channels
 
 NPU_ATTN_IMPLEMENTATION = "llmnpu-npu"
 _ENCODINGS = "llmnpu_npu_encodings"     # attribute of each attention module: its layer's encodings
@@ -56,18 +63,38 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def apply_placement(lm: LoadedModel, model: nn.Module, placement: "Placement | str", kv_bits: int = 16,
-                    chunk_len: int | None = None) -> dict:
-    """Make ``model`` (a quantized copy of ``lm.model``) compute attention and the block norms as
-    ``placement`` puts them: on the NPU, at the encodings the engine calibrates for ``chunk_len``-row
-    chunks (attention with a ``kv_bits`` window). Returns what a result row records of it."""
+                    chunk_len: int | None = None, calib=None) -> dict:
+    """Make ``model`` (a quantized copy of ``lm.model``) compute attention, the block norms and the
+    norm readers' shadow products as ``placement`` puts them: on the NPU, at the encodings the engine
+    calibrates for ``chunk_len``-row chunks (attention with a ``kv_bits`` window), the products over
+    the peak channels of ``calib`` (default: the cached calibration on the shipped text). Returns what
+    a result row records of it."""
     placement = parse_placement(placement)
+    peaks = peak_products(lm, model, calib) if placement.on_npu("peak") else {}
     if placement.on_npu("norms"):
         _norms_on_the_npu(lm, model, chunk_len or DEFAULT_CHUNK)
+    where = {"placement": placement.name, **({"peak_products": len(peaks)} if placement.on_npu("peak") else {})}
     if not placement.on_npu("attention"):
-        return {"placement": placement.name}
+        return where
     ranges = attention_ranges_of(lm, chunk_len or DEFAULT_CHUNK)
     swap_attention(model, {layer: AttentionEncodings.of_ranges(r, kv_bits) for layer, r in ranges.items()})
-    return {"placement": placement.name, "npu_kv_bits": kv_bits}
+    return {**where, "npu_kv_bits": kv_bits}
+
+
+def peak_products(lm: LoadedModel, model: nn.Module, calib=None, count: int = PEAK_CHANNELS) -> dict:
+    """Restrict the shadow product of every norm reader of ``model`` (q/k/v, gate/up: a quantized copy
+    of ``lm.model``) to its ``count`` peak channels; returns linear -> the channels kept."""
+    family = FAMILIES.get(lm.model.config.model_type)
+    if family is None:
+        raise LlmNpuError(f"no family description for model type {lm.model.config.model_type}: its norm readers "
+                          f"are unknown, so piece 'peak' cannot be scored")
+    calib = calib if calib is not None else default_calibration(lm, progress=False)
+    kept = {}
+    for name, lin in model.named_modules():
+        if isinstance(lin, QuantLinear) and not lin.pruned and family.role(name) in ("qkv", "up"):
+            weight = lm.model.get_submodule(name).weight
+            lin.shadow_channels = kept[name] = peak_channels(calib.layers[name].channel_absmax, lin.clip, weight, count)
+    return kept
 
 
 def swap_attention(model: nn.Module, encodings: dict[int, AttentionEncodings]) -> int:

@@ -172,6 +172,10 @@ def test_missing_or_unknown_options_are_clear_errors():
         torch.compile(lm.model, backend="llmnpu", options={"bogus": 1})(ids)
     with pytest.raises(LlmNpuError, match="shadow"):
         C.compile_options(lm, quant="w8a8", pruning_rate=0.3)
+    torch._dynamo.reset()
+    options = {**C.compile_options(lm, quant="fp32"), "placement": "fused"}   # priced by the phone model only
+    with pytest.raises(Exception, match="backend cpu-int8 cannot run peak on its NPU"):
+        torch.compile(lm.model, backend="llmnpu", options=options)(ids)
 
 
 def test_parameter_names_from_dynamo_placeholders():

@@ -58,6 +58,44 @@ def test_logits_sqnr_is_executorchs_over_all_windows_at_once():
     assert window_scores(lm.model, ids, progress=False, reference=lm.model)["logits_sqnr_db"] == float("inf")
 
 
+def test_the_peak_piece_scores_the_norm_readers_products_over_their_peak_channels():
+    """Placement piece ``peak`` in the harness: the shadow products of q/k/v and gate/up restricted to
+    their calibrated peak channels, o_proj's and down_proj's untouched. The injected outliers sit on
+    two channels of each input norm, so two peak channels must hold q/k/v's product: the logits stay
+    within a tenth of what dropping those products entirely moves them."""
+    from conftest import outlier_model
+
+    from llmnpu_delegate.evaluate import quantized_model
+    from llmnpu_delegate.placed_numerics import apply_placement, peak_products
+    from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+    from llmnpu_delegate.quantize.linear import QuantLinear
+
+    lm = outlier_model()
+    calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    quant = QuantConfig(outliers="shadow", pruning_rate=0.0)
+    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(3))
+
+    def logits(count=None):
+        model, _ = quantized_model(lm, quant, calib, progress=False)
+        if count is not None:
+            peak_products(lm, model, calib, count)
+        with torch.inference_mode():
+            return model, model(input_ids=ids).logits[0].float()
+
+    engine, every = logits()
+    _, two = logits(2)
+    _, none = logits(0)
+    assert (two - every).abs().max() < 0.1 * (none - every).abs().max()
+    model, _ = quantized_model(lm, quant, calib, progress=False)
+    assert apply_placement(lm, model, "peak", calib=calib) == {"placement": "peak", "peak_products": 10}
+    kept = {n: m.shadow_channels for n, m in model.named_modules() if isinstance(m, QuantLinear)
+            and m.shadow_channels is not None}
+    assert sorted({n.rsplit(".", 1)[-1] for n in kept}) == ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    assert all(len(c) <= 32 for c in kept.values())
+    assert all({3, 17} <= set(c.tolist()) for n, c in kept.items() if n.endswith("q_proj"))
+
+
 def test_read_text_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(LlmNpuError, match="empty"):
@@ -109,9 +147,10 @@ def test_cli_eval_scores_each_placement_of_each_quantization_mode(tmp_path, caps
     npu = rows["w8a8-shadow@attention-half"]
     assert npu["ppl"] != rows["w8a8-shadow"]["ppl"] and npu["npu_kv_bits"] == 16
     assert npu["placement"] == "attention-half" and "npu_kv_bits" not in rows["w8a8-shadow@norms"]
-    assert main([*args, "--placement", "block", "--npu-kv-bits", "8"]) == 0
+    assert main([*args, "--placement", "block", "peak", "--npu-kv-bits", "8"]) == 0
     out = capsys.readouterr().out
     assert "w8a8-shadow@block" in out and "K/V window at 8 bits" in out
+    assert "w8a8-shadow@peak" in out and "shadow products over their 32 peak input channels only" in out
     assert main([*args, "--placement", "norms", "--npu-kv-bits", "8"]) == 2
     assert "--npu-kv-bits sets the K/V window of attention on the NPU" in capsys.readouterr().err
     assert main([*args[:-5], "--modes", "fp32", "--placement", "block"]) == 2

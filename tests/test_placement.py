@@ -17,8 +17,8 @@ from llmnpu_delegate.chunk_step import example_inputs
 from llmnpu_delegate.cli import main
 from llmnpu_delegate.errors import LlmNpuError
 from llmnpu_delegate.models import load_model
-from llmnpu_delegate.partitioner.placement import INLINE, MERGE, PIECES, PRESETS, layer_of, parse_placement
-from llmnpu_delegate.partitioner.regions import shadow_delta, subgraph_module
+from llmnpu_delegate.partitioner.placement import INLINE, MERGE, PEAK, PIECES, PRESETS, layer_of, parse_placement
+from llmnpu_delegate.partitioner.regions import is_linear, peak_delta, shadow_delta, subgraph_module
 from llmnpu_delegate.quantize import quantizable_linears
 from llmnpu_delegate.runtime.engine_config import EngineConfig
 from llmnpu_delegate.simulate import cost
@@ -139,7 +139,9 @@ def test_why_names_a_reason_for_every_node_on_the_cpu(llama, exported):
 def test_a_placement_is_a_preset_or_pieces_and_nothing_else():
     assert parse_placement("attention+rope+norms").name == "attention-half"
     assert parse_placement("attention").pieces == {"attention"}       # a piece alone
-    assert parse_placement("block").pieces == frozenset(PIECES)
+    assert parse_placement("block").pieces == frozenset(PIECES) - {"peak"}
+    assert parse_placement("fused").pieces == frozenset(PIECES)
+    assert parse_placement("peak+rope+attention+norms").name == "attention+norms+rope+peak"
     assert parse_placement("act+rope").name == "rope+act"
     for bad in ("gpu", "attention+softmax", "", "inline", "paper+norms"):
         with pytest.raises(LlmNpuError, match="placement"):
@@ -149,13 +151,50 @@ def test_a_placement_is_a_preset_or_pieces_and_nothing_else():
         parse_placement("block+inline")
 
 
+def _linear_named(partition, suffix, layer=0):
+    return next(n for n in partition.graph_module.graph.nodes if is_linear(n) and layer_of(n) == layer
+                and n.meta.get("nn_module_stack") and list(n.meta["nn_module_stack"].values())[-1][0].endswith(suffix))
+
+
+def test_peak_keeps_the_norm_readers_products_and_outputs_inside_their_graphs(llama, exported):
+    layers = llama.model.config.num_hidden_layers
+    every = list(quantizable_linears(llama.model))
+    fused = _cut(llama, exported, "fused", shadowed=every)
+    block = _cut(llama, exported, "block", shadowed=every)
+    # q/k/v and gate/up read a norm: their products are peak markers in their own NPU graph, their adds
+    # too; o_proj's and down_proj's inputs do not, and their products stay CPU shadow subgraphs
+    peaks = [n for s in fused.by_kind("npu") for n in s.nodes if n.target is peak_delta]
+    assert sorted(n.args[1].rsplit(".", 1)[-1] for n in peaks) == sorted(
+        ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"] * layers)
+    assert all(n.meta.get(PEAK) and all(u.meta.get(PEAK) for u in n.users) for n in peaks)
+    cpu_products = sorted(p.rsplit(".", 1)[-1] for s in fused.by_kind("shadow") for p in s.linears)
+    assert cpu_products == sorted(["o_proj", "down_proj"] * layers)
+    graph_of = {n: s.index for s in fused.subgraphs for n in s.nodes}
+    for suffix, inside in (("q_proj", True), ("gate_proj", True), ("o_proj", False), ("down_proj", False)):
+        lin = _linear_named(fused, suffix)
+        assert all((graph_of[u] == graph_of[lin]) == inside for u in lin.users if u in graph_of), suffix
+    # per block: norm -> q/k/v -> RoPE -> attention -> o_proj (its input handed to the CPU's product
+    # as the graph goes on); o_proj's merge -> residual add -> norm -> gate/up -> act -> down. Under
+    # `block` every linear's output and each of o_proj's and down_proj's inputs end a graph too. The
+    # last down_proj's merge and residual add make one more
+    assert len(fused.by_kind("npu")) == 2 * layers + 1
+    assert len(block.by_kind("npu")) > 2 * len(fused.by_kind("npu"))
+    # without peak, the same placement's views read by a CPU product are made on the CPU, as before
+    rest = "+".join(p for p in PIECES if p != "peak")
+    assert len(_cut(llama, exported, rest, shadowed=every).by_kind("npu")) == len(block.by_kind("npu"))
+
+
 # ------------------------------------------------------------------ backends' capability tables
 def test_each_backend_declares_the_pieces_it_runs():
     qnn, cpu = backends.get("qnn"), backends.get("cpu-int8")
     every = ["paper", "paper+inline", "norms", "norms+inline", "attention-half", "attention-half+inline", "block"]
     for b in (qnn, cpu):
-        assert set(b.pieces) == set(PIECES) and backends.placements(b) == every
+        assert set(b.pieces) == set(PIECES) - {"peak"} and backends.placements(b) == every
         assert backends.check_placement(b, "block").name == "block"
+        # the in-graph peak products are the phone model's only: every backend refuses them, saying so
+        with pytest.raises(LlmNpuError, match=rf"^backend {b.name} cannot run peak on its NPU \(peak: .*priced by "
+                                              r"llmnpu simulate, not built yet\): use placement paper, "):
+            backends.check_placement(b, "fused")
 
     class LinearsOnly:      # a backend whose graphs hold INT8 linears only
         name, pieces, missing = "linears-only", {}, "its graphs are INT8 GEMMs"
@@ -217,6 +256,26 @@ def test_a_shadow_merged_on_the_npu_is_priced_as_its_product_the_graphs_already_
                                       plan={n: 0.01 for n in names}), "SM8750", 64)
     assert all(prices.seconds[n] == pytest.approx(paper.seconds[n]) and paper.seconds[n] > 0 for n in names)
     assert prices.makespan(frozenset(names)) != prices.makespan(frozenset())     # the makespan sees the paths
+
+
+def test_a_peak_product_is_priced_as_two_16_bit_gemms_and_is_never_the_cpus_to_prune():
+    names = [n for n in quantizable_linears(load_model("random:tiny-llama").model) if "lm_head" not in n]
+    scn = prepare("random:tiny-llama", 8, placement="fused", progress=False, plan={n: 0.01 for n in names})
+    dev = toy_device(**{"npu.vector_elems_per_s": 1e7})
+    c, h, ffn, heads, kv_heads, d, layers = 8, 64, 128, 4, 2, 16, 2
+    got = sum(cost.npu_parts(s, 0, dev)["peak"] for s in scn.partition.by_kind("npu"))
+    # per block q, k, v and gate, up: a [c, h] x [h, 32] one-hot pick and a [c, 32] x [32, n] product on
+    # the 16-bit matrix rate; the c x h residues on the vector unit once for q/k/v, once for gate/up
+    outs = [heads * d, kv_heads * d, kv_heads * d, ffn, ffn]
+    want = layers * (sum(2.0 * c * cost.PEAK_CHANNELS * (h + n) / matrix_ops_per_s(dev, "a16") for n in outs)
+                     + 2 * c * h / 1e7)
+    assert got == pytest.approx(want) and got > 0
+    # the automatic pruning prices o_proj's and down_proj's CPU products only, and always keeps the peaks
+    prices = soc_shadow_prices(scn, "SM8750", 64)
+    assert sorted(n.rsplit(".", 1)[-1] for n in prices.seconds) == sorted(["o_proj", "down_proj"] * layers)
+    cpu_only = with_shadowed(scn, {n: v for n, v in scn.outlier_rate.items() if n not in prices.seconds})
+    assert sum(n.target is peak_delta for s in cpu_only.partition.subgraphs for n in s.nodes) == 5 * layers
+    assert prices.makespan(frozenset()) > 0
 
 
 def test_an_inline_merge_costs_the_phone_nothing_beyond_its_product():

@@ -26,7 +26,7 @@ from llmnpu_delegate.quantize import (
     quantize_weight,
 )
 from llmnpu_delegate.quantize.importance import layers_to_prune
-from llmnpu_delegate.quantize.shadow_rows import hot_channels, rows_files, shadow_rows
+from llmnpu_delegate.quantize.shadow_rows import hot_channels, peak_channels, rows_files, shadow_rows
 
 TINY = [s for s in RANDOM_SHAPES if s.startswith("tiny-")]
 
@@ -74,6 +74,35 @@ def test_shadow_linear_equals_clipped_int8_plus_float_residue(tmp_path):
     # channel 5 is hot, 11 and 30 are read from disk
     assert store.cold_fetches == 2 and store.hot_hits == 1
     assert layer.outlier_elements == 4 and layer.seen_elements == x.numel()
+
+
+def test_a_static_channel_set_takes_only_its_channels_residues(tmp_path):
+    torch.manual_seed(2)
+    n, k = 24, 40
+    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
+    x = torch.randn(2, 9, k).clamp(-2.5, 2.5)
+    x[0, 3, 5], x[1, 2, 5], x[1, 7, 30], x[0, 0, 11] = 40.0, -25.0, 33.0, 12.0
+    clip = 3.0
+    layer, w_q, w_s, _ = _shadow_layer(tmp_path, w, b, clip, hot=[5])
+    layer.shadow_channels = torch.tensor([5, 30])
+    y = layer(x)
+    x_clip = x.clamp(-clip, clip)
+    residue = torch.zeros_like(x)
+    residue[..., [5, 30]] = (x - x_clip)[..., [5, 30]]
+    ref = fake_quant(x_clip, clip / 127) @ (w_q.float() * w_s[:, None]).t() + b + residue @ w.t()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    # the restriction is seen: channel 11's residue would move the output by far more than the tolerance
+    assert ((12.0 - clip) * w[:, 11]).abs().max() > 100 * 1e-4
+    assert layer.outlier_elements == 3
+
+
+def test_peak_channels_rank_the_clipped_peak_by_its_weight_column():
+    absmax = torch.tensor([1.0, 10.0, 4.0, 30.0, 2.0])
+    w = torch.ones(3, 5)
+    w[:, 3] = 0.01      # the highest peak, on a column that barely reaches the output
+    assert peak_channels(absmax, 3.0, w, 2).tolist() == [1, 2]
+    assert peak_channels(absmax, 3.0, w, 5).tolist() == [1, 2, 3]     # channels within the clip never
+    assert peak_channels(absmax, 50.0, w, 2).numel() == 0
 
 
 def test_pruned_layer_uses_full_range_never_clips(tmp_path):

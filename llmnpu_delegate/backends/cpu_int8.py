@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .. import kernels as K
 from ..errors import LlmNpuError
 from ..format.rows import RowStore
-from ..partitioner.placement import PIECES
+from ..partitioner.placement import PEAK_MISSING, PIECES
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
@@ -191,8 +191,9 @@ class CpuInt8:
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
     # the engine runs each piece as the graph has it, in float, on the NPU lane's thread
     # (lower/npu_graph.py); a float-output program writes the region whole (lower/graph_methods.py)
-    pieces = dict.fromkeys(PIECES, "float32 on the stand-in NPU's lane (attention and norms at NPU encodings)")
-    missing = "none"
+    pieces = dict.fromkeys((p for p in PIECES if p != "peak"),
+                           "float32 on the stand-in NPU's lane (attention and norms at NPU encodings)")
+    missing = PEAK_MISSING
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel",
                cache=None) -> CpuInt8Engine:

@@ -9,7 +9,7 @@ from ..quantize import load_or_calibrate
 from ..recipes import ET_CI_GATES
 from ..text import calibration_ids, read_text, tokenize
 from ..kernels.npu_attention import KV_BITS
-from ..partitioner.placement import PAPER, parse_placement
+from ..partitioner.placement import PAPER, PEAK_CHANNELS, parse_placement
 from .common import add_model_args, add_ray_args, placement_arg, pruning_rate, ray_line, ray_target, setup
 
 
@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--placement", nargs="+", type=placement_arg, default=None, metavar="PLACEMENT",
                    help="a row per placement for each quantization mode: paper (default: attention and norms on "
                         "the CPU in float), or one that puts attention or the norms on the NPU (norms, "
-                        "attention-half, block, ...: at the NPU's 16-bit encodings); the other pieces compute the "
+                        "attention-half, block, ...: at the NPU's 16-bit encodings; fused, or any with peak: the "
+                        "norm readers' shadow products over their peak channels); the other pieces compute the "
                         "same wherever they run")
     p.add_argument("--npu-kv-bits", type=int, choices=KV_BITS, default=None,
                    help="bits of the K/V window of attention on the NPU (default 16)")
@@ -153,6 +154,9 @@ def format_eval(result: dict) -> str:
         lines.append(f"mode@placement: the mode with {' and '.join(on_npu)} on the NPU where the placement puts "
                      f"{'them' if len(on_npu) > 1 else 'it'}, at 16-bit encodings{window} (its other pieces compute "
                      f"as on the CPU)")
+    if any(x.on_npu("peak") for x in placed):
+        lines.append(f"peak: q/k/v's and gate/up's shadow products over their {PEAK_CHANNELS} peak input channels "
+                     f"only, as an NPU graph would hold them (float outputs; no backend runs it yet)")
     lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
     if "ray" in result:
         lines.append(ray_line(result["ray"], len(result["results"]), "modes"))

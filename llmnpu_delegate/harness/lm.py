@@ -82,7 +82,7 @@ class LlmNpuLM(TemplateLM):
             self.scorer = quantized_model(self.lm, self.config, calibration, progress)[0] if self.config else self.lm.model
         self.placement, self.npu_kv_bits = placement or PAPER, check_kv_bits(npu_kv_bits or 16)
         if self.config is not None and pte is None:
-            apply_placement(self.lm, self.scorer, self.placement, self.npu_kv_bits, self.chunk_len)
+            apply_placement(self.lm, self.scorer, self.placement, self.npu_kv_bits, self.chunk_len, calibration)
         self._wrapper = None
 
     # ---------------------------------------------------------------- tokens

@@ -10,9 +10,15 @@ can run on either side:
 - ``rope``: the rotary embedding of q and k;
 - ``residual``: the residual adds;
 - ``act``: the gated activation between gate/up and down;
-- ``merge``: the add of a shadow product onto its linear's output.
+- ``merge``: the add of a shadow product onto its linear's output;
+- ``peak``: the shadow products of the linears that read a norm's output (q/k/v, gate/up) inside
+  their NPU graphs, over a static set of the input's peak channels at 16-bit activations, those
+  linears' outputs kept in the graph at 16 bits. A norm's weights make the same few channels peak
+  on every token, so a static set holds their outliers; the inputs of o_proj and down_proj spread
+  theirs, and those products stay on the CPU (docs/results.md, "Shadow products inside the NPU
+  graphs"). Priced by ``llmnpu simulate``; no backend lowers it yet.
 
-The paper keeps them all on the CPU (``paper``). Which placement is fastest depends on the target:
+The paper keeps them all on the CPU (``paper``); ``fused`` moves every piece. Which placement is fastest depends on the target:
 a phone's NPU runs them far faster than its CPU, but each shadow product merged on the NPU ends one
 NPU graph and starts another. ``backends`` declare the pieces they can run; ``llmnpu simulate``
 chooses among the placements they allow by predicted prefill.
@@ -38,7 +44,7 @@ from torch.fx import Node
 
 from ..errors import LlmNpuError
 
-PIECES = ("attention", "norms", "rope", "residual", "act", "merge")
+PIECES = ("attention", "norms", "rope", "residual", "act", "merge", "peak")
 INLINE = "inline"   # the shadow products run inside the task that reads their linears' outputs
 PAPER = "paper"
 AUTO = "auto"       # where a target chooses: the fastest placement its backend allows, by its own cost
@@ -46,9 +52,14 @@ PRESETS = {
     "paper": (),                                   # the paper's split: linears only
     "norms": ("norms",),                           # norms folded into the regions they feed
     "attention-half": ("attention", "rope", "norms"),  # the attention half of each block on the NPU
-    "block": PIECES,                               # everything but the shadow products
+    "block": PIECES[:-1],                          # everything but the shadow products
+    "fused": PIECES,                               # and the norm readers' products over peak channels
 }
+# why no backend runs piece ``peak`` yet (``backends``: what a backend lacks)
+PEAK_CHANNELS = 32   # a norm reader's static set: within 0.1-0.6 dB of every channel's product (docs/results.md)
+PEAK_MISSING = "peak: the norm readers' products over peak channels are priced by llmnpu simulate, not built yet"
 MERGE = "llmnpu_merge"      # node.meta key set on the add of a shadow product (regions._insert_shadow)
+PEAK = "llmnpu_peak"        # node.meta key set on an in-graph peak product and its add (piece ``peak``)
 
 # Ops that compute nothing: they follow their neighbours onto either processor.
 _MOVABLE = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
@@ -167,6 +178,8 @@ def writes_kv(node: Node) -> bool:
 
 def piece_of(node: Node, attention_targets) -> str | None:
     """The piece a compute node belongs to, or None for work outside the pieces (prologue, head)."""
+    if node.meta.get(PEAK):
+        return "peak"
     if node.meta.get(MERGE):
         return "merge"
     if node.target in attention_targets or writes_kv(node):

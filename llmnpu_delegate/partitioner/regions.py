@@ -4,7 +4,7 @@ NPU and CPU subgraphs.
 NPU regions hold the decoder blocks' quantizable linears, grouped when they read the same tensor
 (q/k/v share one quantized input, as do gate/up), and the block pieces a ``Placement`` sends to the
 NPU with them (``placement.py``: attention, norms, RoPE, residual adds, the gated activation, the
-merge of a shadow product). With the paper's placement (the default) a region is one quantize at
+merge of a shadow product, the norm readers' products over peak channels). With the paper's placement (the default) a region is one quantize at
 its entry, INT8 GEMMs and a dequantize at its exit, and everything else is float work for the CPU:
 embedding, RoPE, attention with its KV, masks, norms, the shadow outlier path and lm_head. The
 shadow products always stay on the CPU.
@@ -29,7 +29,7 @@ from torch.fx import Node
 
 from .. import kernels  # noqa: F401  (registers the llmnpu ops this pass recognizes)
 from ..errors import LlmNpuError
-from .placement import INLINE, MERGE, PAPER, Placement, layer_of, movable, parse_placement, piece_of
+from .placement import INLINE, MERGE, PAPER, PEAK, Placement, layer_of, movable, parse_placement, piece_of
 
 SHADOW_BRANCH = "ShadowPath"   # nn_module_stack class of a dense shadow branch (lower/shadow_branches.py): stays float
 _LINEAR_TARGETS = {torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear}
@@ -43,6 +43,13 @@ def shadow_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
     subgraph. Running it unbound is a bug, so it says so.
     """
     raise LlmNpuError(f"shadow path of {linear} was not bound by a backend")
+
+
+def peak_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
+    """Graph marker for one linear's shadow product inside its NPU graph (placement piece ``peak``):
+    ``(x - clip(x))[:, P] @ W^T[P]`` over a static set ``P`` of the input's peak channels, at 16-bit
+    activations. The phone model prices it; no backend lowers it yet."""
+    raise LlmNpuError(f"the in-graph peak product of {linear} has no lowering yet: use a placement without 'peak'")
 
 
 def shadow_paths(nodes) -> list[str]:
@@ -84,6 +91,21 @@ def _module_of(node: Node) -> str | None:
     path, cls = list(stack.values())[-1]
     cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
     return str(path) if cls.rsplit(".", 1)[-1] == "Linear" else None
+
+
+def reads_a_norm(linear: Node) -> bool:
+    """Whether ``linear`` reads a norm's output (through views and quantize/dequantize nodes): q/k/v
+    and gate/up, whose inputs a norm's weights make peak on the same few channels token after token."""
+    x = linear.meta.get("llmnpu_source", linear.args[0])
+    while isinstance(x, Node) and (movable(x) or is_qdq(x)) and x.all_input_nodes:
+        x = x.all_input_nodes[0]
+    return isinstance(x, Node) and x.op == "call_function" and piece_of(x, ATTENTION_TARGETS) == "norms"
+
+
+def in_graph_outputs(linears: dict[Node, str], placement: Placement) -> set[Node]:
+    """The linears whose outputs stay inside their NPU graph: with piece ``peak``, the norm readers
+    (their 8-bit outputs requantized to 16 bits in the graph, their products added there)."""
+    return {n for n in linears if reads_a_norm(n)} if placement.on_npu("peak") else set()
 
 
 def _in_shadow_branch(node: Node) -> bool:
@@ -148,9 +170,12 @@ def processors(gm: fx.GraphModule, linears: dict[Node, str], placement: Placemen
     for node in movable_nodes:
         if any((_on(proc, a) and a not in moving) or a in reads for a in node.all_input_nodes):
             reads.add(node)
+    # With piece peak a graph hands a view's value to the CPU (a shadow product's input) and goes
+    # on with it; otherwise a view any CPU work reads is made on the CPU.
+    some = any if placement.on_npu("peak") else all
     feeds: set[Node] = set()
     for node in reversed(movable_nodes):
-        if node.users and all((_on(proc, u) and u not in moving) or u in feeds for u in node.users):
+        if node.users and some((_on(proc, u) and u not in moving) or u in feeds for u in node.users):
             feeds.add(node)
     for node in reads & feeds:
         proc[node] = ("npu", "a view or cast between NPU work")
@@ -173,12 +198,15 @@ def npu_regions(gm: fx.GraphModule, linears: dict[Node, str], placement: "Placem
     A linear's output leaves its region too: NPU work that reads it (RoPE, a q/k norm, the gated
     activation, a merge) starts the next one. An integer NPU graph gives a linear's output at 8 bits,
     in channel groups of their own encodings (``lower/npu_subgraphs.output_groups``) that only the
-    runner puts back together; so every program, and the engine it is checked against, cuts there."""
+    runner puts back together; so every program, and the engine it is checked against, cuts there.
+    The exception is piece ``peak`` (``in_graph_outputs``): its linears' outputs are requantized to
+    16 bits inside the graph, one encoding each, and the graph goes on."""
     placement = parse_placement(placement)
     proc = {n: p for n, (p, _) in processors(gm, linears, placement).items()}
+    ends = set(linears) - in_graph_outputs(linears, placement)
     stage: dict[Node, int] = {}      # NPU: its stage; CPU: the latest stage it depends on (-1: none)
     for node in gm.graph.nodes:
-        inputs = [stage[a] + (1 if proc.get(node) == "npu" and (proc[a] == "cpu" or a in linears) else 0)
+        inputs = [stage[a] + (1 if proc.get(node) == "npu" and (proc[a] == "cpu" or a in ends) else 0)
                   for a in node.all_input_nodes if a in stage]
         if node in proc:
             stage[node] = max(inputs, default=0 if proc[node] == "npu" else -1)
@@ -314,22 +342,27 @@ class Partition:
         return npu / total if total else 0.0
 
 
-def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str]) -> list[Node]:
-    """``y = linear(x)`` -> ``y' = y + shadow_delta(x)`` for shadowed linears; returns the marker nodes."""
+def _insert_shadow(graph: fx.Graph, linears: dict[Node, str], shadowed: set[str], in_graph: set[Node]) -> list[Node]:
+    """``y = linear(x)`` -> ``y' = y + shadow_delta(x)`` for shadowed linears (``peak_delta`` for
+    those of ``in_graph``); returns the CPU products' marker nodes."""
     markers = []
     for node, name in list(linears.items()):
         if name not in shadowed:
             continue
+        peak = node in in_graph
         with graph.inserting_after(node):
-            delta = graph.call_function(shadow_delta, (node.args[0], name))
+            delta = graph.call_function(peak_delta if peak else shadow_delta, (node.args[0], name))
         with graph.inserting_after(delta):
             total = graph.call_function(operator.add, (node, delta))
         node.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
         delta.meta["val"] = node.meta.get("val")
         total.meta["val"] = node.meta.get("val")
-        total.meta[MERGE] = True
         for n in (delta, total):
             n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        if peak:
+            delta.meta[PEAK] = total.meta[PEAK] = True
+            continue
+        total.meta[MERGE] = True
         markers.append(delta)
     return markers
 
@@ -375,7 +408,7 @@ def partition_graph(gm: fx.GraphModule, quantizable: Iterable[str], *, shadowed:
     new = _copy_graph(gm)
     linears = linear_names(new, quantizable, prefix, param_of_placeholder)
     shadowed = set(shadowed) & set(linears.values())
-    markers = _insert_shadow(new.graph, linears, shadowed)
+    markers = _insert_shadow(new.graph, linears, shadowed, in_graph_outputs(linears, placement))
     slot = _place(new.graph, npu_regions(new, linears, placement), linears, [] if placement.inline else markers)
     if placement.inline:     # each add of a product runs in the product's task: added in place (runtime/fuse.py)
         for m in markers:

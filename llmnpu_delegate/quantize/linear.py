@@ -32,6 +32,9 @@ class QuantLinear(nn.Module):
         self.clip = clip
         self.shadow = shadow
         self.pruned = shadow is None
+        # the input channels whose residues the shadow product takes, None for all: a static set, as
+        # an NPU graph holds it (placement piece ``peak``); the others' residues are dropped
+        self.shadow_channels: Tensor | None = None
         # what the NPU does to the integer product before the CPU adds the shadow path: nothing in the
         # engine (float outputs); an exported program's 8-bit output encodings (lower/program_numerics.py)
         self.output_stage = None
@@ -59,6 +62,10 @@ class QuantLinear(nn.Module):
                 self.saturated_elements += int((x2.abs() > limit).sum())
         if shadow:     # merged into y as it is computed, as the engine's fused CPU subgraphs do
             y = y.contiguous().float()
+            if self.shadow_channels is not None:
+                kept = x2[:, self.shadow_channels]
+                x2 = x2.clamp(-self.clip, self.clip)
+                x2[:, self.shadow_channels] = kept
             self.outlier_elements += self.shadow.add_product_(y, x2, self.clip)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 

@@ -44,6 +44,15 @@ def dense_channels(counts: Tensor, elements: int) -> Tensor:
     return torch.nonzero(counts >= SPARSE_BELOW * tokens).flatten()
 
 
+def peak_channels(channel_absmax: Tensor, clip: float, weight: Tensor, count: int) -> Tensor:
+    """The ``count`` input channels whose calibrated peak, clipped, would cost the output most,
+    ``(absmax - clip) * ||W[:, c]||``, in order; channels that never crossed the clip left out. The
+    static set an NPU graph multiplies in 16 bits (placement piece ``peak``)."""
+    cost = (channel_absmax.float() - clip).clamp(min=0) * weight.detach().float().norm(dim=0)
+    order = cost.argsort(descending=True)[:count]
+    return order[cost[order] > 0].sort().values
+
+
 def rows_files(fingerprint: str, name: str, hot: Tensor) -> tuple[Path, Path]:
     """The rows file of one linear of one model with one hot set, and its description beside it."""
     digest = hashlib.sha256(hot.to(torch.int64).numpy().tobytes()).hexdigest()[:16]

@@ -18,6 +18,11 @@ paper Table 4), whatever dtype the graph was traced in.
   ``fine_share`` of the output channels computed a second time for a finer 8-bit encoding
   (``lower/npu_subgraphs.fine_outputs``), the GEMMs' compute and their outputs' traffic grow by
   that share, and the runner's merge reads both copies and writes one on the CPU's memory.
+  A peak product inside the graph (placement piece ``peak``) is two GEMMs at 16-bit activations:
+  a one-hot ``[K, PEAK_CHANNELS]`` pick of the peak channels' residues (``x - clip(x)``, made once
+  per input on the vector unit: q/k/v share theirs, as do gate/up), and those residues times their
+  ``PEAK_CHANNELS`` weight rows; its add, with the linear's output requantized to 16 bits, is one
+  more output on the vector unit.
 - CPU: each op that does work costs ``op_launch + max(flops / float rate, bytes / memory
   bandwidth)``; views and shape arithmetic are free. A shadow product of a linear absent from the
   plan's outlier shares is a pruned path and costs nothing; an inline product's add is the
@@ -32,8 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..partitioner.placement import INLINE, MERGE, movable, piece_of
-from ..partitioner.regions import ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, shadow_delta
+from ..partitioner.placement import INLINE, MERGE, PEAK_CHANNELS, movable, piece_of
+from ..partitioner.regions import (ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, peak_delta,
+                                   shadow_delta)
 from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import PROGRAMS, Program
 
@@ -130,7 +136,7 @@ def gemm_rates(device: Device, program: Program) -> tuple[float, float]:
     return matrix_ops_per_s(device, program.activations), device["npu.dram_bytes_per_s"] * 8 / program.weight_bits
 
 
-NPU_PARTS = ("launch", "linears", "attention", "softmax", "elementwise", "kv_read", "io", "fine_merge")
+NPU_PARTS = ("launch", "linears", "attention", "softmax", "elementwise", "kv_read", "io", "fine_merge", "peak")
 ATTENTION_ACTIVATIONS = "a16"   # Q K^T and P V on the NPU: 8 bits do not hold a softmax's inputs
 
 
@@ -163,6 +169,7 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
     parts = dict.fromkeys(NPU_PARTS, 0.0)
     parts["launch"] = graph_launch_s(device, program.rates)
     io = merge = 0.0
+    residues = set()        # inputs whose residues the graph has made (peak products)
     for node in sub.nodes:
         if is_linear(node):
             k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
@@ -170,6 +177,9 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
             out = _val_bytes(node, past, fb)
             io += fine_share * out
             merge += 3 * fine_share * out
+        elif node.target is peak_delta:
+            parts["peak"] += peak_seconds(node, past, device, node.args[0] not in residues)
+            residues.add(node.args[0])
         elif node.target in ATTENTION_TARGETS:
             p = _window_past(node, past, window)
             q, keys = node_shape(node.args[0], p), node_shape(node.args[1], p)[2]
@@ -187,6 +197,16 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
     parts["io"] = io / device["npu.io_bytes_per_s"]
     parts["fine_merge"] = merge / device["cpu.memory_bytes_per_s"]
     return parts
+
+
+def peak_seconds(node: Node, past: int, device: Device, residues: bool = True) -> float:
+    """One in-graph peak product (``peak_delta``): the one-hot pick of ``PEAK_CHANNELS`` input
+    channels and their residues' GEMM, both on the matrix unit at 16-bit activations, and with
+    ``residues``, the input's residues (``x - clip(x)``) written by the vector unit."""
+    xs = node_shape(node.args[0], past)
+    rows, k, n = math.prod(xs[:-1]), xs[-1], node_shape(node, past)[-1]
+    flops = 2.0 * rows * PEAK_CHANNELS * (k + n)
+    return flops / matrix_ops_per_s(device, "a16") + residues * rows * k / device["npu.vector_elems_per_s"]
 
 
 def npu_seconds(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0, program: Program = OURS,

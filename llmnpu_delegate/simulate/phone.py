@@ -128,7 +128,8 @@ def soc_shadow_prices(scn: Scenario, soc: str, prompt_len: int = PRUNING_PROMPT)
     merged_on_npu = scn.partition.placement.on_npu("merge")
 
     def makespan(kept: frozenset) -> float:
-        rates = {k: v for k, v in scn.outlier_rate.items() if k in kept}
+        # an in-graph peak product (piece ``peak``) is not the CPU's to prune: it is always kept
+        rates = {k: v for k, v in scn.outlier_rate.items() if k in kept or k not in seconds}
         kept_scn = with_shadowed(scn, rates) if merged_on_npu else dataclasses.replace(scn, outlier_rate=rates)
         tasks = build_tasks(kept_scn.program, chunks)
         assign_costs(tasks, step_costs(kept_scn, device, chunks))
