@@ -110,8 +110,8 @@ def main() -> None:
     args = ap.parse_args()
     results = [bench_program(p, args.prompt_len, args.new_tokens, args.repeats, args.trace_dir) for p in args.pte]
     print(json.dumps(results, indent=1))
-    print(f"\n| model | placement | prefill tok/s engine / python / native | native time vs engine | decode tok/s HF / python / "
-          f"native | native decode vs HF | decision |")
+    print("\n| model | placement | prefill tok/s engine / python / native | native time vs engine | decode tok/s HF / python / "
+          "native | native decode vs HF | decision |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['placement']} | {r['engine_prefill_tok_s']:.0f} / {r['python_prefill_tok_s']:.0f} / "

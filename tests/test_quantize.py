@@ -58,13 +58,17 @@ def _shadow_layer(tmp_path, w, b, clip, hot):
     return layer, w_q, w_s, store
 
 
-def test_shadow_linear_equals_clipped_int8_plus_float_residue(tmp_path):
-    torch.manual_seed(1)
-    n, k = 24, 40
-    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
-    x = torch.randn(2, 9, k).clamp(-2.5, 2.5)
+def _outliers_in_channels_5_11_30(seed: int):
+    """(w, b, x, clip): a [24, 40] linear and inputs within +-2.5 but for four outliers beyond the clip 3."""
+    torch.manual_seed(seed)
+    w, b = torch.randn(24, 40) * 0.1, torch.randn(24)
+    x = torch.randn(2, 9, 40).clamp(-2.5, 2.5)
     x[0, 3, 5], x[1, 2, 5], x[1, 7, 30], x[0, 0, 11] = 40.0, -25.0, 33.0, 12.0
-    clip = 3.0
+    return w, b, x, 3.0
+
+
+def test_shadow_linear_equals_clipped_int8_plus_float_residue(tmp_path):
+    w, b, x, clip = _outliers_in_channels_5_11_30(1)
     layer, w_q, w_s, store = _shadow_layer(tmp_path, w, b, clip, hot=[5])
     y = layer(x)
     # the equation, written with plain float ops
@@ -77,12 +81,7 @@ def test_shadow_linear_equals_clipped_int8_plus_float_residue(tmp_path):
 
 
 def test_a_static_channel_set_takes_only_its_channels_residues(tmp_path):
-    torch.manual_seed(2)
-    n, k = 24, 40
-    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
-    x = torch.randn(2, 9, k).clamp(-2.5, 2.5)
-    x[0, 3, 5], x[1, 2, 5], x[1, 7, 30], x[0, 0, 11] = 40.0, -25.0, 33.0, 12.0
-    clip = 3.0
+    w, b, x, clip = _outliers_in_channels_5_11_30(2)
     layer, w_q, w_s, _ = _shadow_layer(tmp_path, w, b, clip, hot=[5])
     layer.shadow_channels = torch.tensor([5, 30])
     y = layer(x)
