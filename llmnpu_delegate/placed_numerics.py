@@ -13,7 +13,8 @@ the engine's encodings (``prepare.norm_ranges_of``): a norm reads one token, so 
 One with the norm readers' products in the NPU graphs (piece ``peak``), by restricting the shadow
 product of q/k/v and gate/up to the input channels of their static peak set
 (``quantize.shadow_rows.peak_channels`` on the calibration); o_proj's and down_proj's keep every channel.
-No backend runs ``peak`` yet, so its row is what the engine would compute, in float outputs.
+The sets are the engine's (``LinearPlan.peak``: the same ranking on the same calibration), so the row
+is what the cpu-int8 engine computes, in float outputs; no program writes ``peak`` yet.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from .kernels.npu_attention import KV_BITS, AttentionEncodings, NpuAttention
 from .kernels.npu_norm import NormEncodings, NpuNorm
 from .models import LoadedModel
 from .families import FAMILIES
-from .partitioner.placement import PAPER, PEAK_CHANNELS, Placement, parse_placement
+from .partitioner.placement import PAPER, Placement, parse_placement
 from .prepare import attention_ranges_of, default_calibration, norm_encodings_of, norm_modules
 from .quantize.linear import QuantLinear
-from .quantize.shadow_rows import peak_channels
+from .quantize.shadow_rows import PEAK_CHANNELS, peak_channels
 
 NPU_ATTN_IMPLEMENTATION = "llmnpu-npu"
 _ENCODINGS = "llmnpu_npu_encodings"     # attribute of each attention module: its layer's encodings

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmnpu_delegate import backends
@@ -188,13 +189,15 @@ def test_peak_keeps_the_norm_readers_products_and_outputs_inside_their_graphs(ll
 def test_each_backend_declares_the_pieces_it_runs():
     qnn, cpu = backends.get("qnn"), backends.get("cpu-int8")
     every = ["paper", "paper+inline", "norms", "norms+inline", "attention-half", "attention-half+inline", "block"]
+    assert set(cpu.pieces) == set(PIECES) and backends.placements(cpu) == every + ["fused"]
+    assert set(qnn.pieces) == set(PIECES) - {"peak"} and backends.placements(qnn) == every
     for b in (qnn, cpu):
-        assert set(b.pieces) == set(PIECES) - {"peak"} and backends.placements(b) == every
         assert backends.check_placement(b, "block").name == "block"
-        # the in-graph peak products are the phone model's only: every backend refuses them, saying so
-        with pytest.raises(LlmNpuError, match=rf"^backend {b.name} cannot run peak on its NPU \(peak: .*priced by "
-                                              r"llmnpu simulate, not built yet\): use placement paper, "):
-            backends.check_placement(b, "fused")
+    # the in-graph peak products: the engine runs them, HTP does not hold them yet
+    assert backends.check_placement(cpu, "fused").name == "fused"
+    with pytest.raises(LlmNpuError, match=r"^backend qnn cannot run peak on its NPU \(peak: .* not lowered to HTP "
+                                          r"yet .*\): use placement paper, "):
+        backends.check_placement(qnn, "fused")
 
     class LinearsOnly:      # a backend whose graphs hold INT8 linears only
         name, pieces, missing = "linears-only", {}, "its graphs are INT8 GEMMs"
@@ -415,6 +418,48 @@ def test_quantized_attention_on_the_npu_lane_runs_at_its_encodings(engine, promp
     assert sqnr(npu8) > sqnr(paper) - 3.0
 
 
+def test_the_engine_runs_the_peak_products_as_the_harness_scores_them():
+    """Under ``fused`` the engine's NPU graphs multiply q/k/v's and gate/up's peak channels themselves
+    (``PeakProduct`` over the plan's static set), and its logits are the harness's numerics of the
+    placement (``placed_numerics``: the same sets, attention and norms at the same encodings) within a
+    tenth of what the restriction changes against ``block``. Outliers on 40 of each input norm's 64
+    channels: more than 32 peak channels can hold, so the restriction shows."""
+    from conftest import assert_within_quant_effect, inject_outliers
+
+    from llmnpu_delegate.backends.cpu_int8 import PeakProduct
+    from llmnpu_delegate.backends.graph_cache import GraphCache
+    from llmnpu_delegate.evaluate import quantized_model
+    from llmnpu_delegate.models import fingerprint
+    from llmnpu_delegate.placed_numerics import apply_placement
+    from llmnpu_delegate.quantize import CalibConfig, QuantConfig, calibrate
+    from llmnpu_delegate.runtime.engine import Prefiller
+
+    lm = load_model("random:tiny-llama")
+    inject_outliers(lm.model, scale=8.0, channels=tuple(range(40)))
+    lm.fingerprint = fingerprint(lm.model)
+    calib = calibrate(lm.model, torch.randint(0, 1000, (256,)), lm.fingerprint,
+                      CalibConfig(samples=4, tokens=64, probe_tokens=64), progress=False)
+    quant = QuantConfig(outliers="shadow", pruning_rate=0.0)
+    ids = torch.randint(0, 1000, (100,), generator=torch.Generator().manual_seed(5))
+
+    def engine(placement):
+        return Prefiller(lm, 32, quant=quant, calibration=calib, cache=GraphCache(), progress=False,
+                         attention="fp32", placement=placement)
+
+    fused = engine("fused")
+    peaks = [m for s in fused.program.steps if s.sub.kind == "npu" for m in s.fn.modules() if isinstance(m, PeakProduct)]
+    assert sorted({m.name.rsplit(".", 1)[-1] for m in peaks}) == ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    assert len(peaks) == 5 * lm.model.config.num_hidden_layers and all(0 < len(m.channels) <= 32 for m in peaks)
+    got = F.log_softmax(fused(ids).logits.float(), -1)
+    block = F.log_softmax(engine("block")(ids).logits.float(), -1)
+    model, _ = quantized_model(lm, quant, calib, progress=False)
+    apply_placement(lm, model, "fused", 16, 32, calib)
+    with torch.inference_mode():
+        scored = F.log_softmax(model(input_ids=ids[None]).logits[0, -1].float(), -1)
+    err, effect = assert_within_quant_effect(scored, got.reshape(scored.shape), block.reshape(scored.shape))
+    print(f"peak products: harness {err:.2e} from the engine, the restriction's effect {effect:.2e}")
+
+
 def test_quantized_norms_on_the_npu_lane_run_at_their_encodings(engine, prompt, llama):
     """Under ``norms`` every block norm of a quantized engine runs in an NPU graph at its calibrated
     16-bit encodings (``kernels/npu_norm.py``), as HTP's RmsNorm computes it; the float engine keeps
@@ -625,6 +670,7 @@ def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_mo
     out = tmp_path / "x.pte"
     for extra, why in ((["--backend", "qnn", "--placement", "block"], "on qnn, the norms, RoPE and attention"),
                        (["--backend", "cpu-int8", "--placement", "norms", "--output-bits", "8"], "float outputs only"),
+                       (["--backend", "cpu-int8", "--placement", "fused"], "does not write the peak products yet"),
                        (["--backend", "cpu-int8", "--placement", "sideways"], "unknown placement 'sideways'")):
         assert main(["export", "--model", "random:tiny-llama", "--out", str(out), *extra]) == 2
         err = capsys.readouterr().err

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .. import kernels as K
 from ..errors import LlmNpuError
 from ..format.rows import RowStore
-from ..partitioner.placement import PEAK_MISSING, PIECES
+from ..partitioner.placement import PIECES
 from ..partitioner.regions import Subgraph, is_linear
 from ..quantize.apply import LinearPlan
 from ..quantize.linear import quantize_weight
@@ -111,6 +111,23 @@ class ShadowDelta(nn.Module):
         return out
 
 
+class PeakProduct(nn.Module):
+    """One linear's shadow product over a static set of its input's peak channels, inside its NPU
+    graph (placement piece ``peak``): ``(x - clip(x))[..., P] @ W^T[P]``, a dense [.., |P|] x [|P|, N]
+    GEMM whatever the chunk holds, as a static graph computes it. Float here (the stand-in NPU's
+    pieces run in float); an integer NPU takes the residues at 16 bits."""
+
+    def __init__(self, name: str, clip: float, channels: Tensor, weight: Tensor):
+        super().__init__()
+        self.name, self.clip = name, float(clip)
+        self.register_buffer("channels", channels.to(torch.int64).clone())
+        self.register_buffer("rows", weight.detach().float().t()[self.channels].contiguous())    # [|P|, N]
+
+    def forward(self, x: Tensor) -> Tensor:
+        xp = x[..., self.channels].float()
+        return (xp - xp.clamp(-self.clip, self.clip)) @ self.rows
+
+
 class CpuInt8Engine:
     """Compiles NPU subgraphs to INT8 kernels (or float references) and binds shadow paths."""
 
@@ -173,6 +190,13 @@ class CpuInt8Engine:
             if (bias is None) != (lin.bias is None) or (bias is not None and bias.shape != (n,)):
                 raise ValueError(f"{name}: bias does not match the linear")
 
+    def peak_module(self, name: str) -> PeakProduct:
+        plan = self.plans[name] if self.plans else None
+        if plan is None or not plan.shadow or plan.peak is None:
+            raise LlmNpuError(f"{name} has no peak channels in this quantization plan (placement piece peak needs "
+                              f"a shadow path)")
+        return PeakProduct(name, plan.clip, plan.peak, self.linear(name).weight)
+
     def shadow_module(self, name: str) -> ShadowDelta:
         plan = self.plans[name] if self.plans else None
         if plan is None or not plan.shadow:
@@ -191,9 +215,9 @@ class CpuInt8:
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
     # the engine runs each piece as the graph has it, in float, on the NPU lane's thread
     # (lower/npu_graph.py); a float-output program writes the region whole (lower/graph_methods.py)
-    pieces = dict.fromkeys((p for p in PIECES if p != "peak"),
-                           "float32 on the stand-in NPU's lane (attention and norms at NPU encodings)")
-    missing = PEAK_MISSING
+    pieces = {**dict.fromkeys(PIECES, "float32 on the stand-in NPU's lane (attention and norms at NPU encodings)"),
+              "peak": "the peak channels' residues times their weight rows, float32, on the stand-in NPU's lane"}
+    missing = "none"
 
     def engine(self, model, fingerprint: str, chunk_len: int, plans, weights: str = "channel",
                cache=None) -> CpuInt8Engine:

@@ -39,7 +39,8 @@ def placement_arg(text: str):
 
 PLACEMENT_HELP = ("what the NPU regions run beside the linears: auto (default: the fastest on this machine, "
                   "chosen once by timing each preset's prefill and cached with the calibration), paper, norms, "
-                  "attention-half, block, or pieces joined by '+'; '+inline' (paper+inline) runs each shadow "
+                  "attention-half, block, fused (block, and q/k/v's and gate/up's shadow products over their peak "
+                  "channels in the NPU graphs), or pieces joined by '+'; '+inline' (paper+inline) runs each shadow "
                   "product in the task that adds it to its linear's output, in place, not beside the linear")
 
 

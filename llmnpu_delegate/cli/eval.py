@@ -9,7 +9,8 @@ from ..quantize import load_or_calibrate
 from ..recipes import ET_CI_GATES
 from ..text import calibration_ids, read_text, tokenize
 from ..kernels.npu_attention import KV_BITS
-from ..partitioner.placement import PAPER, PEAK_CHANNELS, parse_placement
+from ..partitioner.placement import PAPER, parse_placement
+from ..quantize.shadow_rows import PEAK_CHANNELS
 from .common import add_model_args, add_ray_args, placement_arg, pruning_rate, ray_line, ray_target, setup
 
 
@@ -156,7 +157,7 @@ def format_eval(result: dict) -> str:
                      f"as on the CPU)")
     if any(x.on_npu("peak") for x in placed):
         lines.append(f"peak: q/k/v's and gate/up's shadow products over their {PEAK_CHANNELS} peak input channels "
-                     f"only, as an NPU graph would hold them (float outputs; no backend runs it yet)")
+                     f"only, as an NPU graph would hold them (float outputs, as the cpu-int8 engine runs them)")
     lines += ["sweep " + json.dumps(row) for row in result.get("sweep", [])]
     if "ray" in result:
         lines.append(ray_line(result["ray"], len(result["results"]), "modes"))

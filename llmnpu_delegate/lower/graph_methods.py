@@ -40,6 +40,9 @@ def check_program_placement(placement: Placement, target: str, output_bits: int)
     the norms, RoPE and attention on the NPU too (``attention-half``)."""
     if not placement.pieces and not placement.inline:
         return
+    if placement.on_npu("peak"):
+        raise LlmNpuError(f"placement {placement}: a program does not write the peak products yet (the engine runs "
+                          f"them, llmnpu simulate prices them): export --placement block, attention-half or paper")
     if placement.inline:
         # the runner adds a cold channel's product to the product's output; inside a merging task
         # there is none to add it to

@@ -16,7 +16,7 @@ can run on either side:
   linears' outputs kept in the graph at 16 bits. A norm's weights make the same few channels peak
   on every token, so a static set holds their outliers; the inputs of o_proj and down_proj spread
   theirs, and those products stay on the CPU (docs/results.md, "Shadow products inside the NPU
-  graphs"). Priced by ``llmnpu simulate``; no backend lowers it yet.
+  graphs"). Priced by ``llmnpu simulate`` and run by the cpu-int8 engine; no program writes it yet.
 
 The paper keeps them all on the CPU (``paper``); ``fused`` moves every piece. Which placement is fastest depends on the target:
 a phone's NPU runs them far faster than its CPU, but each shadow product merged on the NPU ends one
@@ -55,9 +55,6 @@ PRESETS = {
     "block": PIECES[:-1],                          # everything but the shadow products
     "fused": PIECES,                               # and the norm readers' products over peak channels
 }
-# why no backend runs piece ``peak`` yet (``backends``: what a backend lacks)
-PEAK_CHANNELS = 32   # a norm reader's static set: within 0.1-0.6 dB of every channel's product (docs/results.md)
-PEAK_MISSING = "peak: the norm readers' products over peak channels are priced by llmnpu simulate, not built yet"
 MERGE = "llmnpu_merge"      # node.meta key set on the add of a shadow product (regions._insert_shadow)
 PEAK = "llmnpu_peak"        # node.meta key set on an in-graph peak product and its add (piece ``peak``)
 

@@ -48,7 +48,7 @@ def shadow_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
 def peak_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
     """Graph marker for one linear's shadow product inside its NPU graph (placement piece ``peak``):
     ``(x - clip(x))[:, P] @ W^T[P]`` over a static set ``P`` of the input's peak channels, at 16-bit
-    activations. The phone model prices it; no backend lowers it yet."""
+    activations. The phone model prices it; the cpu-int8 engine binds it (``PeakProduct``)."""
     raise LlmNpuError(f"the in-graph peak product of {linear} has no lowering yet: use a placement without 'peak'")
 
 

@@ -19,7 +19,7 @@ from .importance import (
     ratio_importance,
 )
 from .linear import QuantLinear, quantize_weight
-from .shadow_rows import dense_channels, hot_channels, shadow_rows
+from .shadow_rows import PEAK_CHANNELS, dense_channels, hot_channels, peak_channels, shadow_rows
 
 
 @dataclass
@@ -60,11 +60,13 @@ def _build(lin: nn.Linear, name: str, calib: Calibration, config: QuantConfig, f
 class LinearPlan:
     """What an NPU backend needs to run one linear: its static per-tensor activation scale and, when
     it keeps a shadow path, the clipping threshold, the hot channels whose float rows stay in RAM
-    (the engine's) and the dense ones a static program multiplies as a whole (``dense_channels``)."""
+    (the engine's), the dense ones a static program multiplies as a whole (``dense_channels``) and
+    the peak ones an NPU graph multiplies itself under placement piece ``peak`` (``peak_channels``)."""
     act_scale: float
     clip: float | None = None
     hot: torch.Tensor | None = None
     dense: torch.Tensor | None = None
+    peak: torch.Tensor | None = None
 
     @property
     def shadow(self) -> bool:
@@ -104,7 +106,8 @@ def plan_linears(model: nn.Module, calib: Calibration, config: QuantConfig, fing
             clip = calib.threshold(name, config.clip_percentile)
             counts = stats.channel_outliers[config.clip_percentile]
             plans[name] = LinearPlan(clip / QMAX, clip, hot_channels(counts, config.hot_coverage),
-                                     dense_channels(counts, stats.elements))
+                                     dense_channels(counts, stats.elements),
+                                     peak_channels(stats.channel_absmax, clip, linears[name].weight, PEAK_CHANNELS))
         else:
             plans[name] = LinearPlan(full)
     return plans

@@ -44,6 +44,9 @@ def dense_channels(counts: Tensor, elements: int) -> Tensor:
     return torch.nonzero(counts >= SPARSE_BELOW * tokens).flatten()
 
 
+PEAK_CHANNELS = 32   # a norm reader's static set: within 0.1-0.6 dB of every channel's product (docs/results.md)
+
+
 def peak_channels(channel_absmax: Tensor, clip: float, weight: Tensor, count: int) -> Tensor:
     """The ``count`` input channels whose calibrated peak, clipped, would cost the output most,
     ``(absmax - clip) * ||W[:, c]||``, in order; channels that never crossed the clip left out. The

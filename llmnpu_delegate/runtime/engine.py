@@ -400,7 +400,9 @@ def host_placement_choice(model: LoadedModel | nn.Module, calibration: Calibrati
     ``measure`` (engine -> seconds) replaces the timing, for tests."""
     if config.placement != AUTO:
         return None
-    candidates = backends.placements(backends.get(config.backend, engine=True))
+    # peak changes what is computed (a static set of channels' products): a choice by speed keeps the numbers
+    candidates = [c for c in backends.placements(backends.get(config.backend, engine=True))
+                  if not parse_placement(c).on_npu("peak")]
     if not has_npu_norms(model.model if isinstance(model, LoadedModel) else model):
         candidates = [c for c in candidates if not parse_placement(c).on_npu("norms")]
     if config.quant is None or calibration is None or candidates == [PAPER]:

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from ..partitioner.placement import INLINE, MERGE, PEAK_CHANNELS, movable, piece_of
+from ..partitioner.placement import INLINE, MERGE, movable, piece_of
 from ..partitioner.regions import (ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, peak_delta,
                                    shadow_delta)
+from ..quantize.shadow_rows import PEAK_CHANNELS
 from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import PROGRAMS, Program
 
