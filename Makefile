@@ -26,13 +26,8 @@ JSON_INCLUDE = $$($(BIN)/python -c "import nlohmann_json, os; print(os.path.join
 demo: install data runner kernels
 	$(BIN)/llmnpu run --model smollm2-135m --prompt-file examples/prompt.txt --chat --max-new-tokens 64
 
-# The suite runs on TEST_WORKERS processes, each taking whole test files (a file's module fixtures
-# are made once): most tests keep one core busy, so two workers use the machine's two.
-TEST_WORKERS ?= 2
-PYTEST = $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
-
 test: install data runner kernels $(RUNNER_ASAN) $(RUNNER_ARM64)
-	LLMNPU_FULL_SUITE=1 $(PYTEST)
+	LLMNPU_FULL_SUITE=1 $(BIN)/python -m pytest -q -ra
 
 # An AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake), on any x86 machine: our CPU detection told
 # so (LLMNPU_CPU_ISA), the native kernels built without AVX-512, our INT8 kernel forced to its AVX2
@@ -43,7 +38,7 @@ AVX2_ENV    = LLMNPU_CPU_ISA=avx2 LLMNPU_KERNELS=$(CURDIR)/$(KERNELS_AVX2) LLMNP
               FBGEMM_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 test-avx2: install data runner kernels $(KERNELS_AVX2) $(RUNNER_ASAN)
-	LLMNPU_FULL_SUITE=1 $(AVX2_ENV) $(PYTEST) $(AVX2_TESTS)
+	LLMNPU_FULL_SUITE=1 $(AVX2_ENV) $(BIN)/python -m pytest -q -ra $(AVX2_TESTS)
 
 runner: $(RUNNER)
 
