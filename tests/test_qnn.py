@@ -326,7 +326,10 @@ def test_attention_as_one_htp_graph_computes_the_references_encodings():
     enc = AttentionEncodings.of_ranges(attention_ranges(q, k, v, allowed, scaling, want_float), kv_bits=16)
     ref = npu_attention(q, k, v, allowed, scaling, enc)
     example = graph_inputs(q, k, v, allowed, scaling, enc)
+    assert torch.backends.mkldnn.enabled
     edge = lower_attention("attention", enc, scaling, example, "SM8750")
+    # ExecuTorch's QnnManager turns oneDNN off on an AMD host at each lowering; ours puts it back
+    assert torch.backends.mkldnn.enabled
     (name,) = edge.methods
     calls = [n for n in edge.exported_program(name).graph.nodes if n.op == "call_function"]
     assert sum("executorch_call_delegate" in str(n.target) for n in calls) == 1

@@ -10,6 +10,8 @@ out as in our INT8 engine, and the validation compares the very same encodings.
 """
 from __future__ import annotations
 
+import contextlib
+
 from ..errors import LlmNpuError
 from ..qnn.sdk import activate, native_env
 from .registry import register
@@ -53,7 +55,8 @@ def to_qnn_edge(method: str, graph, example: tuple, soc: str = DEFAULT_SOC):
     _quiet_qualcomm_logs()
     specs = generate_qnn_executorch_compiler_spec(soc_model=chipset,
                                                   backend_options=generate_htp_compiler_spec(use_fp16=False))
-    return to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
+    with _keeping_onednn():     # its QnnManager turns oneDNN off on AMD hosts, each lowering
+        return to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
 
 
 @register
@@ -100,16 +103,24 @@ class Qnn:
 
 
 def qnn_quantizer():
-    """ExecuTorch's ``QnnQuantizer`` with the QNN libraries active, and this process's oneDNN setting kept.
-
-    On an AMD host ExecuTorch's quantizer turns oneDNN off for the whole process (against a
-    convolution crash; our graphs have none). oneDNN's brgemm is what the engine's bf16 attention
-    runs on, so a later prefill in the same process would fail: keep the setting."""
+    """ExecuTorch's ``QnnQuantizer`` with the QNN libraries active, and this process's oneDNN setting
+    kept (``_keeping_onednn``): a later bf16 prefill in the same process would fail without it."""
     activate()
-    import torch
     from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
 
+    with _keeping_onednn():
+        return QnnQuantizer()
+
+
+@contextlib.contextmanager
+def _keeping_onednn():
+    """This process's oneDNN setting as it was before the block, whatever ExecuTorch's Qualcomm code
+    does to it inside (on an AMD host it turns oneDNN off process-wide, against a convolution crash
+    our graphs cannot meet; the engine's bf16 attention runs on oneDNN's brgemm)."""
+    import torch
+
     enabled = torch.backends.mkldnn.enabled
-    quantizer = QnnQuantizer()
-    torch.backends.mkldnn.enabled = enabled
-    return quantizer
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
