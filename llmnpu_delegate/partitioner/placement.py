@@ -1,8 +1,8 @@
 """Placement: which of a decoder block's optional pieces run on the NPU beside its linears.
 
-The quantizable linears always go to the NPU and the shadow outlier products always stay on the CPU
-(sparse float work: a few rows of W per outlier element). Between those two, each *piece* of a block
-can run on either side:
+The quantizable linears always go to the NPU and the shadow outlier products stay on the CPU (sparse
+float work: a few rows of W per outlier element), but for piece ``peak`` below. Between those two,
+each *piece* of a block can run on either side:
 
 - ``attention``: the chunk's attention over its K/V (Q K^T, softmax, P V) and the write of the
   chunk's K/V beside the past;

@@ -4,10 +4,11 @@ NPU and CPU subgraphs.
 NPU regions hold the decoder blocks' quantizable linears, grouped when they read the same tensor
 (q/k/v share one quantized input, as do gate/up), and the block pieces a ``Placement`` sends to the
 NPU with them (``placement.py``: attention, norms, RoPE, residual adds, the gated activation, the
-merge of a shadow product, the norm readers' products over peak channels). With the paper's placement (the default) a region is one quantize at
-its entry, INT8 GEMMs and a dequantize at its exit, and everything else is float work for the CPU:
-embedding, RoPE, attention with its KV, masks, norms, the shadow outlier path and lm_head. The
-shadow products always stay on the CPU.
+merge of a shadow product, the norm readers' products over peak channels). With the paper's
+placement (the default) a region is one quantize at its entry, INT8 GEMMs and a dequantize at its
+exit, and everything else is float work for the CPU: embedding, RoPE, attention with its KV, masks,
+norms, the shadow outlier path and lm_head. The shadow products stay on the CPU, but for the norm
+readers' under piece ``peak``.
 
 CPU work is placed *as late as possible*: a node joins the CPU subgraph just before its first
 consumer, so e.g. the K/V concatenation of layer 5 lands in layer 5's attention subgraph rather
@@ -49,7 +50,7 @@ def peak_delta(x: torch.Tensor, linear: str) -> torch.Tensor:
     """Graph marker for one linear's shadow product inside its NPU graph (placement piece ``peak``):
     ``(x - clip(x))[:, P] @ W^T[P]`` over a static set ``P`` of the input's peak channels, at 16-bit
     activations. The phone model prices it; the cpu-int8 engine binds it (``PeakProduct``)."""
-    raise LlmNpuError(f"the in-graph peak product of {linear} has no lowering yet: use a placement without 'peak'")
+    raise LlmNpuError(f"the in-graph peak product of {linear} was not bound by a backend")
 
 
 def shadow_paths(nodes) -> list[str]:
