@@ -670,7 +670,9 @@ def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_mo
     out = tmp_path / "x.pte"
     for extra, why in ((["--backend", "qnn", "--placement", "block"], "on qnn, the norms, RoPE and attention"),
                        (["--backend", "cpu-int8", "--placement", "norms", "--output-bits", "8"], "float outputs only"),
-                       (["--backend", "cpu-int8", "--placement", "fused"], "does not write the peak products yet"),
+                       (["--backend", "cpu-int8", "--placement", "fused", "--output-bits", "8"],
+                        "peak products are written for --backend cpu-int8 with float outputs only"),
+                       (["--backend", "qnn", "--placement", "fused"], "peak"),
                        (["--backend", "cpu-int8", "--placement", "sideways"], "unknown placement 'sideways'")):
         assert main(["export", "--model", "random:tiny-llama", "--out", str(out), *extra]) == 2
         err = capsys.readouterr().err

@@ -121,11 +121,12 @@ class PeakProduct(nn.Module):
         super().__init__()
         self.name, self.clip = name, float(clip)
         self.register_buffer("channels", channels.to(torch.int64).clone())
-        self.register_buffer("rows", weight.detach().float().t()[self.channels].contiguous())    # [|P|, N]
+        # W's columns of P, [N, |P|]: a linear's layout, which a program's float kernels take as one
+        self.register_buffer("rows", weight.detach().float()[:, self.channels].contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
-        xp = x[..., self.channels].float()
-        return (xp - xp.clamp(-self.clip, self.clip)) @ self.rows
+        xp = torch.index_select(x, -1, self.channels).float()
+        return F.linear(xp - xp.clamp(-self.clip, self.clip), self.rows)
 
 
 class CpuInt8Engine:

@@ -6,8 +6,8 @@ as a graph (``npu_graph.lower_graph``); the program's method is built from that 
 group of linears that read one tensor becomes a ``FloatOutputRegion`` (XNNPACK's dynamic INT8
 linears on our codes: the engine's integer product, with float outputs), attention the engine's NPU
 numerics (``kernels/npu_attention.py``) over a symbolic past, the block norms theirs
-(``kernels/npu_norm.py``), every other op float on XNNPACK's
-kernels. The method takes and returns the subgraph's tensors by name, as a CPU method does, and a
+(``kernels/npu_norm.py``), the peak products the engine's float ones (``PeakProduct``), every other
+op float on XNNPACK's kernels. The method takes and returns the subgraph's tensors by name, as a CPU method does, and a
 runner calls it on the NPU lane (the sidecar's ``form: graph``).
 
 cpu-int8 with float outputs only: an integer (QNN) graph holding an add would carry the residual
@@ -36,13 +36,10 @@ INTEGER_PIECES = frozenset({"norms", "attention", "rope"})
 
 def check_program_placement(placement: Placement, target: str, output_bits: int) -> None:
     """What the program format writes: the paper's split for every target; on cpu-int8 with float
-    outputs any placement that keeps each shadow product a task of its own (not ``+inline``); on QNN
-    the norms, RoPE and attention on the NPU too (``attention-half``)."""
+    outputs any placement that keeps each shadow product a task of its own (not ``+inline``), ``fused``
+    included; on QNN the norms, RoPE and attention on the NPU too (``attention-half``)."""
     if not placement.pieces and not placement.inline:
         return
-    if placement.on_npu("peak"):
-        raise LlmNpuError(f"placement {placement}: a program does not write the peak products yet (the engine runs "
-                          f"them, llmnpu simulate prices them): export --placement block, attention-half or paper")
     if placement.inline:
         # the runner adds a cold channel's product to the product's output; inside a merging task
         # there is none to add it to
@@ -50,6 +47,10 @@ def check_program_placement(placement: Placement, target: str, output_bits: int)
                           f"are added to its output), not inline: drop '+inline' to export")
     if target == "cpu-int8" and output_bits == 32:
         return
+    if placement.on_npu("peak"):
+        raise LlmNpuError(f"placement {placement}: the peak products are written for --backend cpu-int8 with float "
+                          f"outputs only (an integer program does not lower them yet; llmnpu simulate prices them): "
+                          f"export --placement attention-half or paper, or --backend cpu-int8 --output-bits 32")
     if target != "qnn" or not placement.pieces <= INTEGER_PIECES:
         raise LlmNpuError(f"placement {placement}: an integer NPU program ({target}, {output_bits}-bit outputs) holds "
                           f"the linears and, on qnn, the norms, RoPE and attention (--placement norms, "
@@ -76,6 +77,9 @@ class _FloatRegions:
 
     def __init__(self, engine, rows: int):
         self.engine, self.rows = engine, rows
+
+    def peak_module(self, name: str):
+        return self.engine.backend.peak_module(name)
 
     def lower_npu(self, part) -> _Rows:
         spec = region_spec(f"npu_{part.index}", part.linears, self.engine.plans, flavour="xnnpack")

@@ -7,7 +7,8 @@ of linears that read one tensor, so the input is quantized once, as in a linears
 every other op in float with the CPU subgraphs' own rewrites (``fuse.py``), on the NPU lane's
 thread; in a quantized engine, the pieces an integer NPU runs at 16-bit activations do so here at
 their calibrated encodings (``NpuEncodings``): attention (``kernels/npu_attention.py``) and the
-block norms (``kernels/npu_norm.py``). The other pieces' numbers are those of the same work placed
+block norms (``kernels/npu_norm.py``); the norm readers' peak products (piece ``peak``) are the
+backend's (``PeakProduct``). The other pieces' numbers are those of the same work placed
 on the CPU; what moves is which lane runs it.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..kernels.npu_attention import NpuAttention
 from ..kernels.npu_norm import NpuNorm, norm_key
 from ..partitioner.patterns import rms_norm_chains
 from ..partitioner.placement import innermost_module, layer_of
-from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_linear, subgraph_module
+from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_linear, peak_delta, subgraph_module
 
 REGIONS = "llmnpu_linear_regions"     # attribute of the graph: its linear groups' lowered regions by names
 
@@ -81,10 +82,21 @@ def lower_graph(partition: Partition, sub: Subgraph, backend, like: fx.GraphModu
             node.op, node.target = "call_module", attr
     if encodings is not None and encodings.norms is not None:
         _norms_at_encodings(gm, encodings.norms)
+    _bind_peaks(gm, backend)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     setattr(gm, REGIONS, regions)
     return gm
+
+
+def _bind_peaks(gm: fx.GraphModule, backend) -> None:
+    """Each in-graph peak product (placement piece ``peak``) as the backend's module for its linear."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is peak_delta:
+            name = node.args[1]
+            attr = "peak_" + name.replace(".", "_")
+            gm.add_submodule(attr, backend.peak_module(name))
+            node.op, node.target, node.args = "call_module", attr, (node.args[0],)
 
 
 def _norms_at_encodings(gm: fx.GraphModule, norms: dict) -> None:

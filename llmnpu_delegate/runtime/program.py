@@ -17,7 +17,7 @@ from torch import Tensor, fx
 from .. import kernels  # noqa: F401  (registers llmnpu ops)
 from ..format.tasks import past_name
 from ..lower.npu_graph import NpuEncodings, holds_more_than_linears, lower_graph
-from ..partitioner.regions import Partition, Subgraph, peak_delta, shadow_delta, subgraph_module
+from ..partitioner.regions import Partition, Subgraph, shadow_delta, subgraph_module
 from .fuse import fuse_cpu_subgraph
 
 
@@ -44,17 +44,6 @@ def _bind_shadow(gm: fx.GraphModule, backend, bound: dict) -> None:
             attr = "shadow_" + name.replace(".", "_")
             if not hasattr(gm, attr):
                 gm.add_submodule(attr, bound[name])
-            node.op, node.target, node.args = "call_module", attr, (node.args[0],)
-    gm.recompile()
-
-
-def _bind_peaks(gm: fx.GraphModule, backend) -> None:
-    """Each in-graph peak product of an NPU graph (placement piece ``peak``) as the backend's module."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is peak_delta:
-            name = node.args[1]
-            attr = "peak_" + name.replace(".", "_")
-            gm.add_submodule(attr, backend.peak_module(name))
             node.op, node.target, node.args = "call_module", attr, (node.args[0],)
     gm.recompile()
 
@@ -86,7 +75,6 @@ def build_steps(partition: Partition, backend, progress: bool = False, attention
     for i, sub in enumerate(tqdm(partition.subgraphs, desc="preparing subgraphs", unit="graph", disable=not progress)):
         if sub.kind == "npu" and holds_more_than_linears(sub):     # a placement beyond the paper's
             gm = lower_graph(partition, sub, backend, like.steps[i].fn if like is not None else None, npu)
-            _bind_peaks(gm, backend)
             fuse_cpu_subgraph(gm, _private_inputs(sub, by_name), attention, copies)   # the CPU's own kernels
             steps.append(Step(sub, gm))
             continue
