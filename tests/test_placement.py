@@ -668,11 +668,11 @@ def test_a_malformed_placement_choice_in_the_calibration_is_a_one_line_error(lla
 
 def test_export_refuses_a_placement_its_backend_cannot_write_before_loading_a_model(capsys, tmp_path):
     out = tmp_path / "x.pte"
+    peak = "peak products are written for --backend cpu-int8 with float outputs only"
     for extra, why in ((["--backend", "qnn", "--placement", "block"], "on qnn, the norms, RoPE and attention"),
                        (["--backend", "cpu-int8", "--placement", "norms", "--output-bits", "8"], "float outputs only"),
-                       (["--backend", "cpu-int8", "--placement", "fused", "--output-bits", "8"],
-                        "peak products are written for --backend cpu-int8 with float outputs only"),
-                       (["--backend", "qnn", "--placement", "fused"], "peak"),
+                       (["--backend", "cpu-int8", "--placement", "fused", "--output-bits", "8"], peak),
+                       (["--backend", "qnn", "--placement", "fused"], peak),
                        (["--backend", "cpu-int8", "--placement", "sideways"], "unknown placement 'sideways'")):
         assert main(["export", "--model", "random:tiny-llama", "--out", str(out), *extra]) == 2
         err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """`llmnpu export --placement`: a cpu-int8 program whose NPU methods hold more than the linears (norms,
-RoPE, attention, residual adds, the gated activation, shadow merges, peak products), against the engine under the
-same placement, through both runners; what the format does not write yet is refused before anything is."""
+RoPE, attention, residual adds, the gated activation, shadow merges, peak products), against the
+engine under the same placement, through both runners; what the format does not write yet is refused before anything is."""
 import json
 
 import numpy as np

@@ -7,8 +7,8 @@ group of linears that read one tensor becomes a ``FloatOutputRegion`` (XNNPACK's
 linears on our codes: the engine's integer product, with float outputs), attention the engine's NPU
 numerics (``kernels/npu_attention.py``) over a symbolic past, the block norms theirs
 (``kernels/npu_norm.py``), the peak products the engine's float ones (``PeakProduct``), every other
-op float on XNNPACK's kernels. The method takes and returns the subgraph's tensors by name, as a CPU method does, and a
-runner calls it on the NPU lane (the sidecar's ``form: graph``).
+op float on XNNPACK's kernels. The method takes and returns the subgraph's tensors by name, as a CPU
+method does, and a runner calls it on the NPU lane (the sidecar's ``form: graph``).
 
 cpu-int8 with float outputs only: an integer (QNN) graph holding an add would carry the residual
 stream, whose outliers no 8-bit encoding holds. QNN writes a norm and the linears it feeds as one
