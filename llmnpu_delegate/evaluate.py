@@ -102,7 +102,7 @@ def program_model(lm: LoadedModel, pte, calib=None, progress: bool = True):
 
     meta = program_of(lm, pte)
     model, _ = quantized_model(lm, program_quant(meta), calib, progress)
-    changed = apply_program_numerics(model, meta)
+    changed = apply_program_numerics(model, meta, lm.model)
     return model, {**changed, "npu_norms": swap_norms(model, norm_encodings(meta)),
                    "npu_attention": swap_attention(model, attention_encodings(meta))}
 

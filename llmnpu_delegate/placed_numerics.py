@@ -14,8 +14,8 @@ One with the norm readers' products in the NPU graphs (piece ``peak``), by restr
 product of q/k/v and gate/up to the input channels of their static peak set
 (``quantize.shadow_rows.peak_channels`` on the calibration); o_proj's and down_proj's keep every channel.
 The sets are the engine's (``LinearPlan.peak``: the same ranking on the same calibration), so the row
-is what the cpu-int8 engine and its program with float outputs compute; the QNN program does not
-lower ``peak`` yet.
+is what the cpu-int8 engine and its program with float outputs compute. A QNN program's own
+products, on its grids, are the ``qnn`` mode's (``lower/program_numerics.PeakOnGrid``).
 """
 from __future__ import annotations
 

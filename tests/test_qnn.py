@@ -508,7 +508,7 @@ def test_a_norm_and_the_linears_it_feeds_run_as_one_htp_graph(htp_norms):
     assert vs["pte"] > vs["engine"] - 3, vs
 
 
-@pytest.mark.parametrize("program", ["htp_norms", "htp_attention"])
+@pytest.mark.parametrize("program", ["htp_norms", "htp_peak", "htp_attention"])
 def test_the_native_runner_gives_the_python_runners_bits_on_an_htp_program_with_more_than_linears(
         program, request, tmp_path):
     """Both runners round a norm region's input to its norm's grid, pad an attention region's past to
@@ -568,9 +568,130 @@ def test_the_qnn_mode_runs_a_programs_norms_at_its_encodings(htp_norms):
         assert float(((htp - ours).abs() / e["norm"]["out"]["scale"]).round().max()) <= 1
 
 
+# ------------------------------------------------------------------ the norm readers' peak products on HTP
+@pytest.fixture(scope="module")
+def htp_peak(tmp_path_factory):
+    """The tiny engine under ``norms+peak`` with 70 % of its shadow paths, and its HTP program: each
+    shadowed q/k/v and gate/up multiplies its peak channels' residues inside its norm's graph."""
+    return _tiny_htp_program("norms+peak", tmp_path_factory.mktemp("htp-peak") / "tiny.pte")
+
+
+def _peak_readers(engine, meta) -> tuple[dict, set]:
+    regions = {e["index"]: e for e in meta["subgraphs"] if e.get("form") == "norm-region"}
+    return regions, {n for e in regions.values() for n in e["linears"] if "peak" in meta["linears"][n]}
+
+
+def test_the_norm_readers_peak_products_run_in_their_norms_htp_graph(htp_peak):
+    """``export --backend qnn --placement norms+peak``: every shadowed norm reader's product over its
+    peak channels is an output of its norm's HTP graph, and nothing of it runs on the CPU. On the
+    simulator against the engine on its own inputs each linear lands within its 8-bit output's
+    rounding, where the products alone move it by many steps; then a prefill from the program alone."""
+    from conftest import TINY_CHUNK
+
+    from llmnpu_delegate.backends.cpu_int8 import PeakProduct
+    from llmnpu_delegate.kernels.npu_norm import npu_rms_norm
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+    from llmnpu_delegate.runtime.validate import validate_pte
+
+    engine, out, summary = htp_peak
+    meta = json.loads(out.with_suffix(".json").read_text())
+    regions, peaks = _peak_readers(engine, meta)
+    assert meta["placement"] == summary["placement"] == "norms+peak" and len(regions) == 2 * engine.kv.layers
+    readers = {n for e in regions.values() for n in e["linears"]}
+    assert peaks == {n for n in readers if engine.plans[n].shadow} and summary["peak_products"] == len(peaks) >= 4
+    assert all(meta["linears"][n]["peak"]["channels"] == engine.plans[n].peak.tolist() for n in peaks)
+    # no CPU shadow product of theirs, and so no normed rows out of their graphs
+    assert not peaks & {b["linear"] for e in meta["subgraphs"] for b in e.get("shadow", [])}
+    assert all(e["outputs"] == e["linear_outputs"] for e in regions.values())
+    # what the products weigh: the engine's, alone, in steps of each linear's 8-bit output
+    ids = torch.randint(0, 1000, (3 * TINY_CHUNK,), generator=torch.Generator().manual_seed(2))
+    steps = {}
+    for i, inputs, _ in _region_io(engine, ids, set(regions)):
+        e = regions[i]
+        normed = npu_rms_norm(inputs[0], *_norm_of(engine, e))
+        for n in peaks & set(e["linears"]):
+            plan = engine.plans[n]
+            product = PeakProduct(n, plan.clip, plan.peak, engine.backend.linear(n).weight)(normed)
+            steps[n] = max(steps.get(n, 0.0), float(product.abs().max()) / meta["linears"][n]["output"]["scale"])
+    # twice the bound below: a program without them would fail it (measured 6.6-104 steps)
+    assert set(steps) == peaks and min(steps.values()) > 4, steps
+    report = validate_pte(out, engine, ids, runner=PteRunner(out))
+    linears = [r for r in report["linears"] if r["subgraph"] in regions]
+    assert len(linears) == len(readers)
+    # the same gates as without the products (measured: at most 1.61 steps, 38.6-42.1 dB)
+    assert min(r["within_2_steps"] for r in linears) >= 0.99, linears
+    assert max(r["max_steps"] for r in linears) <= 2, linears
+    assert min(r["sqnr_db"] for r in linears) > 30, linears
+    prefill = report["prefill"]
+    assert prefill["same_next_token"] and prefill["logits_sqnr_db"] > 18 and prefill["kv_sqnr_db_min"] > 18
+    vs = prefill["logits_sqnr_db_vs_fp32"]                  # measured 21.5 against the engine's 20.1
+    assert vs["pte"] > vs["engine"] - 3, vs
+
+
+def _norm_of(engine, entry) -> tuple:
+    """(weight, eps, encodings) of a norm region's norm, as the engine runs it."""
+    key = (entry["norm"]["layer"], entry["norm"]["name"])
+    norm = engine.model.get_submodule(f"model.layers.{key[0]}.{key[1]}")
+    return norm.weight.detach().float(), float(norm.variance_epsilon), engine.program.npu.norms[key]
+
+
+def test_the_qnn_mode_computes_a_programs_peak_products_on_their_grids(htp_peak):
+    """``llmnpu eval --modes qnn`` of a ``norms+peak`` program: each peak linear of the scored model
+    adds the program's product (its channels, clip and 16-bit grids as written, W's columns at 8
+    bits) and no CPU product, and gives the simulator's output to its 8-bit rounding, which the
+    product alone is far from."""
+    from test_program_numerics import tiny_lm
+
+    from llmnpu_delegate.evaluate import program_model
+    from llmnpu_delegate.placed_numerics import _NpuNorm
+    from llmnpu_delegate.quantize.linear import QuantLinear
+    from llmnpu_delegate.runtime.pte_runner import PteRunner
+
+    engine, out, _ = htp_peak
+    meta = json.loads(out.with_suffix(".json").read_text())
+    regions, peaks = _peak_readers(engine, meta)
+    model, changed = program_model(tiny_lm(), out, engine.calibration, progress=False)
+    assert changed["peak_products"] == len(peaks)
+    modules = dict(model.named_modules())
+    assert {n for n, m in modules.items() if isinstance(m, QuantLinear) and m.npu_shadow is not None} == peaks
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen.setdefault(name, (args[0].clone(), out.clone()))     # the first call's rows
+        return hook
+    watched = {n: m for n, m in modules.items() if isinstance(m, _NpuNorm) or n in peaks}
+    hooks = [m.register_forward_hook(keep(n)) for n, m in watched.items()]
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(3))[None])
+    for h in hooks:
+        h.remove()
+    runner = PteRunner(out)
+    far = []
+    for e in regions.values():
+        x, _ = seen[f"model.layers.{e['norm']['layer']}.{e['norm']['name']}"]
+        with torch.inference_mode():
+            htp = dict(zip(e["outputs"], runner.program.steps[e["index"]].fn(x)))
+        for n, lin_out in zip(e["linears"], e["linear_outputs"]):
+            if n not in peaks:
+                continue
+            normed, ours = seen[n]
+            step = max(o["scale"] for o in (meta["linears"][n]["output"], *meta["linears"][n]["split_outputs"]))
+            got = htp[lin_out].reshape(ours.shape)
+            # the 8-bit output's rounding and now and then an input code one apart (as without the
+            # products), and the product's own 16-bit rounding
+            bound = 2 * step + 2 * meta["linears"][n]["peak"]["out"]["scale"]
+            assert float((got - ours).abs().max()) <= bound, n
+            product = modules[n].npu_shadow(normed.reshape(-1, normed.shape[-1])).reshape(ours.shape)
+            far.append(float((got - ours + product).abs().max()) / bound)
+    # without its product every such linear leaves the bound (measured 1.9-47 times it)
+    assert len(far) == len(peaks) and min(far) > 1.5, far
+
+
 @pytest.mark.parametrize("placement, match", [
     ("block", "on qnn, the norms"),
     ("norms+inline", "not inline"),
+    ("attention+rope+norms+peak", "with attention in the same graph"),
 ])
 def test_a_qnn_program_refuses_what_it_cannot_hold_before_writing(placement, match, tmp_path):
     from conftest import TINY_CHUNK, tiny_engine

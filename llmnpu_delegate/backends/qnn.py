@@ -76,9 +76,10 @@ class Qnn:
         "residual": "ElementWiseAdd, 16-bit",
         "act": "Sigmoid and ElementWiseMultiply (SiLU-mul), 16-bit",
         "merge": "ElementWiseAdd of the shadow product (a graph input from the CPU), 16-bit",
+        "peak": "FullyConnected of the peak channels' residues (16-bit activations, 8-bit weights, picked by a "
+                "one-hot FullyConnected) beside the norm readers' 8-bit linears",
     }
-    missing = ("peak: the norm readers' products over peak channels are not lowered to HTP yet (the cpu-int8 "
-               "engine runs them, llmnpu simulate prices them)")
+    missing = "none"
 
     def engine(self, *args, **kwargs):
         raise LlmNpuError("backend 'qnn' has no engine on this host: prefill with cpu-int8")

@@ -202,7 +202,9 @@ def _holds(summary: dict) -> str:
                                                 "linears it feeds"),
                                                (forms.get(ATTENTION_REGION, 0), "RoPE and attention at 16 bits against "
                                                 "a fixed K/V window, with the 8-bit linears they feed")) if n]
+        peaks = (f" ({summary['peak_products']} of those linears with their shadow product over their peak "
+                 f"channels, at 16 bits)" if summary.get("peak_products") else "")
         return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears, one HTP graph each: "
-                f"{'; '.join(kinds)}")
+                f"{'; '.join(kinds)}{peaks}")
     return (f"{graphs} of the {summary['npu_methods']} NPU methods hold more than linears beside INT8 linears: "
             f"attention and norms at 16-bit NPU encodings, the rest in float")

@@ -56,6 +56,9 @@ class RegionSpec:
     splits: dict[int, list[list[int]]] = field(default_factory=dict)
     # second encodings of some outputs: extra method outputs after the split groups, in this order
     fine: list[FineOutput] = field(default_factory=list)
+    # linears whose shadow product over their peak channels the method computes too (placement
+    # piece ``peak``, ``lower/norm_region.py``): one more output each, last, added on merge
+    peaks: list[int] = field(default_factory=list)
 
     def inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         # distinct buffers: the runtime aliases one tensor object passed to two inputs
@@ -87,16 +90,17 @@ class RegionSpec:
 
     @property
     def outputs(self) -> int:
-        """How many outputs the method's linears return: mains, split groups, second encodings."""
-        return len(self.names) + sum(len(g) for g in self.splits.values()) + len(self.fine)
+        """How many outputs the method's linears return: mains, split groups, second encodings, peak
+        products."""
+        return len(self.names) + sum(len(g) for g in self.splits.values()) + len(self.fine) + len(self.peaks)
 
     def merge(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
         """The method's outputs back to one tensor per linear, channels in their places."""
         n = len(self.names)
-        coarse = self.outputs - len(self.fine)
+        coarse = self.outputs - len(self.fine) - len(self.peaks)
         if len(outs) != self.outputs:
             raise LlmNpuError(f"{self.method} returned {len(outs)} outputs, its spec names {self.outputs}")
-        outs, fine = list(outs[:coarse]), outs[coarse:]
+        outs, fine, peaks = list(outs[:coarse]), outs[coarse:coarse + len(self.fine)], outs[coarse + len(self.fine):]
         for f, values in zip(self.fine, fine):
             k = self.output_index(f.linear, f.part)
             outs[k] = f.take(outs[k], values)
@@ -109,6 +113,8 @@ class RegionSpec:
             width = sum(p.shape[-1] for p in parts)
             keep = [c for c in range(width) if c not in set(split)]
             merged[i] = torch.cat(parts, -1).index_select(-1, torch.tensor(keep + split).argsort())
+        for i, product in zip(self.peaks, peaks):
+            merged[i] = merged[i] + product
         return merged
 
 

@@ -18,7 +18,7 @@ from .tasks import data_flow
 
 FORMAT = "llmnpu-pte-sidecar"
 # The layout's version: both runners refuse any other. CHANGELOG.md says what each version changed.
-VERSION = 12
+VERSION = 13
 
 # An NPU subgraph's method that holds more than linears (``lower/graph_methods.py``) takes and returns
 # its tensors by name, as a CPU one does; without a form, it holds linears and takes input groups.
@@ -59,7 +59,8 @@ SCHEMA = {
     "tasks": {"after": [INTS], "after_previous": [INTS], "needed_kv": INTS, "needed_final": INTS, "processors": STRS},
     "linears": {str: {"act_scale": NUM, "output": {"bits": int, "scale?": NUM, "range?": NUMS}, "split_channels": [INTS],
                       "split_outputs": [ANY], "fine_outputs": [{"part": int, "bits": int, "scale": NUM, "range": NUMS}],
-                      "shadow": bool, "clip": (NUM, None), "hot_channels": INTS}},
+                      "shadow": bool, "clip": (NUM, None), "hot_channels": INTS,
+                      "peak?": {"channels": INTS, "clip": NUM, "residue": ENCODING, "out": ENCODING}}},
     "pruned_layers": STRS,
     "profile": (None, {"static": {str: NUM}, "dynamic": {str: NUMS}}),
     "shadow": {"form": str, "rows_file?": str, "rows_dtype?": str, "bytes?": int, "rows_sha256?": str,

@@ -37,7 +37,8 @@ INTEGER_PIECES = frozenset({"norms", "attention", "rope"})
 def check_program_placement(placement: Placement, target: str, output_bits: int) -> None:
     """What the program format writes: the paper's split for every target; on cpu-int8 with float
     outputs any placement that keeps each shadow product a task of its own (not ``+inline``), ``fused``
-    included; on QNN the norms, RoPE and attention on the NPU too (``attention-half``)."""
+    included; on QNN the norms, RoPE and attention on the NPU too (``attention-half``), and the norm
+    readers' peak products in the norms' graphs (``norms+peak``)."""
     if not placement.pieces and not placement.inline:
         return
     if placement.inline:
@@ -47,11 +48,13 @@ def check_program_placement(placement: Placement, target: str, output_bits: int)
                           f"are added to its output), not inline: drop '+inline' to export")
     if target == "cpu-int8" and output_bits == 32:
         return
-    if placement.on_npu("peak"):
-        raise LlmNpuError(f"placement {placement}: the peak products are written for --backend cpu-int8 with float "
-                          f"outputs only (an integer program does not lower them yet; llmnpu simulate prices them): "
-                          f"export --placement attention-half or paper, or --backend cpu-int8 --output-bits 32")
-    if target != "qnn" or not placement.pieces <= INTEGER_PIECES:
+    if placement.on_npu("peak") and (target != "qnn" or not placement.on_npu("norms") or placement.on_npu("attention")):
+        raise LlmNpuError(f"placement {placement}: an integer program writes the peak products in the norms' graphs "
+                          f"of a qnn program beside float attention (--placement norms+peak), and any placement "
+                          f"with them for --backend cpu-int8 with float outputs; with attention in the same graph "
+                          f"they are not lowered yet (llmnpu simulate prices them): export --placement "
+                          f"attention-half or norms+peak, or --backend cpu-int8 --output-bits 32")
+    if target != "qnn" or not placement.pieces <= INTEGER_PIECES | {"peak"}:
         raise LlmNpuError(f"placement {placement}: an integer NPU program ({target}, {output_bits}-bit outputs) holds "
                           f"the linears and, on qnn, the norms, RoPE and attention (--placement norms, "
                           f"attention-half); the rest of a block is written for --backend cpu-int8 with float outputs "

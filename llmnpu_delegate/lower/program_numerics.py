@@ -7,6 +7,8 @@ its sidecar writes it, applied to a model quantized by ``quantize_`` with the pr
 - each decoder linear's integer product is requantized to its 8-bit output encoding before the CPU
   adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
   encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
+- a norm reader's shadow product that the program's norm graph computes (placement piece ``peak``,
+  ``norm_region.PeakBranch``) on its grids as written, in place of the CPU's (``PeakOnGrid``);
 - a norm the program runs on the NPU (``norm_region.py``; a q/k norm in ``attention_region.py``) at its
   16-bit encodings as written
   (``norm_encodings``; the caller swaps them in, ``placed_numerics.swap_norms``);
@@ -64,6 +66,27 @@ class OutputEncodings:
         for index, f in self.fine:
             out[:, index] = f.take(out[:, index], self._grid(y[:, index], f.scale, f.low, f.high))
         return out
+
+
+class PeakOnGrid(nn.Module):
+    """A linear's peak product as the program's norm graph computes it (sidecar ``linears[name]["peak"]``):
+    the peak channels' values clamped to the clip on its 16-bit grid, the residues on theirs, times W's
+    columns of them at 8 bits per output channel (``quantize_weight``, as the QNN quantizer's
+    symmetric per-channel weights), the product on its grid."""
+
+    def __init__(self, peak: dict, weight: Tensor):
+        super().__init__()
+        self.register_buffer("channels", torch.tensor(peak["channels"], dtype=torch.long))
+        w_q, w_scale = quantize_weight(weight.detach().float()[:, self.channels], "channel")
+        self.register_buffer("weight", w_q.float() * w_scale[:, None])
+        self.clip = float(peak["clip"])
+        self.clamped = Encoding.of_range(-self.clip, self.clip, 16)
+        self.residue, self.out = Encoding(**peak["residue"]), Encoding(**peak["out"])
+
+    def forward(self, x: Tensor) -> Tensor:
+        picked = x[:, self.channels].float()
+        residue = self.residue.round(picked - self.clamped.round(picked.clamp(-self.clip, self.clip)))
+        return self.out.round(residue @ self.weight.T)
 
 
 class DynamicInt8Head(nn.Module):
@@ -125,15 +148,16 @@ def program_quant(meta: dict):
     return replace(config, pruning_rate=0.0) if config.outliers == "shadow" else config
 
 
-def apply_program_numerics(model: nn.Module, meta: dict) -> dict:
+def apply_program_numerics(model: nn.Module, meta: dict, source: nn.Module) -> dict:
     """Make ``model`` (quantized by ``quantize_`` with ``program_quant(meta)`` and the program's
-    calibration) compute what the program ``meta`` (its sidecar) computes. Returns counts."""
+    calibration from ``source``, the float model) compute what the program ``meta`` (its sidecar)
+    computes. Returns counts."""
     quant = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     missing = sorted(set(meta["linears"]) - set(quant))
     if missing:
         raise LlmNpuError(f"the program quantizes {missing[0]}, which this model does not: it was exported "
                           f"from another model")
-    pruned, fine = set(meta["pruned_layers"]), 0
+    pruned, fine, peaks = set(meta["pruned_layers"]), 0, 0
     for name, lin in meta["linears"].items():
         q = quant[name]
         if name in pruned:
@@ -143,11 +167,14 @@ def apply_program_numerics(model: nn.Module, meta: dict) -> dict:
             raise LlmNpuError(f"{name}'s activation scale differs from the program's: it was exported with another "
                               f"calibration or quantization config; evaluate with the same ones or export again")
         q.output_stage = OutputEncodings(lin, q.out_features)
+        if "peak" in lin:
+            q.npu_shadow = PeakOnGrid(lin["peak"], source.get_submodule(name).weight)
+            peaks += 1
         fine += len(lin["fine_outputs"])
     if meta["decode"]["mode"] == "int8":
         head, table = model.get_output_embeddings(), model.get_input_embeddings()
         model.set_output_embeddings(DynamicInt8Head(head.weight))
         # the float16 table, untied from the head, whose INT8 weight came from the float one above
         table.weight = nn.Parameter(table.weight.detach().to(TABLE_DTYPE).float(), requires_grad=False)
-    return {"linears": len(meta["linears"]), "pruned": len(pruned), "fine_outputs": fine,
+    return {"linears": len(meta["linears"]), "pruned": len(pruned), "fine_outputs": fine, "peak_products": peaks,
             "head": meta["decode"]["mode"]}

@@ -34,6 +34,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,7 @@ from .graph_methods import check_program_placement, graph_method
 from .lowering_pool import Claims, Spool, default_workers, run_jobs
 from .lowering_shortcuts import lowering_shortcuts
 from .npu_graph import holds_more_than_linears
-from .norm_region import linear_inputs, lower_norm_region, norm_region_shape
+from .norm_region import linear_inputs, lower_norm_region, norm_region_shape, region_peaks
 from .npu_subgraphs import fine_outputs, lower_region, output_groups, part_channels, region_spec
 from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
@@ -272,6 +273,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "decode": decode, "decode_hot_linears": len(hot), "chunk_len": c, "context": context,
             "output_bits": output_bits, "placement": engine.config.placement,
             "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
+            "peak_products": sum("peak" in o for o in npu_outputs.values()),
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
             "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
@@ -420,13 +422,25 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
     rows = enc.x.round(rows)
     linears = [engine.backend.linear(n) for n in sub.linears]
     reads = linear_inputs(rows, shape, enc, region_spec(name, sub.linears, engine.plans))
-    spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
+    peaks = region_peaks(shape, enc, sub.linears, linears, engine.plans, rows)
+    spec = dataclasses.replace(_output_parts(engine, name, sub, linears, reads, "qnn", 8, fine), peaks=sorted(peaks))
     edge, encodings = lower_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
-                                        engine.chunk_len, soc)
+                                        engine.chunk_len, soc, peaks)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
+    for i, peak in peaks.items():
+        npu_outputs[sub.linears[i]]["peak"] = _peak_entry(peak)
     entry.update(form=NORM_REGION, input_groups=spec.groups, linear_outputs=shape.linear_outputs,
                  norm=_norm_entry(shape.norm, enc))
     return edge.exported_program(name)
+
+
+def _peak_entry(peak) -> dict:
+    """A linear's peak product as the sidecar records it: the method returns it after the linears'
+    parts and a runner adds it (``RegionSpec.peaks``); the channels, clip and grids are what the
+    ``qnn`` mode computes it with."""
+    def grid(e):
+        return {"scale": e.scale, "zero": e.zero, "bits": e.bits}
+    return {"channels": peak.channels.tolist(), "clip": peak.clip, "residue": grid(peak.residue), "out": grid(peak.out)}
 
 
 def _norm_entry(key: tuple[int, str], enc) -> dict:

@@ -17,7 +17,8 @@ each *piece* of a block can run on either side:
   on every token, so a static set holds their outliers; the inputs of o_proj and down_proj spread
   theirs, and those products stay on the CPU (docs/results.md, "Shadow products inside the NPU
   graphs"). Priced by ``llmnpu simulate``, run by the cpu-int8 engine and written by its program
-  with float outputs; the QNN program does not lower it yet.
+  with float outputs; a QNN program writes them in its norm graphs beside attention on the CPU
+  (``norms+peak``: ``lower/norm_region.py``), not yet with attention in the same graph.
 
 The paper keeps them all on the CPU (``paper``); ``fused`` moves every piece. Which placement is fastest depends on the target:
 a phone's NPU runs them far faster than its CPU, but each shadow product merged on the NPU ends one

@@ -38,6 +38,9 @@ class QuantLinear(nn.Module):
         # what the NPU does to the integer product before the CPU adds the shadow path: nothing in the
         # engine (float outputs); an exported program's 8-bit output encodings (lower/program_numerics.py)
         self.output_stage = None
+        # the shadow product as an exported program's NPU graph computes it, in place of the CPU's
+        # (a QNN program's peak product on its 16-bit grids: lower/program_numerics.py), or None
+        self.npu_shadow = None
         self.outlier_elements = 0   # activation elements that took the shadow path
         self.saturated_elements = 0  # elements beyond the full range (unseen in calibration): clipped
         self.seen_elements = 0
@@ -60,7 +63,10 @@ class QuantLinear(nn.Module):
             limit = scale * K.QMAX
             if max(-float(lo), float(hi)) > limit:
                 self.saturated_elements += int((x2.abs() > limit).sum())
-        if shadow:     # merged into y as it is computed, as the engine's fused CPU subgraphs do
+        if shadow and self.npu_shadow is not None:
+            self.outlier_elements += int((x2[:, self.npu_shadow.channels].abs() > self.clip).sum())
+            y = y.float() + self.npu_shadow(x2)
+        elif shadow:     # merged into y as it is computed, as the engine's fused CPU subgraphs do
             y = y.contiguous().float()
             if self.shadow_channels is not None:
                 kept = x2[:, self.shadow_channels]

@@ -72,7 +72,8 @@ def _region_spec(entry: dict, linears: dict) -> RegionSpec:
     scales = [linears[names[group[0]]]["act_scale"] for group in entry["input_groups"]]
     fine = [FineOutput(i, f["part"], f["scale"], *f["range"]) for i, n in enumerate(names)
             for f in linears[n]["fine_outputs"]]
-    return RegionSpec(entry["method"], names, entry["input_groups"], scales, splits, fine)
+    peaks = [i for i, n in enumerate(names) if "peak" in linears[n]]
+    return RegionSpec(entry["method"], names, entry["input_groups"], scales, splits, fine, peaks)
 
 
 def _norm_region_call(method, entry: dict, linears: dict):

@@ -212,15 +212,17 @@ std::vector<ValuePtr> MethodCall::merge(std::vector<std::shared_ptr<Value>>& all
                                         const std::vector<int64_t>& lead, int64_t rows) const {
   std::vector<std::shared_ptr<Value>> outs(all.begin() + static_cast<std::ptrdiff_t>(first), all.end());
   const size_t n = sub_.linears.size();
-  // outputs: each linear's main one, its split groups (linear by linear), then the fine encodings
-  size_t coarse = n, fine = 0;
+  // outputs: each linear's main one, its split groups (linear by linear), the fine encodings, then
+  // the peak products
+  size_t coarse = n, fine = 0, peaks = 0;
   for (const auto& name : sub_.linears) {
     coarse += s_.linears.at(name).split_channels.size();
     fine += s_.linears.at(name).fine_outputs.size();
+    peaks += s_.linears.at(name).peak ? 1 : 0;
   }
-  if (outs.size() != coarse + fine)
+  if (outs.size() != coarse + fine + peaks)
     throw RunError("method " + sub_.method + " returned " + std::to_string(outs.size()) + " outputs, the sidecar names " +
-                   std::to_string(coarse + fine));
+                   std::to_string(coarse + fine + peaks));
   for (size_t i = 0, before = n, t = coarse; i < n; ++i) {
     const auto& lin = s_.linears.at(sub_.linears[i]);
     for (const auto& f : lin.fine_outputs) {
@@ -237,7 +239,7 @@ std::vector<ValuePtr> MethodCall::merge(std::vector<std::shared_ptr<Value>>& all
     before += lin.split_channels.size();
   }
   std::vector<ValuePtr> merged;
-  size_t k = n;
+  size_t k = n, peak = coarse + fine;
   for (size_t i = 0; i < n; ++i) {
     const auto& splits = s_.linears.at(sub_.linears[i]).split_channels;
     std::shared_ptr<Value> y;
@@ -268,6 +270,14 @@ std::vector<ValuePtr> MethodCall::merge(std::vector<std::shared_ptr<Value>>& all
           for (int64_t j = 0; j < w; ++j) y->f32()[r * width + channel[col + j]] = p->f32()[r * w + j];
         col += w;
       }
+    }
+    if (s_.linears.at(sub_.linears[i]).peak) {
+      // its peak product added (one float add, as RegionSpec.merge)
+      const Value& d = *outs[peak++];
+      if (d.numel() != y->numel()) throw RunError("method " + sub_.method + " returned a mismatched peak product");
+      float* dst = y->f32();
+      const float* src = d.f32();
+      for (int64_t j = 0; j < y->numel(); ++j) dst[j] += src[j];
     }
     auto shape = lead;
     shape.push_back(y->shape.back());

@@ -313,6 +313,7 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
         o.high = range[1];
         l.fine_outputs.push_back(o);
       }
+      l.peak = lin.contains("peak");
       s.linears[name] = l;
     }
     const auto& sh = m.at("shadow");

@@ -9,7 +9,7 @@
 
 namespace llmnpu {
 
-constexpr int kSidecarVersion = 12;  // format/sidecar.py VERSION
+constexpr int kSidecarVersion = 13;  // format/sidecar.py VERSION
 
 struct ShadowBranch {
   std::string linear;
@@ -56,6 +56,9 @@ struct NpuLinear {
   int output_bits = 8;                            // 8: requantized by the method; 32: float
   std::vector<std::vector<int>> split_channels;   // output channels the method returns on their own
   std::vector<FineOutput> fine_outputs;           // extra outputs after every split group, in order
+  // The method computes the linear's shadow product over its peak channels too (placement piece
+  // "peak", lower/norm_region.py): one more output, after every fine one, added on merge.
+  bool peak = false;
 };
 
 struct ColdLinear {
