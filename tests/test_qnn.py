@@ -637,7 +637,7 @@ def _norm_of(engine, entry) -> tuple:
 
 def test_the_qnn_mode_computes_a_programs_peak_products_on_their_grids(htp_peak):
     """``llmnpu eval --modes qnn`` of a ``norms+peak`` program: each peak linear of the scored model
-    adds the program's product (its channels, clip and 16-bit grids as written, W's columns at 8
+    adds the program's product (its channels, clip and 16-bit grids as written, W's columns at 16
     bits) and no CPU product, and gives the simulator's output to its 8-bit rounding, which the
     product alone is far from."""
     from test_program_numerics import tiny_lm

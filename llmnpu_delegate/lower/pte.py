@@ -547,16 +547,18 @@ def _write_tokenizer(tokenizer, folder: Path) -> dict:
 def shadow_branch_work(engine, form: str) -> dict:
     """Float work and float weight bytes of the shadow branches per chunk: ``dense`` (the whole linear
     on the residue) and the program's own ``form``. Cold products (data-dependent, from the rows file)
-    are not counted here: the runner counts them (``PteRunner.cold_rows``)."""
+    are not counted here: the runner counts them (``PteRunner.cold_rows``); nor are the peak products
+    an NPU graph computes (placement piece ``peak``)."""
     m, dense_flops, sparse_flops, dense_bytes, sparse_bytes = engine.chunk_len, 0, 0, 0, 0
-    for name in _shadowed(engine):
+    on_cpu = [n for s in engine.partition.by_kind("shadow") for n in s.linears]
+    for name in on_cpu:
         n, k = engine.backend.linear(name).weight.shape
         h = program_hot_channels(engine.plans[name]).numel()
         dense_flops += 2 * m * k * n
         sparse_flops += 2 * m * h * n
         dense_bytes += 4 * n * k
         sparse_bytes += 4 * n * h
-    return {"form": form, "linears": len(_shadowed(engine)),
+    return {"form": form, "linears": len(on_cpu),
             "flops_per_chunk": {"dense": dense_flops, "sparse": sparse_flops},
             "program_weight_bytes": {"dense": dense_bytes, "sparse": sparse_bytes}}
 
