@@ -544,17 +544,7 @@ def test_the_qnn_mode_runs_a_programs_norms_at_its_encodings(htp_norms):
         mine = norms[f"model.layers.{e['norm']['layer']}.{e['norm']['name']}"].npu.enc
         assert (mine.x.scale, mine.x.zero, mine.out.scale, mine.weight.zero) == \
             (e["norm"]["x"]["scale"], e["norm"]["x"]["zero"], e["norm"]["out"]["scale"], e["norm"]["weight"]["zero"])
-    seen = {}
-
-    def keep(name):
-        def hook(module, args, out):
-            seen.setdefault(name, (args[0].clone(), out.clone()))     # the first call's rows
-        return hook
-    hooks = [m.register_forward_hook(keep(n)) for n, m in norms.items()]
-    with torch.inference_mode():
-        model(input_ids=torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(3))[None])
-    for h in hooks:
-        h.remove()
+    seen = _first_calls(model, norms)
     from llmnpu_delegate.runtime.pte_runner import PteRunner
 
     runner = PteRunner(out)
@@ -637,7 +627,7 @@ def _norm_of(engine, entry) -> tuple:
 
 def test_the_qnn_mode_computes_a_programs_peak_products_on_their_grids(htp_peak):
     """``llmnpu eval --modes qnn`` of a ``norms+peak`` program: each peak linear of the scored model
-    adds the program's product (its channels, clip and 16-bit grids as written, W's columns at 16
+    adds the program's product (its channels, clip and 16-bit grids as written, W's columns at 8
     bits) and no CPU product, and gives the simulator's output to its 8-bit rounding, which the
     product alone is far from."""
     from test_program_numerics import tiny_lm
@@ -654,18 +644,7 @@ def test_the_qnn_mode_computes_a_programs_peak_products_on_their_grids(htp_peak)
     assert changed["peak_products"] == len(peaks)
     modules = dict(model.named_modules())
     assert {n for n, m in modules.items() if isinstance(m, QuantLinear) and m.npu_shadow is not None} == peaks
-    seen = {}
-
-    def keep(name):
-        def hook(module, args, out):
-            seen.setdefault(name, (args[0].clone(), out.clone()))     # the first call's rows
-        return hook
-    watched = {n: m for n, m in modules.items() if isinstance(m, _NpuNorm) or n in peaks}
-    hooks = [m.register_forward_hook(keep(n)) for n, m in watched.items()]
-    with torch.inference_mode():
-        model(input_ids=torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(3))[None])
-    for h in hooks:
-        h.remove()
+    seen = _first_calls(model, {n: m for n, m in modules.items() if isinstance(m, _NpuNorm) or n in peaks})
     runner = PteRunner(out)
     far = []
     for e in regions.values():
@@ -686,6 +665,24 @@ def test_the_qnn_mode_computes_a_programs_peak_products_on_their_grids(htp_peak)
             far.append(float((got - ours + product).abs().max()) / bound)
     # without its product every such linear leaves the bound (measured 1.9-47 times it)
     assert len(far) == len(peaks) and min(far) > 1.5, far
+
+
+def _first_calls(model, watched: dict) -> dict:
+    """name -> (input, output) of each of ``watched``'s modules at its first call, over a 32-token prompt."""
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen.setdefault(name, (args[0].clone(), out.clone()))
+        return hook
+    hooks = [m.register_forward_hook(keep(n)) for n, m in watched.items()]
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(3))[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 @pytest.mark.parametrize("placement, match", [

@@ -76,7 +76,7 @@ class Qnn:
         "residual": "ElementWiseAdd, 16-bit",
         "act": "Sigmoid and ElementWiseMultiply (SiLU-mul), 16-bit",
         "merge": "ElementWiseAdd of the shadow product (a graph input from the CPU), 16-bit",
-        "peak": "FullyConnected of the peak channels' residues (16-bit activations and weights, picked by a "
+        "peak": "FullyConnected of the peak channels' residues (16-bit activations, 8-bit weights, picked by a "
                 "one-hot FullyConnected) beside the norm readers' 8-bit linears",
     }
     missing = "none"

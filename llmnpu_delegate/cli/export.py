@@ -134,8 +134,8 @@ def export_one(args) -> tuple[dict, str]:
     sh = summary["shadow"]
     flops, wbytes = sh["flops_per_chunk"], sh["program_weight_bytes"]
     stages = ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in summary["stage_seconds"].items())
-    held = summary["rows_in_program"]
-    cold = (f"; cold rows of {held} linears read from the program's own INT8 weights, of {sh['linears'] - held} "
+    held, rows_file = summary["rows_in_program"], summary["rows_linears"] - summary["rows_in_program"]
+    cold = (f"; cold rows of {held} linears read from the program's own INT8 weights, of {rows_file} "
             f"from a rows file of {summary['rows_bytes'] / 2**20:.1f} MiB" if sh["form"] == "sparse" else "")
     soc = f" --soc {args.soc}" if backend.uses_soc else ""     # else the simulator's default phone
     fine = (f" ({summary['fine_outputs']} with a second encoding: +{100 * summary['fine_npu_share']:.1f} % NPU "

@@ -34,7 +34,6 @@ from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
 
 ANNOTATION = "quantization_annotation"
-WIDE_QMAX = 2 ** 15 - 1        # a 16-bit weight's largest code
 SKIP = "llmnpu_float"          # node meta flag: a linear that must stay float (a shadow product)
 FLAVOURS = ("qnn", "xnnpack")
 
@@ -63,10 +62,7 @@ def dynamic_spec() -> QuantizationSpec:
                             qscheme=torch.per_tensor_affine, is_dynamic=True)
 
 
-def weight_spec(granularity: str, bits: int = 8) -> QuantizationSpec:
-    if bits == 16:      # HTP's 16-bit weights: one symmetric scale per tensor
-        return QuantizationSpec(torch.int16, MinMaxObserver, quant_min=-WIDE_QMAX, quant_max=WIDE_QMAX,
-                                qscheme=torch.per_tensor_symmetric)
+def weight_spec(granularity: str) -> QuantizationSpec:
     if granularity == "channel":
         return QuantizationSpec(torch.int8, PerChannelMinMaxObserver, quant_min=-QMAX, quant_max=QMAX,
                                 qscheme=torch.per_channel_symmetric, ch_axis=0)

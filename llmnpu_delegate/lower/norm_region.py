@@ -10,10 +10,11 @@ HTP computes, in one graph:
   split channel groups, second encodings);
 - under placement piece ``peak``, each norm reader's shadow product over its peak channels
   (``PeakBranch``): the channels picked from the 16-bit normed rows by a one-hot GEMM (HTP's Gather
-  refuses 16-bit data), their residues beyond the clip at 16 bits, times W's columns of them at 16
-  bits, a 16-bit output. HTP's FullyConnected gives 8-bit inputs 8-bit outputs only, so the sum
-  cannot be formed at 16 bits without losing the linear's own encodings (split groups, second
-  encodings): the product is one more output, which a runner adds when it merges the linear's parts.
+  refuses 16-bit data), their residues beyond the clip at 16 bits, times W's columns of them at 8
+  bits, a 16-bit output. The sum stays out of the graph: forming it inside would take the linear's
+  8-bit parts (split channel groups, second encodings) merged inside too, which only a graph that
+  goes on to attention needs. Here the product is one more output, which a runner adds when it
+  merges the linear's parts.
 
 The method takes the region's input rows on the norm's input grid (a runner rounds them, as it puts
 a linears-only region's rows on their INT8 grids: HTP's own float conversion rounds otherwise) and
@@ -202,11 +203,10 @@ class NormRegionAnnotation:
 
 
 def annotate_peak(pick: fx.Node, rows: fx.Node, normed: Encoding, peak: Peak) -> None:
-    """One ``PeakBranch`` at its grids: the pick exact on the normed rows' encoding (its one-hot rows
-    at 8 bits per output channel are exact), the clamp on its own range (lowering may fold a clamp
-    into its output's encoding), the residues and the product on theirs. W's columns take 16-bit
-    weights (one scale): the residues reach the residual stream's outliers (~25,000 on the embedded
-    model), where an 8-bit weight's rounding alone moves a product by tens of the linear's steps."""
+    """One ``PeakBranch`` at its grids: the pick exact on the normed rows' encoding, the clamp on its
+    own range (lowering may fold a clamp into its output's encoding), the residues and the product
+    on theirs; both GEMMs' weights per output channel at 8 bits (the one-hot rows are exact; 16-bit
+    weights for W's columns measured no closer to the engine on the embedded model)."""
     sub = rows.args[0]
     clamp = next(a for a in sub.args if a is not pick)
     pick.meta[ANNOTATION] = QuantizationAnnotation({pick.args[0]: fixed_spec(normed), pick.args[1]: weight_spec("channel")},
@@ -215,7 +215,7 @@ def annotate_peak(pick: fx.Node, rows: fx.Node, normed: Encoding, peak: Peak) ->
                                                     fixed_spec(Encoding.of_range(-peak.clip, peak.clip, 16)),
                                                     _annotated=True)
     sub.meta[ANNOTATION] = QuantizationAnnotation({}, fixed_spec(peak.residue), _annotated=True)
-    rows.meta[ANNOTATION] = QuantizationAnnotation({sub: fixed_spec(peak.residue), rows.args[1]: weight_spec("tensor", 16)},
+    rows.meta[ANNOTATION] = QuantizationAnnotation({sub: fixed_spec(peak.residue), rows.args[1]: weight_spec("channel")},
                                                    fixed_spec(peak.out), _annotated=True)
 
 

@@ -35,7 +35,6 @@ from ..kernels.npu_norm import NormEncodings
 from ..kernels.ops import quantize_weight
 from ..quantize.linear import QuantLinear
 from .embedding_head import TABLE_DTYPE
-from .encodings import WIDE_QMAX
 
 MODE = "qnn"
 # programs whose NPU outputs carry 8-bit encodings: the ones this mode reproduces
@@ -72,14 +71,14 @@ class OutputEncodings:
 class PeakOnGrid(nn.Module):
     """A linear's peak product as the program's norm graph computes it (sidecar ``linears[name]["peak"]``):
     the peak channels' values clamped to the clip on its 16-bit grid, the residues on theirs, times W's
-    columns of them at 16 bits (one symmetric scale, as the QNN quantizer's), the product on its grid."""
+    columns of them at 8 bits per output channel (``quantize_weight``, as the QNN quantizer's
+    symmetric per-channel weights), the product on its grid."""
 
     def __init__(self, peak: dict, weight: Tensor):
         super().__init__()
         self.register_buffer("channels", torch.tensor(peak["channels"], dtype=torch.long))
-        cols = weight.detach().float()[:, self.channels]
-        scale = float(cols.abs().max()) / WIDE_QMAX if cols.numel() else 1.0
-        self.register_buffer("weight", torch.round(cols / scale).clamp(-WIDE_QMAX, WIDE_QMAX) * scale)
+        w_q, w_scale = quantize_weight(weight.detach().float()[:, self.channels], "channel")
+        self.register_buffer("weight", w_q.float() * w_scale[:, None])
         self.clip = float(peak["clip"])
         self.clamped = Encoding.of_range(-self.clip, self.clip, 16)
         self.residue, self.out = Encoding(**peak["residue"]), Encoding(**peak["out"])

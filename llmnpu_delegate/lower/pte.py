@@ -277,6 +277,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
             "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
+            "rows_linears": len(shadow_meta.get("linears", {})),     # the decode's shadow paths too
             "tokenizer": tok_meta["folder"] if tok_meta else None, "workers": workers,
             "seconds": round(time.perf_counter() - t0, 1),
             "stage_seconds": {k: round(v, 1) for k, v in stages.items()}}
