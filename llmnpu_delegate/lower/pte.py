@@ -34,8 +34,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -424,7 +423,7 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
     linears = [engine.backend.linear(n) for n in sub.linears]
     reads = linear_inputs(rows, shape, enc, region_spec(name, sub.linears, engine.plans))
     peaks = region_peaks(shape, enc, sub.linears, linears, engine.plans, rows)
-    spec = dataclasses.replace(_output_parts(engine, name, sub, linears, reads, "qnn", 8, fine), peaks=sorted(peaks))
+    spec = replace(_output_parts(engine, name, sub, linears, reads, "qnn", 8, fine), peaks=sorted(peaks))
     edge, encodings = lower_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
                                         engine.chunk_len, soc, peaks)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
