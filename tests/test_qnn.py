@@ -618,6 +618,44 @@ def test_the_norm_readers_peak_products_run_in_their_norms_htp_graph(htp_peak):
     assert vs["pte"] > vs["engine"] - 3, vs
 
 
+def test_a_peak_products_grids_hold_whatever_its_normed_rows_can_give():
+    """A peak product's 16-bit grids (``peak_grids``) span every residue and product its normed rows
+    can give, from the rows' encoding and RMSNorm's own bound, not from calibration rows: rows each
+    carrying one massive activation (the embedded model's first token: ~25,000) leave no residue or
+    product saturated, so the product as the ``qnn`` mode computes it stays within its roundings of
+    the exact one; and the grids are no wider than those rows reach."""
+    import torch.nn.functional as F
+
+    from llmnpu_delegate.kernels.npu_attention import Encoding
+    from llmnpu_delegate.lower.norm_region import peak_grids
+    from llmnpu_delegate.lower.program_numerics import PeakOnGrid
+    from llmnpu_delegate.lower.pte import _peak_entry
+
+    gen = torch.Generator().manual_seed(0)
+    d, clip = 64, 0.5
+    g = torch.rand(d, generator=gen) * 0.2 + 0.05
+    g[[3, 17]] = torch.tensor([0.9, -0.6])                  # the norm weights of the peak channels
+    weight = torch.randn(32, d, generator=gen) * 0.1
+    channels = torch.tensor([3, 17, 40])
+    normed_enc = Encoding.of_range(-12.0, 10.0, 16)         # |normed| reaches 8 * 0.9 = 7.2 < 10
+    peak = peak_grids(weight, channels, clip, normed_enc, g)
+    # one row per peak channel and sign, that channel at 25,000 and the rest modest
+    x = torch.randn(2 * len(channels), d, generator=gen)
+    for r, (c, sign) in enumerate((c, s) for c in channels.tolist() for s in (1, -1)):
+        x[r, c] = sign * 25_000.0
+    normed = normed_enc.round(F.rms_norm(x, (d,), g, 1e-5))
+    ours = PeakOnGrid(_peak_entry(peak), weight)
+    picked = normed[:, channels]
+    residue = picked - picked.clamp(-clip, clip)
+    hi, lo = float(residue.max()), float(residue.min())
+    assert peak.residue.floor <= lo and hi <= peak.residue.floor + 65535 * peak.residue.scale
+    exact = residue @ ours.weight.T
+    rounding = (peak.residue.scale + ours.clamped.scale) / 2 * ours.weight.abs().sum(1) + peak.out.scale / 2
+    assert bool(((ours(normed) - exact).abs() <= rounding + 1e-6).all())
+    # tight: the rows reach within 1 % of the residue grid's ends
+    assert hi > 0.99 * (peak.residue.floor + 65535 * peak.residue.scale) and lo < 0.99 * peak.residue.floor
+
+
 def _norm_of(engine, entry) -> tuple:
     """(weight, eps, encodings) of a norm region's norm, as the engine runs it."""
     key = (entry["norm"]["layer"], entry["norm"]["name"])

@@ -136,19 +136,25 @@ class PeakBranch(nn.Module):
         return self.rows(picked - torch.clamp(picked, -self.clip, self.clip))
 
 
-def peak_grids(normed: Tensor, weight: Tensor, channels: Tensor, clip: float) -> Peak:
-    """A peak product's 16-bit grids, min/max of the residues and the product on ``normed`` (the
-    calibration's normed rows), each widened to what a residue of one clip gives: a prompt may
-    cross the clip in a channel where the calibration did not."""
+def peak_grids(weight: Tensor, channels: Tensor, clip: float, normed: Encoding, norm_weight: Tensor) -> Peak:
+    """A peak product's 16-bit grids, spanning every residue and product the graph can meet, so that
+    neither saturates on any prompt. A normed value lies within the normed rows' encoding (``normed``)
+    and within sqrt(d) |g_c| of channel c (RMSNorm divides by a root mean square at least |x_c| /
+    sqrt(d)); its residue beyond the clip lies within what is left of either, and the product within
+    the sum of those bounds times W's columns. One step of the normed grid more holds its rounding
+    (and the residue grid's, which is finer). Grids taken from calibration rows instead saturated on
+    other text in nearly every peak linear of the embedded model."""
     channels = channels.long()
-    picked = normed[:, channels].float()
-    residue = picked - picked.clamp(-clip, clip)
+    reach = norm_weight.detach().float()[channels].abs() * weight.shape[1] ** 0.5 + normed.scale
+    hi = (torch.clamp(reach, max=normed.floor + normed.codes[1] * normed.scale) - clip).clamp(min=0)
+    lo = (torch.clamp(-reach, min=normed.floor) + clip).clamp(max=0)
     cols = weight.detach().float()[:, channels]
-    product = residue @ cols.T
-    reach = clip * float(cols.abs().sum(1).max()) if channels.numel() else 0.0
-    return Peak(channels, float(clip),
-                Encoding.of_range(min(float(residue.min()), -clip), max(float(residue.max()), clip), 16),
-                Encoding.of_range(min(float(product.min()), -reach), max(float(product.max()), reach), 16))
+    product_hi = torch.maximum(cols * hi, cols * lo).sum(1)
+    product_lo = torch.minimum(cols * hi, cols * lo).sum(1)
+    if not channels.numel():
+        return Peak(channels, float(clip), Encoding.of_range(0, 0, 16), Encoding.of_range(0, 0, 16))
+    return Peak(channels, float(clip), Encoding.of_range(float(lo.min()), float(hi.max()), 16),
+                Encoding.of_range(float(product_lo.min()), float(product_hi.max()), 16))
 
 
 class NormRegion(nn.Module):
@@ -231,14 +237,10 @@ def linear_inputs(rows: Tensor, shape: NormRegionShape, enc: NormEncodings, spec
     return spec.linear_reads(npu_rms_norm(rows, shape.weight, shape.eps, enc))
 
 
-def region_peaks(shape: NormRegionShape, enc: NormEncodings, names: list[str], linears: list[nn.Linear], plans: dict,
-                 rows: Tensor) -> dict[int, Peak]:
-    """Linear index -> its ``Peak`` for the linears whose peak product ``shape`` holds, the grids from
-    ``rows`` (the region's input, on its grid)."""
-    if not shape.peaks:
-        return {}
-    normed = npu_rms_norm(rows, shape.weight, shape.eps, enc)
-    return {i: peak_grids(normed, linears[i].weight, plans[n].peak, plans[n].clip)
+def region_peaks(shape: NormRegionShape, enc: NormEncodings, names: list[str], linears: list[nn.Linear],
+                 plans: dict) -> dict[int, Peak]:
+    """Linear index -> its ``Peak`` for the linears whose peak product ``shape`` holds."""
+    return {i: peak_grids(linears[i].weight, plans[n].peak, plans[n].clip, enc.out, shape.weight)
             for i, n in enumerate(names) if n in shape.peaks}
 
 

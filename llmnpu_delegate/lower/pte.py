@@ -422,7 +422,7 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
     rows = enc.x.round(rows)
     linears = [engine.backend.linear(n) for n in sub.linears]
     reads = linear_inputs(rows, shape, enc, region_spec(name, sub.linears, engine.plans))
-    peaks = region_peaks(shape, enc, sub.linears, linears, engine.plans, rows)
+    peaks = region_peaks(shape, enc, sub.linears, linears, engine.plans)
     spec = replace(_output_parts(engine, name, sub, linears, reads, "qnn", 8, fine), peaks=sorted(peaks))
     edge, encodings = lower_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
                                         engine.chunk_len, soc, peaks)
