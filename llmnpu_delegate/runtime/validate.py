@@ -29,6 +29,7 @@ from ..errors import LlmNpuError
 from ..format.npu_io import part_channels
 from ..format.sidecar import NORM_REGION
 from ..kernels import QMAX
+from ..kernels.npu_attention import Encoding
 from ..lower.npu_graph import holds_more_than_linears
 from ..quantize.sqnr import sqnr_db  # noqa: F401  (the benchmarks and tests take it from here too)
 from .pte_runner import PteRunner
@@ -69,9 +70,10 @@ def capture_npu_io(engine, ids: Tensor, graphs: list | None = None) -> list[Regi
 def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
                     granularity: str = "channel") -> tuple[Tensor, Tensor, Tensor]:
     """Per output channel of a linear (split channels have their own): the encoding's step and the
-    lowest and highest value it can represent. A float output (``bits`` 32) represents everything;
-    its step is the accumulator's (``weight``: the linear's float weight, whose INT8 scale is
-    max |w| / 127 per channel or per tensor, ``granularity``)."""
+    lowest and highest value it can represent (with its peak product's added, where it has one). A
+    float output (``bits`` 32) represents everything; its step is the accumulator's (``weight``: the
+    linear's float weight, whose INT8 scale is max |w| / 127 per channel or per tensor,
+    ``granularity``)."""
     if linear["output"]["bits"] == 32:
         if weight is None:
             raise LlmNpuError("a float output's step needs the linear's weight")
@@ -81,6 +83,9 @@ def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
     step, low, high = (torch.full((width,), float(v)) for v in (linear["output"]["scale"], *linear["output"]["range"]))
     for chans, enc in zip(linear["split_channels"], linear["split_outputs"]):
         step[chans], low[chans], high[chans] = enc["scale"], enc["range"][0], enc["range"][1]
+    if "peak" in linear:    # a product the runner adds reaches beyond the 8-bit parts' range
+        peak = Encoding(**linear["peak"]["out"])
+        low, high = low + peak.floor, high + peak.floor + peak.codes[1] * peak.scale
     return step, low, high
 
 
