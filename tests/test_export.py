@@ -311,6 +311,26 @@ def test_bad_artefacts_and_prompts_are_refused(exported, tmp_path):
         PteRunner(other)
 
 
+def test_a_method_the_runtime_cannot_load_is_one_line(exported, monkeypatch):
+    """A delegate that refuses to initialise a method (the HTP simulator out of memory for a
+    chunk-1,024 program's contexts) says why only in its log; the runner names the method in one
+    line instead of a traceback from ExecuTorch."""
+    from executorch.runtime import Program
+
+    meta = PteRunner(exported[0]).meta
+    method = meta["subgraphs"][3]["method"]
+    load = Program.load_method
+
+    def refuse(self, name):
+        if name == method:
+            raise RuntimeError(f"Failed to load method {name}, error: 0x:1")
+        return load(self, name)
+    monkeypatch.setattr(Program, "load_method", refuse)
+    with pytest.raises(LlmNpuError) as err:
+        PteRunner(exported[0])
+    assert f"method {method} did not load" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
     ids = torch.randint(0, 1000, (3 * CHUNK,))
     with pytest.raises(LlmNpuError, match="unknown backend 'gpu': use one of cpu-int8, qnn"):

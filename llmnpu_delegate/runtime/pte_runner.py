@@ -43,6 +43,18 @@ from .sampling import GREEDY, Sampling
 from .schedule import PROCESSORS, check_policy
 
 
+def _load_method(program, pte: Path, name: str, target: str):
+    """``program``'s method ``name``, or a one-line error: a delegate that refuses to initialise
+    a method says why only in its own log."""
+    try:
+        return program.load_method(name)
+    except RuntimeError as err:
+        # seen: the HTP simulator holds the whole-model program at chunk 256, not at chunk 1,024
+        hint = ("; each QNN method holds an HTP context, and large ones together can exhaust the HTP's memory: "
+                "export with a smaller --chunk" if target == "qnn" else "")
+        raise LlmNpuError(f"{pte}: method {name} did not load ({err}; the delegate's log above says why){hint}") from None
+
+
 def _check_arity(program, entry: dict) -> None:
     """The method exists and takes what the sidecar will give it (a malformed entry fails here, at
     load, and not inside a prompt)."""
@@ -204,13 +216,13 @@ class PteRunner(ChunkRunner):
         for e in meta["subgraphs"]:
             program = self.lanes[e["processor"]]
             _check_arity(program, e)
-            method = program.load_method(e["method"])
+            method = _load_method(program, self.pte, e["method"], meta["target"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
             fn = (_norm_region_call(method, e, meta["linears"]) if e.get("form") == NORM_REGION
                   else _attention_region_call(method, e, meta["linears"]) if e.get("form") == ATTENTION_REGION
                   else _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold))
             steps.append(Step(sub, fn))
-        self._decode = runtime.load_program(self.pte).load_method(meta["decode"]["method"])
+        self._decode = _load_method(runtime.load_program(self.pte), self.pte, meta["decode"]["method"], meta["target"])
         m = meta["model"]
         kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
         program = ChunkProgram(steps, meta["graph"]["outputs"], meta["chunk_len"], kv.layers)
