@@ -67,6 +67,11 @@ class Encoding:
         """The lowest value on the grid."""
         return (self.codes[0] - self.zero) * self.scale
 
+    @property
+    def ceiling(self) -> float:
+        """The highest value on the grid."""
+        return (self.codes[1] - self.zero) * self.scale
+
     @classmethod
     def of_range(cls, lo: float, hi: float, bits: int) -> "Encoding":
         """The encoding of ``bits`` whose grid spans [lo, hi] widened to hold 0."""

@@ -145,14 +145,14 @@ def peak_grids(weight: Tensor, channels: Tensor, clip: float, normed: Encoding, 
     (and the residue grid's, which is finer). Grids taken from calibration rows instead saturated on
     other text in nearly every peak linear of the embedded model."""
     channels = channels.long()
+    if not channels.numel():
+        return Peak(channels, float(clip), Encoding.of_range(0, 0, 16), Encoding.of_range(0, 0, 16))
     reach = norm_weight.detach().float()[channels].abs() * weight.shape[1] ** 0.5 + normed.scale
-    hi = (torch.clamp(reach, max=normed.floor + normed.codes[1] * normed.scale) - clip).clamp(min=0)
+    hi = (torch.clamp(reach, max=normed.ceiling) - clip).clamp(min=0)
     lo = (torch.clamp(-reach, min=normed.floor) + clip).clamp(max=0)
     cols = weight.detach().float()[:, channels]
     product_hi = torch.maximum(cols * hi, cols * lo).sum(1)
     product_lo = torch.minimum(cols * hi, cols * lo).sum(1)
-    if not channels.numel():
-        return Peak(channels, float(clip), Encoding.of_range(0, 0, 16), Encoding.of_range(0, 0, 16))
     return Peak(channels, float(clip), Encoding.of_range(float(lo.min()), float(hi.max()), 16),
                 Encoding.of_range(float(product_lo.min()), float(product_hi.max()), 16))
 

@@ -85,7 +85,7 @@ def output_encoding(linear: dict, width: int, weight: Tensor | None = None,
         step[chans], low[chans], high[chans] = enc["scale"], enc["range"][0], enc["range"][1]
     if "peak" in linear:    # a product the runner adds reaches beyond the 8-bit parts' range
         peak = Encoding(**linear["peak"]["out"])
-        low, high = low + peak.floor, high + peak.floor + peak.codes[1] * peak.scale
+        low, high = low + peak.floor, high + peak.ceiling
     return step, low, high
 
 
