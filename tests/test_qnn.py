@@ -151,7 +151,11 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     encodings) on Qualcomm's simulator against the engine, then a whole prefill from the .pte alone."""
     from conftest import TINY_CHUNK as CHUNK
 
+    qsdk.activate()
+    from executorch.backends.qualcomm.serialization.qc_schema_serialize import flatbuffer_to_option
+
     from llmnpu_delegate.lower.export_config import ExportConfig
+    from llmnpu_delegate.lower.program_writer import delegate_specs
     from llmnpu_delegate.lower.pte import export_pte
     from llmnpu_delegate.runtime.pte_runner import PteRunner
     from llmnpu_delegate.runtime.validate import validate_pte
@@ -165,6 +169,10 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
                          ExportConfig(target="qnn", soc="SM8650", context=4 * CHUNK, decode="fp32"),
                          progress=False)
     assert summary["npu_methods"] >= 8 and summary["pte_bytes"] > 0 and summary["soc"] == "SM8650"
+    # its contexts may share one spill-fill buffer (each asks for the same size: here none spills)
+    htp = [flatbuffer_to_option(s.value).backend_options.htp_options
+           for _, backend, specs in delegate_specs(tmp_path / "tiny.pte") if backend == "QnnBackend" for s in specs]
+    assert len(htp) >= 8 and all(o.use_multi_contexts for o in htp) and len({o.max_sf_buf_size for o in htp}) == 1
     runner = PteRunner(tmp_path / "tiny.pte")
     report = validate_pte(tmp_path / "tiny.pte", engine, ids, runner=runner)
     worst = min(r["within_2_steps"] for r in report["linears"])
@@ -192,6 +200,76 @@ def test_qnn_pte_on_the_simulator_matches_cpu_int8(engine, tmp_path):
     ref = runner(ids[:40]).logits.numpy()
     logits = np.fromfile(tmp_path / "l.bin", dtype="<f4")[:ref.size]      # the prompt's row; decode's follow
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-6)
+
+
+def test_a_programs_contexts_reserve_one_spill_fill_buffer_the_size_of_the_largest():
+    """Each HTP context, lowered, records the spill-fill buffer it needs; in the program all of them
+    then ask for the largest, which the runtime reserves once for every context (ExecuTorch's
+    multi-contexts), and the XNNPACK calls beside them are left as they were."""
+    qsdk.activate()
+    from executorch.backends.qualcomm.serialization.qc_schema_serialize import (
+        flatbuffer_to_option,
+        option_to_flatbuffer,
+    )
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+    )
+    from executorch.exir.schema import CompileSpec
+
+    from llmnpu_delegate import backends
+    from llmnpu_delegate.backends.qnn import BACKEND_ID, SPEC_KEY, check_soc
+
+    (spec,) = generate_qnn_executorch_compiler_spec(
+        soc_model=check_soc("SM8650"), backend_options=generate_htp_compiler_spec(use_fp16=False, use_multi_contexts=True))
+    assert spec.key == SPEC_KEY
+
+    def qnn_call(size):
+        option = flatbuffer_to_option(spec.value)
+        option.backend_options.htp_options.max_sf_buf_size = size
+        return BACKEND_ID, [CompileSpec(SPEC_KEY, option_to_flatbuffer(option))]
+
+    delegates = [qnn_call(0), qnn_call(19 << 20), ("XnnpackBackend", [CompileSpec("x", b"kept")]), qnn_call(3 << 20)]
+    backends.get("qnn").join(delegates)
+    htp = [flatbuffer_to_option(s.value).backend_options.htp_options for b, specs in delegates if b == BACKEND_ID
+           for s in specs]
+    assert [o.max_sf_buf_size for o in htp] == [19 << 20] * 3 and all(o.use_multi_contexts for o in htp)
+    assert delegates[2][1][0].value == b"kept"
+
+
+def test_when_the_htp_cannot_hold_every_context_the_npu_methods_load_per_call(htp_fine, monkeypatch, caplog):
+    """A program whose contexts do not fit in the HTP's memory together (a chunk-1,024 one on the
+    simulator) still runs: the runner then loads each NPU method from a program of its own when it is
+    called, and computes bit for bit what the resident methods compute. The fake HTP below holds 3
+    contexts per program, as the runtime frees them only with their program (measured on the
+    simulator: 68 of a chunk-1,024 program's 137 load into one program, all 137 one program each)."""
+    from executorch.runtime import Program
+
+    from llmnpu_delegate.runtime import pte_runner
+
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5))
+    resident = pte_runner.PteRunner(htp_fine)
+    want = resident(ids)
+    assert not resident.npu_on_call
+    del resident
+    npu = {e["method"] for e in json.loads(htp_fine.with_suffix(".json").read_text())["subgraphs"]
+           if e["processor"] == "npu"}
+    load, held = Program.load_method, {}
+
+    def small_htp(self, name):
+        if name in npu:
+            held[id(self)] = held.get(id(self), 0) + 1
+            if held[id(self)] > 3:
+                raise RuntimeError(f"Failed to load method {name}, error: 0x:1")
+        return load(self, name)
+    monkeypatch.setattr(Program, "load_method", small_htp)
+    with caplog.at_level("WARNING", logger=pte_runner.__name__):
+        runner = pte_runner.PteRunner(htp_fine)
+    assert runner.npu_on_call and len(npu) > 3
+    assert "does not hold all of" in caplog.text and "load when called" in caplog.text
+    got = runner(ids)
+    assert torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got.past_k + got.past_v, want.past_k + want.past_v))
 
 
 def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engine, htp_fine, tmp_path):

@@ -237,6 +237,9 @@ class CpuInt8:
         ep = torch.export.export(graph, example, strict=False)     # a converted graph: no Python to trace
         return to_edge_transform_and_lower({method: ep}, partitioner=[XnnpackPartitioner()])
 
+    def join(self, delegates: list) -> None:
+        pass                  # XNNPACK's delegate calls share nothing across methods
+
     def prepare_runtime(self) -> None:
         pass
 

@@ -17,6 +17,7 @@ from ..qnn.sdk import activate, native_env
 from .registry import register
 
 DEFAULT_SOC = "SM8650"     # Snapdragon 8 Gen 3, the paper's device
+BACKEND_ID, SPEC_KEY = "QnnBackend", "qnn_compile_spec"     # ExecuTorch's names for the delegate and its options
 
 
 def _quiet_qualcomm_logs() -> None:
@@ -50,13 +51,18 @@ def to_qnn_edge(method: str, graph, example: tuple, soc: str = DEFAULT_SOC):
         generate_htp_compiler_spec,
         generate_qnn_executorch_compiler_spec,
         to_edge_transform_and_lower_to_qnn,
+        update_spill_fill_size,
     )
 
     _quiet_qualcomm_logs()
-    specs = generate_qnn_executorch_compiler_spec(soc_model=chipset,
-                                                  backend_options=generate_htp_compiler_spec(use_fp16=False))
+    # multi-contexts: the program's contexts may share one spill-fill buffer (``Qnn.join``), the
+    # method's own size recorded in its spec here, as ExecuTorch's ``update_spill_fill_size`` does
+    options = generate_htp_compiler_spec(use_fp16=False, use_multi_contexts=True)
+    specs = generate_qnn_executorch_compiler_spec(soc_model=chipset, backend_options=options)
     with _keeping_onednn():     # its QnnManager turns oneDNN off on AMD hosts, each lowering
-        return to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
+        edge = to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
+        update_spill_fill_size(edge.exported_program(method))
+    return edge
 
 
 @register
@@ -95,6 +101,23 @@ class Qnn:
 
     def lower(self, method: str, graph, example: tuple, soc: str | None):
         return to_qnn_edge(method, graph, example, soc or DEFAULT_SOC)
+
+    def join(self, delegates: list) -> None:
+        """One spill-fill buffer for all the program's contexts, as large as the largest asks: each
+        context alone reserves its own, and at chunk 1,024 (attention's 16-bit scores, ~19 MB a
+        context) the HTP simulator ran out of memory after 68 of 137 contexts."""
+        from executorch.backends.qualcomm.serialization.qc_schema_serialize import (
+            flatbuffer_to_option,
+            option_to_flatbuffer,
+        )
+
+        specs = [s for backend, specs in delegates if backend == BACKEND_ID for s in specs if s.key == SPEC_KEY]
+        options = [flatbuffer_to_option(s.value) for s in specs]
+        largest = max((o.backend_options.htp_options.max_sf_buf_size for o in options), default=0)
+        for spec, option in zip(specs, options):
+            if option.backend_options.htp_options.max_sf_buf_size != largest:
+                option.backend_options.htp_options.max_sf_buf_size = largest
+                spec.value = option_to_flatbuffer(option)
 
     def prepare_runtime(self) -> None:
         activate()            # the QNN libraries (and the shim) before the program loads

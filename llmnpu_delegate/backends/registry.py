@@ -12,7 +12,9 @@ A backend is one class, registered under one name, that answers for every stage 
 - export: ``check_target(soc)`` before anything slow, ``quantizer(ours)`` wraps our encodings in
   the quantizer its delegate needs, ``lower(method, graph, example, soc)`` lowers one quantized
   NPU subgraph to one delegate call named ``method``, whose outputs are requantized to 8 bits or
-  left float (``output_bits``: ``lower/npu_subgraphs.py``);
+  left float (``output_bits``: ``lower/npu_subgraphs.py``); ``join(delegates)`` edits, before the
+  program is written, the compile specs of all its delegate calls (``(backend id, specs)`` pairs)
+  where the calls of one program share something at run time;
 - the runners: ``prepare_runtime()`` before a program of this backend is loaded in Python,
   ``native_env()`` the environment the C++ runner needs.
 
@@ -45,6 +47,8 @@ class NpuBackend(Protocol):
     def quantizer(self, ours): ...
 
     def lower(self, method: str, graph, example: tuple, soc: str | None): ...
+
+    def join(self, delegates: list) -> None: ...
 
     def prepare_runtime(self) -> None: ...
 

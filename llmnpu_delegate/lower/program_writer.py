@@ -101,6 +101,12 @@ class ProgramWriter:
     def methods(self) -> list[str]:
         return [p.name for p in self._plans]
 
+    @property
+    def delegates(self) -> list:
+        """``(backend id, compile specs)`` of every delegate call of the methods added so far; the
+        specs are the program's own, edited in place before ``write``."""
+        return [(d.id, d.compile_specs) for plan in self._plans for d in plan.delegates]
+
     def add(self, method: EmittedMethod, name: str | None = None) -> None:
         """Take ``method`` into the program (as ``name`` if given: identical programs are emitted once
         and named after the first subgraph that uses them)."""
@@ -156,21 +162,36 @@ class ProgramWriter:
         return {"bytes": size, "sha256": digest.hexdigest(), "named_data": named_data_offsets(path)}
 
 
-def named_data_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """Key -> (byte offset in the file, size) of each named data entry of the ``.pte`` at ``path``,
-    read from its header and program table (the segments themselves are not read)."""
+def _program_table(path: Path):
+    """The ``.pte`` at ``path``'s extended header and program table (its segments are not read), or
+    None for a file without that header."""
     from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
 
     with open(path, "rb") as f:
-        head = f.read(64)
-        header = _get_extended_header(head)
+        header = _get_extended_header(f.read(64))
         if header is None or not header.is_valid():
-            return {}
+            return None
         f.seek(0)
-        program = _flatbuffer_to_program(f.read(header.program_size))
+        return header, _flatbuffer_to_program(f.read(header.program_size))
+
+
+def named_data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Key -> (byte offset in the file, size) of each named data entry of the ``.pte`` at ``path``."""
+    table = _program_table(path)
+    if table is None:
+        return {}
+    header, program = table
     segments = program.segments
     return {d.key: (header.segment_base_offset + segments[d.segment_index].offset, segments[d.segment_index].size)
             for d in program.named_data}
+
+
+def delegate_specs(path: Path) -> list[tuple[str, str, list]]:
+    """``(method, backend id, compile specs)`` of every delegate call of the ``.pte`` at ``path``."""
+    table = _program_table(path)
+    if table is None:
+        raise LlmNpuError(f"{path} is not an ExecuTorch program: export it again")
+    return [(plan.name, d.id, d.compile_specs) for plan in table[1].execution_plan for d in plan.delegates]
 
 
 def _intern(table: list, at: dict, item, data: bytes) -> int:

@@ -243,6 +243,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             if results[i]["method"] is not None:
                 writer.add(spool.take(results.pop(i)["method"]), name=table[i]["method"])
         writer.add(spool.take(results.pop(DECODE_JOB)["method"]))
+        backends.get(target).join(writer.delegates)
     bar.set_postfix_str(f"writing {len(writer.methods)} methods")
     with _timed(stages, "write"):
         tok_meta = _write_tokenizer(tokenizer, tokenizer_path(out)) if tokenizer is not None else None

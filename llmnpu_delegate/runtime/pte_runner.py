@@ -7,6 +7,10 @@ them with the sidecar's profile, exactly as it schedules our engine's subgraphs.
 computes its hot channels' product; when a cold channel crossed its threshold (the method's
 ``hits``), the runner adds that channel's product with rows read from the cold rows file.
 
+Where the NPU's memory cannot hold every method's context at once (the HTP simulator's x86 runtime
+reserves each context's spill-fill buffer apart, and a chunk-1,024 QNN program's do not fit
+together), the NPU methods are loaded when called and released after (``_MethodOnCall``).
+
 Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode_method.py``
 says why), filled once from the prefill; each step writes the new token's K/V in place.
 
@@ -15,6 +19,7 @@ No model, weights or calibration are loaded from anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,16 @@ from .program import ChunkProgram, Step
 from .sampling import GREEDY, Sampling
 from .schedule import PROCESSORS, check_policy
 
+log = logging.getLogger(__name__)
+
+
+class MethodLoadError(LlmNpuError):
+    """The runtime refused to load ``method`` (its delegate's log says why)."""
+
+    def __init__(self, message: str, method: str):
+        super().__init__(message)
+        self.method = method
+
 
 def _load_method(program, pte: Path, name: str, target: str):
     """``program``'s method ``name``, or a one-line error: a delegate that refuses to initialise
@@ -49,10 +64,22 @@ def _load_method(program, pte: Path, name: str, target: str):
     try:
         return program.load_method(name)
     except RuntimeError as err:
-        # seen: the HTP simulator holds the whole-model program at chunk 256, not at chunk 1,024
-        hint = ("; each QNN method holds an HTP context, and large ones together can exhaust the HTP's memory: "
+        hint = ("; each QNN method holds an HTP context, and this one does not fit in the HTP's memory even alone: "
                 "export with a smaller --chunk" if target == "qnn" else "")
-        raise LlmNpuError(f"{pte}: method {name} did not load ({err}; the delegate's log above says why){hint}") from None
+        raise MethodLoadError(f"{pte}: method {name} did not load ({err}; the delegate's log above says "
+                              f"why){hint}", name) from None
+
+
+class _MethodOnCall:
+    """Method ``name`` of the ``.pte`` loaded from a program of its own for each call and released
+    after it: the runtime frees a method's delegate state (an HTP context) only with its program."""
+
+    def __init__(self, runtime, pte: Path, name: str, target: str):
+        self._load = lambda: _load_method(runtime.load_program(pte), pte, name, target)
+        self._load()            # it must load alone: a failure belongs at load, not inside a prompt
+
+    def execute(self, inputs) -> list:
+        return self._load().execute(inputs)         # outputs are copies: nothing outlives the program
 
 
 def _check_arity(program, entry: dict) -> None:
@@ -211,22 +238,42 @@ class PteRunner(ChunkRunner):
         # of the arena before it returns. Decode gets a program of its own, as in the native runner
         # (sharing the CPU worker's arena slowed its step there).
         runtime = Runtime.get()
-        self.lanes = {p: runtime.load_program(self.pte) for p in PROCESSORS}
-        steps = []
-        for e in meta["subgraphs"]:
-            program = self.lanes[e["processor"]]
-            _check_arity(program, e)
-            method = _load_method(program, self.pte, e["method"], meta["target"])
-            sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
-            fn = (_norm_region_call(method, e, meta["linears"]) if e.get("form") == NORM_REGION
-                  else _attention_region_call(method, e, meta["linears"]) if e.get("form") == ATTENTION_REGION
-                  else _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold))
-            steps.append(Step(sub, fn))
+        try:
+            steps, refused = self._steps(runtime, meta, npu_on_call=False), None
+        except MethodLoadError as err:
+            if meta["target"] != "qnn":
+                raise
+            steps, refused = None, err.method       # the error's frames, which hold the methods, go with it
+        if steps is None:
+            self.lanes = None       # the lane programs, and with them every context loaded so far
+            log.warning("the NPU's memory does not hold all of %s's contexts at once (%s did not load beside the "
+                        "others): its NPU methods load when called, which is slower", self.pte.name, refused)
+            steps = self._steps(runtime, meta, npu_on_call=True)
         self._decode = _load_method(runtime.load_program(self.pte), self.pte, meta["decode"]["method"], meta["target"])
         m = meta["model"]
         kv = KVShape(m["layers"], m["kv_heads"], m["head_dim"])
         program = ChunkProgram(steps, meta["graph"]["outputs"], meta["chunk_len"], kv.layers)
         return program, kv, Profile.from_dict(meta["profile"], program) if meta["profile"] else None
+
+    def _steps(self, runtime, meta: dict, npu_on_call: bool) -> list:
+        """One step per subgraph of the sidecar's table, each calling its method of its lane's program
+        (``npu_on_call``: the NPU lane's methods loaded for each call instead)."""
+        self.lanes = {p: runtime.load_program(self.pte) for p in PROCESSORS}
+        self.npu_on_call = npu_on_call
+        steps = []
+        for e in meta["subgraphs"]:
+            program = self.lanes[e["processor"]]
+            _check_arity(program, e)
+            if npu_on_call and e["processor"] == "npu":
+                method = _MethodOnCall(runtime, self.pte, e["method"], meta["target"])
+            else:
+                method = _load_method(program, self.pte, e["method"], meta["target"])
+            sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])
+            fn = (_norm_region_call(method, e, meta["linears"]) if e.get("form") == NORM_REGION
+                  else _attention_region_call(method, e, meta["linears"]) if e.get("form") == ATTENTION_REGION
+                  else _npu_call(method, e, meta["linears"]) if _linears_only(e) else _cpu_call(method, e, self.cold))
+            steps.append(Step(sub, fn))
+        return steps
 
     def row_stores(self) -> list:
         return list(self.cold.stores.values())

@@ -407,8 +407,10 @@ void LoadedProgram::load_prefill() {
     auto err = module.load_method(sub.method, arenas_[lane].allocator());
     if (err != executorch::runtime::Error::Ok)
       throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
-                       "): is it a program from llmnpu export? A QNN program needs " +
-                       platform::backend_library_hint());
+                       "; the delegate's log above says why): a QNN program needs " +
+                       platform::backend_library_hint() +
+                       ", and all its HTP contexts in the HTP's memory at once (the HTP simulator does not "
+                       "hold a chunk-1,024 program's; the Python runner loads them per call there)");
   }
 }
 
