@@ -451,6 +451,26 @@ def test_outsized_output_channels_get_their_own_encoding():
     assert quality[True][1] > 25, quality
 
 
+def test_the_split_of_outsized_channels_does_not_depend_on_the_calibration_rows():
+    """Ordinary channels with a heavy tail (Student's t, 3 degrees): their maxima grow with the rows,
+    from ~13 on 768 to ~21 on 3,072 (three chunks of 256 or of 1,024). Two channels reach 150 on one
+    row (a sink token), whatever the count. Both counts split those two off: measured against the
+    channels' maxima, the longer calibration would not (150 < 8 x 21), and the rest of the output
+    would keep a step 3x coarser."""
+    from llmnpu_delegate.lower.npu_subgraphs import output_groups
+
+    torch.manual_seed(0)
+    rows = torch.distributions.StudentT(3.0).sample((3072, 64))
+    rows[0, [3, 9]] = 150.0
+    lin = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(64))
+    for n in (768, 3072):
+        groups = output_groups(lin, rows[:n])
+        assert groups and {3, 9} <= set(groups[0]), (n, groups)
+        assert len(groups[0]) < 8, (n, groups)        # the outsized few, not the bulk
+
+
 def test_float_outputs_are_the_integer_product_of_our_codes():
     """A float-output NPU method (``output_bits=32``) on XNNPACK against the integer product computed
     here: our static codes of the input (clamp(round(x / s), +-127)) times our INT8 weights, in units

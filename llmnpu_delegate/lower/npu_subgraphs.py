@@ -19,6 +19,7 @@ XNNPACK's INT8 kernels, the same artefact without Qualcomm libraries).
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -38,9 +39,13 @@ from .xnnpack_forms import int8_weights_as_rows, mark_as_rows
 
 
 # Output channels are peeled off a linear's output, largest range first, while the largest left
-# exceeds BULK x the median channel's; each peel takes the channels within WIDTH of its largest and
-# becomes an output of its own, with its own encoding. At most MAX_GROUPS peels per linear.
-BULK = 8.0
+# exceeds BULK x the median channel's BULK_QUANTILE |value|; each peel takes the channels within WIDTH
+# of its largest and becomes an output of its own, with its own encoding. At most MAX_GROUPS peels per
+# linear. The bulk is measured by a quantile, not a maximum: an ordinary channel's maximum grows with
+# the calibration's rows (three chunks: the chunk length sets them), its quantile does not, and a
+# split that comes and goes with the chunk length changed the step of the rest up to 4x.
+BULK = 12.0
+BULK_QUANTILE = 0.99
 WIDTH = 4.0
 MAX_GROUPS = 8
 
@@ -63,8 +68,11 @@ def output_groups(linear: nn.Linear, rows: Tensor) -> list[list[int]]:
     share an output (and its encoding) of their own; the runner puts them back in place.
     """
     with torch.no_grad():
-        span = F.linear(rows, linear.weight, linear.bias).abs().amax(0)
-    bulk = BULK * float(span.median())
+        out = F.linear(rows, linear.weight, linear.bias).abs()
+    span = out.amax(0)
+    # kthvalue, not torch.quantile: no limit on the number of elements
+    typical = out.kthvalue(max(1, math.ceil(BULK_QUANTILE * out.shape[0])), dim=0).values
+    bulk = BULK * float(typical.median())
     rest = span.argsort(descending=True)
     groups: list[list[int]] = []
     while len(groups) < MAX_GROUPS and float(span[rest[0]]) > bulk:
