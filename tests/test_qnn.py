@@ -272,6 +272,22 @@ def test_when_the_htp_cannot_hold_every_context_the_npu_methods_load_per_call(ht
     assert all(torch.equal(a, b) for a, b in zip(got.past_k + got.past_v, want.past_k + want.past_v))
 
 
+def test_the_native_runner_says_in_one_line_what_a_qnn_method_it_cannot_load_needs(htp_fine):
+    """Without QNN's libraries in the loader's path (a user who starts the binary by hand) the first NPU
+    method fails to load inside ExecuTorch's delegate: the runner's one line names the method and both
+    things a QNN program needs, the libraries and the HTP's memory for all its contexts."""
+    from llmnpu_delegate.format.sidecar import load_sidecar
+    from llmnpu_delegate.runtime.native import find_runner, run_native
+
+    meta = load_sidecar(htp_fine)
+    # run_native gives the binary QNN's libraries; `env -u` takes them away again
+    with pytest.raises(LlmNpuError) as err:
+        run_native(htp_fine, [1, 2, 3], meta, 1, binary=["env", "-u", "LD_LIBRARY_PATH", str(find_runner())])
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("native runner: cannot load method npu_"), message
+    assert "LD_LIBRARY_PATH" in message and "HTP contexts" in message, message
+
+
 def test_second_encodings_in_their_qnn_form_bring_the_merged_outputs_closer(engine, htp_fine, tmp_path):
     """The second, finer encodings (uint8 with a zero point in the program, as QNN takes them) on
     Qualcomm's simulator:
