@@ -95,3 +95,24 @@ def test_json_output_stays_json_when_a_native_library_writes_to_stdout():
     done = run_python(script)
     assert done.stdout == '{"ok": 1}\nplain\n'
     assert "LIBNATIVE: chatter" in done.stderr and "a progress line" in done.stderr
+
+
+def test_a_table_keeps_stdout_and_a_stream_keeps_its_tokens_when_a_native_library_writes():
+    """Without --json too, a command that prints its result at the end (eval's table) sends what a
+    native library writes to stdout to stderr; one that streams its tokens (run, chat) keeps
+    stdout, the library's line and all."""
+    script = ("import os, sys\n"
+              "from llmnpu_delegate import cli\n"
+              "from llmnpu_delegate.cli import info, run\n"
+              "def noisy(args):\n"
+              "    os.write(1, b' # LIBNATIVE: chatter\\n')\n"
+              "    print('a token', flush=True)\n"
+              "    args.text = 'the table'\n"
+              "    return {}\n"
+              "info.cmd_info = run.cmd_run = noisy\n"
+              "cli.main([sys.argv[1], *sys.argv[2:]])\n")
+    table = run_python(script, "info")
+    assert table.stdout == "the table\n", table.stdout
+    assert "LIBNATIVE: chatter" in table.stderr and "a token" in table.stderr
+    stream = run_python(script, "run", "--prompt", "hi")
+    assert stream.stdout == " # LIBNATIVE: chatter\na token\nthe table\n", stream.stdout

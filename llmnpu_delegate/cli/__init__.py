@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 @contextmanager
 def _native_output_to_stderr(active: bool):
     """While ``active``: what native libraries write to the process's stdout (the QNN libraries print
-    a line as they load) goes to stderr, so that ``--json`` output stays JSON."""
+    a line as they load) goes to stderr, so that stdout holds the command's result alone."""
     if not active:
         yield
         return
@@ -57,7 +57,8 @@ def _native_output_to_stderr(active: bool):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _native_output_to_stderr(bool(getattr(args, "json", False))):
+        # a command that streams to stdout as it goes (run, chat) keeps it unless asked for JSON
+        with _native_output_to_stderr(bool(getattr(args, "json", False)) or not getattr(args, "streams", False)):
             result = args.func(args)
     except LlmNpuError as e:
         print(f"llmnpu: error: {e}", file=sys.stderr)

@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", choices=["auto", "int8", "fp32"], default="auto", help="decode (as for llmnpu run)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="no streaming; print every turn's record as one JSON object")
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, streams=True)
 
 
 _MODEL_OPTIONS = ("model", "backend", "quant", "pruning_rate", "chunk", "placement")

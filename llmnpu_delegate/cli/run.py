@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
                    help="write the prefill's Chrome/Perfetto trace and timeline PNG into DIR")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--json", action="store_true", help="no streaming; print the text and summary as one JSON object")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, streams=True)
 
 
 def cmd_run(args) -> dict:
