@@ -36,6 +36,12 @@ class Family:
         """Every linear of a block (names relative to the block), in the order the block uses them."""
         return (*self.qkv, self.o, *self.gate_up, self.down)
 
+    def reads_a_norm(self, name: str) -> bool:
+        """Whether a linear of this family (full or block-relative name) reads a block norm's output:
+        q/k/v and gate/up. The partitioner finds the same linears in a traced graph
+        (``partitioner.regions.reads_a_norm``); a test keeps the two in step for every family."""
+        return self.role(name) in ("qkv", "up")
+
     def role(self, name: str) -> str | None:
         """``qkv``, ``o``, ``up`` or ``down`` for a linear of this family (a full or block-relative name)."""
         for role, names in (("qkv", self.qkv), ("o", (self.o,)), ("up", self.gate_up), ("down", (self.down,))):

@@ -93,7 +93,7 @@ def peak_products(lm: LoadedModel, model: nn.Module, calib=None, count: int = PE
     calib = calib if calib is not None else default_calibration(lm, progress=False)
     kept = {}
     for name, lin in model.named_modules():
-        if isinstance(lin, QuantLinear) and not lin.pruned and family.role(name) in ("qkv", "up"):
+        if isinstance(lin, QuantLinear) and not lin.pruned and family.reads_a_norm(name):
             weight = lm.model.get_submodule(name).weight
             lin.shadow_channels = kept[name] = peak_channels(calib.layers[name].channel_absmax, lin.clip, weight, count)
     return kept

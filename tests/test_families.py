@@ -39,6 +39,23 @@ def test_the_declaration_names_the_modules_of_its_models(shape):
     assert all(family.role(n) in ("qkv", "o", "up", "down") for n in linears)
 
 
+@pytest.mark.parametrize("shape", tiny_shapes())
+def test_the_norm_readers_by_name_are_the_ones_the_partitioner_finds_in_the_graph(shape):
+    """Piece ``peak`` keeps the shadow products of the linears that read a block norm inside their NPU
+    graphs: the partitioner finds them by walking the traced chunk step back from each linear, the
+    harness's numerics by the family's names. Both must name the same linears (and some, not all)."""
+    from llmnpu_delegate.chunk_step import export_chunk_step
+    from llmnpu_delegate.partitioner.regions import linear_names, reads_a_norm
+
+    lm = load_model(f"random:{shape}")
+    family = family_of(lm.model.config)
+    quantizable = quantizable_linears(lm.model)
+    graph = export_chunk_step(lm.model, CHUNK).module()
+    in_graph = {name for node, name in linear_names(graph, quantizable, prefix="model.").items() if reads_a_norm(node)}
+    by_name = {n for n in quantizable if family.reads_a_norm(n)}
+    assert in_graph == by_name and 0 < len(by_name) < len(quantizable)
+
+
 def test_unknown_families_are_refused_with_the_supported_list():
     with pytest.raises(LlmNpuError, match="unsupported architecture 'phi'.*qwen3"):
         family_of(random_config("phi-2"))        # declared for simulate only
