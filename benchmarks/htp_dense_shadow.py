@@ -121,7 +121,7 @@ def on_htp(w, dense, clip, x, y, residue, dense_w, want, soc: str) -> dict:
     converted = convert_pt2e(prepared)
     ref = converted(x)
     t = time.perf_counter()
-    edge = backends.get("qnn").lower("dense_shadow", converted, (x,), soc)
+    edge = backends.get("qnn").lower({"dense_shadow": (converted, (x,))}, soc)
     lowered = time.perf_counter() - t
     calls = [str(n.target) for n in edge.exported_program("dense_shadow").graph.nodes if n.op == "call_function"]
     got = run_method(edge, (x,))

@@ -173,9 +173,9 @@ def test_one_process_writes_the_workers_program_from_rows_on_disk_and_lets_the_e
     handed = {}
     run_jobs = pte.run_jobs
 
-    def spy(fn, state, jobs, workers, spool=None):
+    def spy(fn, state, jobs, workers, **kwargs):
         handed.update(state.rows)
-        yield from run_jobs(fn, state, jobs, workers, spool=spool)
+        yield from run_jobs(fn, state, jobs, workers, **kwargs)
 
     monkeypatch.setattr(pte, "run_jobs", spy)
     eng = tiny_engine()

@@ -26,6 +26,23 @@ def test_every_job_answered_in_batches_of_fresh_processes():
     assert [j for j, _, pid in run_jobs(_square, 0, jobs, workers=1)] == jobs
 
 
+def _group(state, job):
+    return [(j, os.getpid()) for j in job]
+
+
+def test_a_job_of_several_methods_counts_each_in_its_workers_batch():
+    """Export lowers one block's QNN methods as one job: a batch holds ``JOBS_PER_WORKER`` methods,
+    not that many jobs, so a process lowers no more than a batch of single jobs would."""
+    jobs = [(0,), *[tuple(range(k, k + 3)) for k in range(1, 40, 3)]]
+    got = [r for rs in run_jobs(_group, None, jobs, workers=2, weight=len) for r in rs]
+    assert sorted(j for j, _ in got) == list(range(40))
+    per_process = collections.Counter(pid for _, pid in got)
+    assert max(per_process.values()) == JOBS_PER_WORKER // 3 * 3        # whole jobs, as many as fit
+    # counted as one each, a process would take JOBS_PER_WORKER of them: three times the methods
+    got = [r for rs in run_jobs(_group, None, jobs, workers=2) for r in rs]
+    assert max(collections.Counter(pid for _, pid in got).values()) == 3 * JOBS_PER_WORKER
+
+
 def _fails(state, job):
     if job == 5:
         raise LlmNpuError("job 5 cannot be lowered")

@@ -213,6 +213,7 @@ class CpuInt8:
     runs_engine = True
     encodings = "xnnpack"
     uses_soc = False
+    shares_contexts = False      # XNNPACK's delegate calls are independent
     output_bits = (32, 8)    # float outputs: the engine's own numerics, at the speed of 8-bit ones
     # the engine runs each piece as the graph has it, in float, on the NPU lane's thread
     # (lower/npu_graph.py); a float-output program writes the region whole (lower/graph_methods.py)
@@ -230,12 +231,13 @@ class CpuInt8:
     def quantizer(self, ours):
         return ours
 
-    def lower(self, method: str, graph, example: tuple, soc: str | None):
+    def lower(self, graphs: dict[str, tuple], soc: str | None):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import to_edge_transform_and_lower
 
-        ep = torch.export.export(graph, example, strict=False)     # a converted graph: no Python to trace
-        return to_edge_transform_and_lower({method: ep}, partitioner=[XnnpackPartitioner()])
+        # converted graphs: no Python to trace
+        eps = {method: torch.export.export(graph, example, strict=False) for method, (graph, example) in graphs.items()}
+        return to_edge_transform_and_lower(eps, partitioner=[XnnpackPartitioner()])
 
     def join(self, delegates: list) -> None:
         pass                  # XNNPACK's delegate calls share nothing across methods

@@ -43,9 +43,12 @@ def check_soc(soc: str):
     return table[soc]
 
 
-def to_qnn_edge(method: str, graph, example: tuple, soc: str = DEFAULT_SOC):
-    """A converted (pt2e) graph lowered whole to one HTP context binary for ``soc``, as ``method``
-    (the binary's graph carries the method's name: the runtime looks it up by that name)."""
+def to_qnn_edge(graphs: dict[str, tuple], soc: str = DEFAULT_SOC):
+    """Converted (pt2e) graphs (method name -> (graph, example inputs)), each lowered whole, all into
+    one HTP context binary for ``soc`` (ExecuTorch's multi-method lowering: ``preprocess_multimethod``).
+    Every method's delegate call carries that same binary, which the program stores once; each graph
+    carries its method's name, by which the runtime runs it, and the runtime loads the context once,
+    for the first of its methods to load (its cached delegate handle serves the others)."""
     chipset = check_soc(soc)
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,
@@ -56,12 +59,14 @@ def to_qnn_edge(method: str, graph, example: tuple, soc: str = DEFAULT_SOC):
 
     _quiet_qualcomm_logs()
     # multi-contexts: the program's contexts may share one spill-fill buffer (``Qnn.join``), the
-    # method's own size recorded in its spec here, as ExecuTorch's ``update_spill_fill_size`` does
+    # context's own size recorded in its spec here, as ExecuTorch's ``update_spill_fill_size`` does
     options = generate_htp_compiler_spec(use_fp16=False, use_multi_contexts=True)
     specs = generate_qnn_executorch_compiler_spec(soc_model=chipset, backend_options=options)
     with _keeping_onednn():     # its QnnManager turns oneDNN off on AMD hosts, each lowering
-        edge = to_edge_transform_and_lower_to_qnn({method: graph}, {method: example}, {method: specs})
-        update_spill_fill_size(edge.exported_program(method))
+        edge = to_edge_transform_and_lower_to_qnn({m: g for m, (g, _) in graphs.items()},
+                                                  {m: e for m, (_, e) in graphs.items()}, dict.fromkeys(graphs, specs))
+        for method in graphs:
+            update_spill_fill_size(edge.exported_program(method))
     return edge
 
 
@@ -72,6 +77,7 @@ class Qnn:
     runs_engine = False
     encodings = "qnn"
     uses_soc = True
+    shares_contexts = True
     output_bits = (8,)       # HTP's FullyConnected gives 8-bit inputs 8-bit outputs only (tried: 16 refused)
     # HTP runs each piece in a static graph; attention against the fixed K/V window of the context
     pieces = {
@@ -99,8 +105,8 @@ class Qnn:
         quantizer.add_custom_quant_annotations(tuple(a.annotate for a in (ours, *more)))   # replaces, not adds
         return quantizer
 
-    def lower(self, method: str, graph, example: tuple, soc: str | None):
-        return to_qnn_edge(method, graph, example, soc or DEFAULT_SOC)
+    def lower(self, graphs: dict[str, tuple], soc: str | None):
+        return to_qnn_edge(graphs, soc or DEFAULT_SOC)
 
     def join(self, delegates: list) -> None:
         """One spill-fill buffer for all the program's contexts, as large as the largest asks: each

@@ -10,9 +10,11 @@ A backend is one class, registered under one name, that answers for every stage 
   subgraphs to runnable regions (``lower_npu``) and binds shadow paths (``shadow_module``); a
   backend without a host engine (``runs_engine = False``: a real NPU's, such as QNN) refuses it;
 - export: ``check_target(soc)`` before anything slow, ``quantizer(ours)`` wraps our encodings in
-  the quantizer its delegate needs, ``lower(method, graph, example, soc)`` lowers one quantized
-  NPU subgraph to one delegate call named ``method``, whose outputs are requantized to 8 bits or
-  left float (``output_bits``: ``lower/npu_subgraphs.py``); ``join(delegates)`` edits, before the
+  the quantizer its delegate needs, ``lower(graphs, soc)`` lowers quantized NPU subgraphs (method
+  name -> (graph, example inputs)), each to one delegate call of its method, whose outputs are
+  requantized to 8 bits or left float (``output_bits``: ``lower/npu_subgraphs.py``); a backend that
+  ``shares_contexts`` puts the graphs of one call in one context, which its runtime loads once for
+  all their methods, so export lowers each block's NPU subgraphs together; ``join(delegates)`` edits, before the
   program is written, the compile specs of all its delegate calls (``(backend id, specs)`` pairs)
   where the calls of one program share something at run time;
 - the runners: ``prepare_runtime()`` before a program of this backend is loaded in Python,
@@ -36,6 +38,7 @@ class NpuBackend(Protocol):
     runs_engine: bool                 # whether the engine runs its NPU regions on this host
     encodings: str                    # our encodings' flavour for its delegate: "qnn" | "xnnpack"
     uses_soc: bool                    # whether export targets a SoC (--soc)
+    shares_contexts: bool             # whether the graphs lowered in one call share one context
     output_bits: tuple                # the NPU methods' output widths it can give, its default first
     pieces: dict                      # placement piece it runs on the NPU -> its ops and precision there
     missing: str                      # why the pieces it lacks stay on the CPU
@@ -46,7 +49,7 @@ class NpuBackend(Protocol):
 
     def quantizer(self, ours): ...
 
-    def lower(self, method: str, graph, example: tuple, soc: str | None): ...
+    def lower(self, graphs: dict[str, tuple], soc: str | None): ...
 
     def join(self, delegates: list) -> None: ...
 

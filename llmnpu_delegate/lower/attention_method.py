@@ -115,4 +115,4 @@ def quantized_attention(enc: AttentionEncodings, scaling: float, example: tuple)
 def lower_attention(method: str, enc: AttentionEncodings, scaling: float, example: tuple, soc: str | None = None):
     """The attention method lowered whole to one HTP context binary for ``soc``."""
     converted = quantized_attention(enc, scaling, example)
-    return backends.get("qnn").lower(method, converted, example, soc)
+    return backends.get("qnn").lower({method: (converted, example)}, soc)

@@ -47,7 +47,7 @@ from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_lin
 from .attention_method import QNN_KV_BITS, AttentionGraph, mask_value, output_of
 from .encodings import ANNOTATION, LlmNpuQuantizer, fixed_spec
 from .norm_region import annotate_norm
-from .npu_subgraphs import RegionModule, check_delegated, fixed_outputs, output_encodings, plan_names
+from .npu_subgraphs import Converted, RegionModule, fixed_outputs, lower_converted, output_encodings, plan_names
 
 REGION = "linears.region."      # RegionModule's path inside the static graph
 
@@ -371,17 +371,24 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
     return convert_pt2e(prepared), example
 
 
-def lower_attention_region(method: str, partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
-                           enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
-                           spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple], soc: str | None):
-    """The region lowered to one HTP context binary; returns (edge program manager, the encodings of
-    its linears' outputs, as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
+def convert_attention_region(method: str, partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
+                             enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
+                             spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple]):
+    """The region ready to lower to HTP; returns (``Converted``, the encodings of its linears' outputs,
+    as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
     graph, example = quantized_attention_region(partition, sub, shape, enc, norms, linears, spec, plans, granularity,
                                                 calib)
     encodings = output_encodings(graph, 2 + len(shape.others)) if spec is not None else []
-    edge = backends.get("qnn").lower(method, graph, example, soc)
-    check_delegated(edge, spec if spec is not None else RegionSpec(method, [], [], []), "qnn")
-    return edge, encodings
+    return Converted(spec if spec is not None else RegionSpec(method, [], [], []), graph, example), encodings
+
+
+def lower_attention_region(method: str, partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
+                           enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
+                           spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple], soc: str | None):
+    """The region lowered alone to one HTP context binary; returns (edge program manager, its encodings)."""
+    converted, encodings = convert_attention_region(method, partition, sub, shape, enc, norms, linears, spec, plans,
+                                                    granularity, calib)
+    return lower_converted([converted], "qnn", soc), encodings
 
 
 def attention_rows(partition: Partition, sub: Subgraph, shape: AttentionRegionShape, enc: AttentionEncodings,

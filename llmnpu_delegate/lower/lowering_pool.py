@@ -88,11 +88,13 @@ def _dump(value, path: str) -> None:
     os.rename(path + ".tmp", path)
 
 
-def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.PathLike | None = None) -> Iterator:
+def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.PathLike | None = None,
+             weight: Callable = lambda job: 1) -> Iterator:
     """``fn(state, job)`` for every job, results as they finish; in this process if ``workers`` is 1.
 
     The first job is taken to be the longest and runs alone in its process; the others go in batches
-    of ``JOBS_PER_WORKER``, each batch in a fresh process: what lowering leaves behind in a process
+    of ``JOBS_PER_WORKER`` (by ``weight``: a job that lowers several methods counts each), each batch
+    in a fresh process: what lowering leaves behind in a process
     (the decode step's ~1.5 GiB, native memory of the delegate's compiler) goes with it. A worker
     that dies (the out-of-memory killer) or fails stops the export with an error, never a wait.
 
@@ -119,8 +121,10 @@ def run_jobs(fn: Callable, state, jobs: Iterable, workers: int, spool: str | os.
             if not ready:
                 _reap(live)
                 while len(live) < workers and pending:
-                    batch = [pending.pop() for _ in range(1 if done == 0 and not live else
-                                                          min(JOBS_PER_WORKER, len(pending)))]
+                    batch = [pending.pop()]
+                    while (done or live) and pending and sum(weight(j) for _, j in batch) + weight(pending[-1][1]) \
+                            <= JOBS_PER_WORKER:
+                        batch.append(pending.pop())
                     worker = ctx.Process(target=_work, args=(fn, state, batch, folder), daemon=True)
                     worker.start()
                     live.append(worker)

@@ -63,4 +63,4 @@ def quantized_norm(enc: NormEncodings, weight: Tensor, eps: float, example: tupl
 
 def lower_norm(method: str, enc: NormEncodings, weight: Tensor, eps: float, example: tuple, soc: str | None = None):
     """The norm lowered whole to one HTP context binary for ``soc``."""
-    return backends.get("qnn").lower(method, quantized_norm(enc, weight, eps, example), example, soc)
+    return backends.get("qnn").lower({method: (quantized_norm(enc, weight, eps, example), example)}, soc)

@@ -41,7 +41,7 @@ from ..partitioner.patterns import rms_norm_chains
 from ..partitioner.placement import PEAK, innermost_module
 from ..partitioner.regions import Partition, Subgraph, is_linear, peak_delta, subgraph_module, weight_name_of
 from .encodings import ANNOTATION, LlmNpuQuantizer, activation_spec, fixed_spec, weight_spec
-from .npu_subgraphs import RegionModule, check_delegated, fixed_outputs, output_encodings, plan_names
+from .npu_subgraphs import Converted, RegionModule, fixed_outputs, lower_converted, output_encodings, plan_names
 
 REGION = "region."      # RegionModule's path inside NormRegion
 
@@ -272,14 +272,21 @@ def quantized_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: l
     return convert_pt2e(prepared), example
 
 
-def lower_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: list[nn.Linear], spec: RegionSpec,
-                      plans: dict, granularity: str, calib_rows: Tensor, rows_per_call: int, soc: str | None,
-                      peaks: dict[int, Peak] | None = None):
-    """The region lowered to one HTP context binary; returns (edge program manager, the encodings of
-    RegionModule's outputs, as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
+def convert_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: list[nn.Linear], spec: RegionSpec,
+                        plans: dict, granularity: str, calib_rows: Tensor, rows_per_call: int,
+                        peaks: dict[int, Peak] | None = None):
+    """The region ready to lower to HTP; returns (``Converted``, the encodings of RegionModule's outputs,
+    as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
     graph, example = quantized_norm_region(shape, enc, linears, spec, plans, granularity, calib_rows, rows_per_call,
                                            peaks)
     encodings = output_encodings(graph)[len(shape.others):len(shape.others) + spec.outputs - len(spec.peaks)]
-    edge = backends.get("qnn").lower(spec.method, graph, example, soc)
-    check_delegated(edge, spec, "qnn")
-    return edge, encodings
+    return Converted(spec, graph, example), encodings
+
+
+def lower_norm_region(shape: NormRegionShape, enc: NormEncodings, linears: list[nn.Linear], spec: RegionSpec,
+                      plans: dict, granularity: str, calib_rows: Tensor, rows_per_call: int, soc: str | None,
+                      peaks: dict[int, Peak] | None = None):
+    """The region lowered alone to one HTP context binary; returns (edge program manager, its encodings)."""
+    converted, encodings = convert_norm_region(shape, enc, linears, spec, plans, granularity, calib_rows,
+                                               rows_per_call, peaks)
+    return lower_converted([converted], "qnn", soc), encodings

@@ -308,23 +308,45 @@ def output_encodings(graph, skip: int = 0) -> list[OutputEncoding | None]:
     return encodings
 
 
-def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
-                 calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None, output_bits: int = 8):
-    """One NPU subgraph lowered for ``target`` (``rows_per_call`` rows a call; output encodings from
-    ``calib_rows``); returns (edge program manager, its output encodings: None for float ones)."""
-    backend = backends.get(target)
+@dataclass
+class Converted:
+    """An NPU method ready to lower: its converted (pt2e) graph, example inputs, and the spec that
+    names it and its linears."""
+    spec: RegionSpec
+    graph: object
+    example: tuple
+
+
+def convert_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
+                   calib_rows: Tensor, rows_per_call: int, target: str, output_bits: int = 8):
+    """One NPU subgraph quantized for ``target`` (``rows_per_call`` rows a call; output encodings from
+    ``calib_rows``); returns (``Converted``, its output encodings: None for float ones)."""
     graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call,
                                       output_bits)
-    encodings = output_encodings(graph)
-    edge = backend.lower(spec.method, graph, example, soc)
-    check_delegated(edge, spec, target)
-    return edge, encodings
+    return Converted(spec, graph, example), output_encodings(graph)
+
+
+def lower_converted(converted: list[Converted], target: str, soc: str | None = None):
+    """``converted`` lowered for ``target`` in one call, a method each (on a backend that
+    ``shares_contexts``, their graphs in one context); returns the edge program manager."""
+    edge = backends.get(target).lower({c.spec.method: (c.graph, c.example) for c in converted}, soc)
+    for c in converted:
+        check_delegated(edge, c.spec, target)
+    return edge
+
+
+def lower_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
+                 calib_rows: Tensor, rows_per_call: int, target: str, soc: str | None = None, output_bits: int = 8):
+    """One NPU subgraph lowered alone (``convert_region``, ``lower_converted``); returns (edge program
+    manager, its output encodings)."""
+    converted, encodings = convert_region(spec, linears, plans, granularity, calib_rows, rows_per_call, target,
+                                          output_bits)
+    return lower_converted([converted], target, soc), encodings
 
 
 def check_delegated(edge, spec: RegionSpec, target: str) -> None:
     """An NPU method must be one delegate call: anything left outside would run on the CPU, in float."""
-    (name,) = edge.methods
-    left = [str(n.target) for n in edge.exported_program(name).graph.nodes
+    left = [str(n.target) for n in edge.exported_program(spec.method).graph.nodes
             if n.op == "call_function" and "executorch_call_delegate" not in str(n.target)
             and n.target is not operator.getitem]
     if left:

@@ -107,6 +107,12 @@ class ProgramWriter:
         specs are the program's own, edited in place before ``write``."""
         return [(d.id, d.compile_specs) for plan in self._plans for d in plan.delegates]
 
+    def payloads(self, methods) -> int:
+        """How many distinct delegate payloads the delegate calls of ``methods`` carry (on QNN, the
+        HTP contexts: methods lowered together share one)."""
+        methods = set(methods)
+        return len({d.processed.index for plan in self._plans if plan.name in methods for d in plan.delegates})
+
     def add(self, method: EmittedMethod, name: str | None = None) -> None:
         """Take ``method`` into the program (as ``name`` if given: identical programs are emitted once
         and named after the first subgraph that uses them)."""
@@ -192,6 +198,15 @@ def delegate_specs(path: Path) -> list[tuple[str, str, list]]:
     if table is None:
         raise LlmNpuError(f"{path} is not an ExecuTorch program: export it again")
     return [(plan.name, d.id, d.compile_specs) for plan in table[1].execution_plan for d in plan.delegates]
+
+
+def method_payloads(path: Path) -> dict[str, tuple[int, ...]]:
+    """Method -> the delegate payloads its calls carry, by index, for the ``.pte`` at ``path``: methods
+    with the same payloads share their delegate's state at run time (on QNN, one context)."""
+    table = _program_table(path)
+    if table is None:
+        raise LlmNpuError(f"{path} is not an ExecuTorch program: export it again")
+    return {plan.name: tuple(d.processed.index for d in plan.delegates) for plan in table[1].execution_plan}
 
 
 def _intern(table: list, at: dict, item, data: bytes) -> int:

@@ -64,7 +64,7 @@ from ..paths import atomic_path
 from ..quantize.decode_outliers import hot_inputs
 from . import decode_method as decode_step
 from .attention_method import mask_value
-from .attention_region import attention_region_shape, attention_rows, lower_attention_region
+from .attention_region import attention_region_shape, attention_rows, convert_attention_region
 from .cpu_subgraphs import cold_channels, export_cpu_subgraph, program_hot_channels
 from .embedding_head import quantize_dynamic
 from .export_config import ExportConfig
@@ -72,8 +72,16 @@ from .graph_methods import check_program_placement, graph_method
 from .lowering_pool import Claims, Spool, default_workers, run_jobs
 from .lowering_shortcuts import lowering_shortcuts
 from .npu_graph import holds_more_than_linears
-from .norm_region import linear_inputs, lower_norm_region, norm_region_shape, region_peaks
-from .npu_subgraphs import fine_outputs, lower_region, output_groups, part_channels, region_spec
+from .norm_region import convert_norm_region, linear_inputs, norm_region_shape, region_peaks
+from .npu_subgraphs import (
+    Converted,
+    convert_region,
+    fine_outputs,
+    lower_converted,
+    output_groups,
+    part_channels,
+    region_spec,
+)
 from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
 from .shared_methods import program_key
@@ -215,18 +223,20 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
     results = {}
     # side by side, the decode step first: the longest job, so that the other workers' many short ones
     # fill around it; alone, last, so that the progress bar moves from the start
-    jobs = [DECODE_JOB, *range(len(steps))] if workers > 1 else [*range(len(steps)), DECODE_JOB]
+    units = _lowering_units(engine, target)
+    jobs = [DECODE_JOB, *units] if workers > 1 else [*units, DECODE_JOB]
     with claims, spool, lowering_shortcuts():
         # each NPU subgraph's calibration rows wait on disk for its job: held here, they would sit in
         # the parent beside every worker (0.8 GiB for Qwen1.5-1.8B); run_jobs trims the freed heap
         state.rows = {i: spool.put(r, f"rows-{i}") for i, r in state.rows.items()}
         del rows
-        for r in run_jobs(_lower_job, state, jobs, workers, spool=out.parent):
-            results[r["job"]] = r
-            for k, v in r["stages"].items():
-                stages[k] += v
-            bar.update(decode_units if r["job"] == DECODE_JOB else 1)
-            bar.set_postfix_str(f"{r['name']} done")
+        for done in run_jobs(_lower_job, state, jobs, workers, spool=out.parent, weight=_job_weight):
+            for r in done:
+                results[r["job"]] = r
+                for k, v in r["stages"].items():
+                    stages[k] += v
+                bar.update(decode_units if r["job"] == DECODE_JOB else 1)
+                bar.set_postfix_str(f"{r['name']} done")
         # one method per distinct program, named after the first subgraph computing it; it runs on one
         # lane, and a lane runs one method at a time, so the subgraphs that share it never run at once
         writer, npu_outputs, table, method_of = ProgramWriter(), {}, [], {}
@@ -266,6 +276,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "sidecar_bytes": sidecar_path(out).stat().st_size, "target": target,
             "soc": soc if backends.get(target).uses_soc else None,
             "npu_methods": sum(e["kind"] == "npu" for e in table),
+            "npu_contexts": writer.payloads(e["method"] for e in table if e["kind"] == "npu"),
             "npu_graphs": sum(e.get("form") in FORMS for e in table),
             "npu_forms": {f: sum(e.get("form") == f for e in table) for f in FORMS},
             "cpu_methods": len({e["method"] for e in table if e["kind"] != "npu"}),
@@ -284,6 +295,31 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
 
 
 DECODE_JOB = -1
+
+
+def _lowering_units(engine, target: str) -> list:
+    """The program's steps as lowering jobs: a step's index, or on a backend that shares contexts
+    (``shares_contexts``: QNN) the NPU steps of one decoder block as a tuple, lowered in one call into
+    one context, which the runtime then loads once for all of them (ExecuTorch's Qualcomm llama
+    holds its graphs in one context likewise). One context per block, not one for the whole program:
+    the blocks still lower side by side, and a context's graphs are the ones that run together."""
+    units, blocks = [], {}
+    shared = backends.get(target).shares_contexts
+    for i, step in enumerate(engine.program.steps):
+        sub = step.sub
+        if shared and sub.kind == "npu" and sub.layer is not None:
+            if sub.layer not in blocks:
+                blocks[sub.layer] = []
+                units.append(blocks[sub.layer])
+            blocks[sub.layer].append(i)
+        else:
+            units.append(i)
+    return [tuple(u) if isinstance(u, list) else u for u in units]
+
+
+def _job_weight(job) -> int:
+    """A job's share of a worker's batch (``run_jobs``): one per method it lowers."""
+    return len(job) if isinstance(job, tuple) else 1
 
 
 @dataclass
@@ -306,34 +342,62 @@ class _Export:
     fine: bool              # 8-bit outputs held poorly by one encoding get a second one
 
 
-def _lower_job(x: _Export, job: int) -> dict:
-    """Lower and emit one method: the subgraph ``job`` of the program, or the decode step. A CPU
-    subgraph whose program another job has claimed is not lowered again (``shared_methods.py``)."""
+def _lower_job(x: _Export, job) -> list[dict]:
+    """Lower and emit the methods of one job (``_lowering_units``): the decode step, one subgraph of
+    the program, or one block's NPU subgraphs lowered together (one context). Returns a result per
+    subgraph."""
+    if job == DECODE_JOB:
+        return [_lower_decode(x)]
+    steps = job if isinstance(job, tuple) else (job,)
+    done = [_lower_step(x, i) for i in steps]
+    converted = [lowered for _, lowered in done if isinstance(lowered, Converted)]
+    if converted:
+        with _timed(done[0][0]["stages"], "npu_methods"):
+            edge = lower_converted(converted, x.target, x.soc)
+        done = [(out, edge.exported_program(out["name"]) if isinstance(lowered, Converted) else lowered)
+                for out, lowered in done]
+    for out, lowered in done:
+        if lowered is not None:
+            with _timed(out["stages"], "to_executorch"):
+                out["method"] = x.spool.put(emit_method(out["name"], lowered), out["name"])
+    return [out for out, _ in done]
+
+
+def _lower_decode(x: _Export) -> dict:
+    from executorch.exir.passes import MemoryPlanningPass
+
+    stages: dict[str, float] = {}
+    out = {"job": DECODE_JOB, "name": kv_format.METHOD, "stages": stages, "entry": {}, "npu_outputs": {},
+           "key": None, "method": None}
+    with _timed(stages, "decode"):
+        # float-output NPU methods pad their linears; the decode's INT8 linears match them byte for byte
+        pad = ([n for step in x.engine.program.steps if step.sub.kind == "npu" for n in step.sub.linears]
+               if x.output_bits == 32 else [])
+        lowered = decode_step.export_decode(x.engine.model, x.engine.kv, x.context, x.decode, x.calib_ids,
+                                            x.hot, pad, _shadowed(x.engine)).exported_program("forward")
+    with _timed(stages, "to_executorch"):
+        # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
+        out["method"] = x.spool.put(emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False)),
+                                    kv_format.METHOD)
+    return out
+
+
+def _lower_step(x: _Export, job: int) -> tuple[dict, object]:
+    """Subgraph ``job``'s result and its method: lowered (an edge program), ready to lower with the
+    others of its job (``Converted``), or None for a CPU subgraph whose program another job has
+    claimed (``shared_methods.py``)."""
     stages: dict[str, float] = {}
     out = {"job": job, "stages": stages, "entry": {}, "npu_outputs": {}, "key": None, "method": None}
-    if job == DECODE_JOB:
-        from executorch.exir.passes import MemoryPlanningPass
-        out["name"] = kv_format.METHOD
-        with _timed(stages, "decode"):
-            # float-output NPU methods pad their linears; the decode's INT8 linears match them byte for byte
-            pad = ([n for step in x.engine.program.steps if step.sub.kind == "npu" for n in step.sub.linears]
-                   if x.output_bits == 32 else [])
-            lowered = decode_step.export_decode(x.engine.model, x.engine.kv, x.context, x.decode, x.calib_ids,
-                                                x.hot, pad, _shadowed(x.engine)).exported_program("forward")
-        with _timed(stages, "to_executorch"):
-            # the decode step's K/V caches stay in the runner's memory: no copy into planned buffers per step
-            out["method"] = x.spool.put(emit_method(kv_format.METHOD, lowered, MemoryPlanningPass(alloc_graph_input=False)),
-                                        kv_format.METHOD)
-        return out
     sub = x.engine.program.steps[job].sub
     out["name"] = name = method_name(sub)
     with _timed(stages, "npu_methods" if sub.kind == "npu" else "cpu_methods"):
         if job in x.rows and holds_more_than_linears(sub) and attention_region_shape(x.engine.partition, sub):
-            lowered = _lower_attention_region(x.engine, sub, name, Spool.take(x.rows[job]), x.soc,
-                                              x.max_past + x.engine.chunk_len, out["entry"], out["npu_outputs"], x.fine)
+            lowered = _convert_attention_region(x.engine, sub, name, Spool.take(x.rows[job]),
+                                                x.max_past + x.engine.chunk_len, out["entry"], out["npu_outputs"],
+                                                x.fine)
         elif job in x.rows and holds_more_than_linears(sub):
-            lowered = _lower_norm_region(x.engine, sub, name, Spool.take(x.rows[job]), x.soc, out["entry"],
-                                         out["npu_outputs"], x.fine)
+            lowered = _convert_norm_region(x.engine, sub, name, Spool.take(x.rows[job]), out["entry"],
+                                           out["npu_outputs"], x.fine)
         elif sub.kind == "npu" and holds_more_than_linears(sub):
             lowered = graph_method(x.engine, sub, _made(x.examples[job]), x.max_past)
             out["entry"]["form"] = GRAPH
@@ -341,8 +405,8 @@ def _lower_job(x: _Export, job: int) -> dict:
                                       "fine_outputs": []} for n in sub.linears}
         elif sub.kind == "npu":
             rows = Spool.take(x.rows[job])
-            lowered = _lower_npu(x.engine, sub, name, rows, x.target, x.soc, out["entry"], out["npu_outputs"],
-                                 x.output_bits, x.fine)
+            lowered = _convert_npu(x.engine, sub, name, rows, x.target, out["entry"], out["npu_outputs"],
+                                   x.output_bits, x.fine)
         else:
             example = _made(x.examples[job])
             ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.", example,
@@ -352,10 +416,7 @@ def _lower_job(x: _Export, job: int) -> dict:
             out["key"] = (sub.processor, program_key(ep))
             lowered = (_lower_cpu(ep, sub, example, int8_head=x.decode == "int8")
                        if x.claims.first(out["key"]) else None)
-    if lowered is not None:
-        with _timed(stages, "to_executorch"):
-            out["method"] = x.spool.put(emit_method(name, lowered), name)
-    return out
+    return out, lowered
 
 
 @contextmanager
@@ -415,9 +476,9 @@ def _output_parts(engine, name: str, sub, linears: list, rows, flavour: str, out
     return region_spec(name, sub.linears, engine.plans, splits, twins, flavour)
 
 
-def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: dict, npu_outputs: dict, fine: bool):
-    """A norm and the linears it feeds as one HTP method (``norm_region.py``); records its form, norm
-    input encoding and linears' outputs in ``entry`` and their encodings in ``npu_outputs``."""
+def _convert_norm_region(engine, sub, name: str, rows: Tensor, entry: dict, npu_outputs: dict, fine: bool):
+    """A norm and the linears it feeds as one HTP method (``norm_region.py``), ready to lower; records
+    its form, norm input encoding and linears' outputs in ``entry`` and their encodings in ``npu_outputs``."""
     shape = norm_region_shape(engine.partition, sub)
     enc = engine.program.npu.norms[shape.norm]
     rows = enc.x.round(rows)
@@ -425,14 +486,14 @@ def _lower_norm_region(engine, sub, name: str, rows: Tensor, soc: str, entry: di
     reads = linear_inputs(rows, shape, enc, region_spec(name, sub.linears, engine.plans))
     peaks = region_peaks(shape, enc, sub.linears, linears, engine.plans)
     spec = replace(_output_parts(engine, name, sub, linears, reads, "qnn", 8, fine), peaks=sorted(peaks))
-    edge, encodings = lower_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
-                                        engine.chunk_len, soc, peaks)
+    converted, encodings = convert_norm_region(shape, enc, linears, spec, engine.plans, engine.backend.weights, rows,
+                                               engine.chunk_len, peaks)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
     for i, peak in peaks.items():
         npu_outputs[sub.linears[i]]["peak"] = _peak_entry(peak)
     entry.update(form=NORM_REGION, input_groups=spec.groups, linear_outputs=shape.linear_outputs,
                  norm=_norm_entry(shape.norm, enc))
-    return edge.exported_program(name)
+    return converted
 
 
 def _peak_entry(peak) -> dict:
@@ -451,10 +512,10 @@ def _norm_entry(key: tuple[int, str], enc) -> dict:
                                                  for k, e in (("x", enc.x), ("weight", enc.weight), ("out", enc.out))}}
 
 
-def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, window: int, entry: dict,
-                            npu_outputs: dict, fine: bool):
+def _convert_attention_region(engine, sub, name: str, calls: list, window: int, entry: dict, npu_outputs: dict,
+                              fine: bool):
     """RoPE, attention and the linears it feeds as one HTP method (``attention_region.py``),
-    calibrated on the export's chunks; records its form, window, mask and encodings and its linears'
+    calibrated on the export's chunks, ready to lower; records its form, window, mask and encodings and its linears'
     outputs in ``entry`` and their encodings in ``npu_outputs``."""
     shape = attention_region_shape(engine.partition, sub)
     enc = engine.program.npu.attention[shape.layer]
@@ -469,8 +530,8 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
             attention_rows(engine.partition, sub, shape, enc, calib))
         spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
         entry["input_groups"] = spec.groups
-    edge, encodings = lower_attention_region(name, engine.partition, sub, shape, enc, norms, linears, spec,
-                                             engine.plans, engine.backend.weights, calib, soc)
+    converted, encodings = convert_attention_region(name, engine.partition, sub, shape, enc, norms, linears, spec,
+                                                    engine.plans, engine.backend.weights, calib)
     if spec is not None:
         npu_outputs.update(_encodings_by_linear(spec, encodings))
     codes = {k: {"scale": e.scale, "zero": e.zero, "bits": e.bits, "signed": e.signed}
@@ -480,21 +541,21 @@ def _lower_attention_region(engine, sub, name: str, calls: list, soc: str, windo
                             "mask": shape.mask, "window": window, "mask_value": masked, "heads": heads,
                             "encodings": codes,
                             "norms": {role: _norm_entry(key, norms[role]) for role, key in shape.norms.items()}})
-    return edge.exported_program(name)
+    return converted
 
 
-def _lower_npu(engine, sub, name: str, rows: Tensor, target: str, soc: str, entry: dict, npu_outputs: dict,
-               output_bits: int, fine: bool):
-    """An NPU region as the target's method; records its input groups in ``entry`` and its outputs'
+def _convert_npu(engine, sub, name: str, rows: Tensor, target: str, entry: dict, npu_outputs: dict,
+                 output_bits: int, fine: bool):
+    """An NPU region as the target's method, ready to lower; records its input groups in ``entry`` and its outputs'
     encodings in ``npu_outputs``."""
     linears = [engine.backend.linear(n) for n in sub.linears]
     spec = _output_parts(engine, name, sub, linears, [rows] * len(linears), backends.get(target).encodings,
                          output_bits, fine)
-    edge, encodings = lower_region(spec, linears, engine.plans, engine.backend.weights, rows, engine.chunk_len,
-                                   target, soc, output_bits)
+    converted, encodings = convert_region(spec, linears, engine.plans, engine.backend.weights, rows,
+                                          engine.chunk_len, target, output_bits)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
     entry["input_groups"] = spec.groups
-    return edge.exported_program(name)
+    return converted
 
 
 def _lower_cpu(ep, sub, example: tuple, int8_head: bool):

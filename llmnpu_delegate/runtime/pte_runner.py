@@ -7,9 +7,9 @@ them with the sidecar's profile, exactly as it schedules our engine's subgraphs.
 computes its hot channels' product; when a cold channel crossed its threshold (the method's
 ``hits``), the runner adds that channel's product with rows read from the cold rows file.
 
-Where the NPU's memory cannot hold every method's context at once (the HTP simulator's x86 runtime
-reserves each context's spill-fill buffer apart, and a chunk-1,024 QNN program's do not fit
-together), the NPU methods are loaded when called and released after (``_MethodOnCall``).
+Where the NPU's memory cannot hold every context at once (on the HTP simulator, a chunk-1,024 QNN
+program's do not fit together), the NPU methods are loaded when called, a context at a time, and
+released when a method of another context is called (``_BlocksOnCall``).
 
 Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode_method.py``
 says why), filled once from the prefill; each step writes the new token's K/V in place.
@@ -70,16 +70,47 @@ def _load_method(program, pte: Path, name: str, target: str):
                               f"why){hint}", name) from None
 
 
-class _MethodOnCall:
-    """Method ``name`` of the ``.pte`` loaded from a program of its own for each call and released
-    after it: the runtime frees a method's delegate state (an HTP context) only with its program."""
+class _BlocksOnCall:
+    """The NPU methods of a ``.pte`` whose HTP contexts do not fit together, loaded when called: from
+    a program of their block's own, which stays loaded while the calls stay in that block (its methods
+    run one after another) and is released when a method of another block is called (the runtime
+    frees a context only with its program). Export lowers a block's methods into one context, which
+    the program then holds alone; the native runner does the same (``runner/src/methods.cpp``)."""
 
-    def __init__(self, runtime, pte: Path, name: str, target: str):
-        self._load = lambda: _load_method(runtime.load_program(pte), pte, name, target)
-        self._load()            # it must load alone: a failure belongs at load, not inside a prompt
+    def __init__(self, runtime, pte: Path, target: str, subgraphs: list[dict]):
+        self.runtime, self.pte, self.target = runtime, pte, target
+        self.block_of = {e["method"]: e["method"] if e["layer"] is None else e["layer"] for e in subgraphs}
+        self._held, self._program, self._methods = None, None, {}
+
+    def check(self, names: list[str]) -> None:
+        """Each block loads alone with all its methods: a failure belongs at load, not in a prompt."""
+        for block in dict.fromkeys(self.block_of[n] for n in names):
+            for name in names:
+                if self.block_of[name] == block:
+                    self.method(name)
+        self._release()
+
+    def method(self, name: str):
+        block = self.block_of[name]
+        if block != self._held:
+            self._release()
+            self._program, self._held = self.runtime.load_program(self.pte), block
+        if name not in self._methods:
+            self._methods[name] = _load_method(self._program, self.pte, name, self.target)
+        return self._methods[name]
+
+    def _release(self) -> None:
+        self._methods, self._program, self._held = {}, None, None
+
+
+class _MethodOnCall:
+    """Method ``name`` of the ``.pte`` run from its context's program (``_BlocksOnCall``)."""
+
+    def __init__(self, blocks: _BlocksOnCall, name: str):
+        self.blocks, self.name = blocks, name
 
     def execute(self, inputs) -> list:
-        return self._load().execute(inputs)         # outputs are copies: nothing outlives the program
+        return self.blocks.method(self.name).execute(inputs)       # outputs are copies
 
 
 def _check_arity(program, entry: dict) -> None:
@@ -260,12 +291,15 @@ class PteRunner(ChunkRunner):
         (``npu_on_call``: the NPU lane's methods loaded for each call instead)."""
         self.lanes = {p: runtime.load_program(self.pte) for p in PROCESSORS}
         self.npu_on_call = npu_on_call
+        if npu_on_call:
+            blocks = _BlocksOnCall(runtime, self.pte, meta["target"], meta["subgraphs"])
+            blocks.check([e["method"] for e in meta["subgraphs"] if e["processor"] == "npu"])
         steps = []
         for e in meta["subgraphs"]:
             program = self.lanes[e["processor"]]
             _check_arity(program, e)
             if npu_on_call and e["processor"] == "npu":
-                method = _MethodOnCall(runtime, self.pte, e["method"], meta["target"])
+                method = _MethodOnCall(blocks, e["method"])
             else:
                 method = _load_method(program, self.pte, e["method"], meta["target"])
             sub = Subgraph(e["index"], e["kind"], e["layer"], e["static"], e["inputs"], e["outputs"], e["linears"])

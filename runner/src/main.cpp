@@ -218,7 +218,8 @@ Answer answer(const Sidecar& s, LoadedProgram& program, const std::vector<int64_
                                                              : nlohmann::json()},
       {"decision_us", 1e6 * pre.decision_s / std::max(pre.decisions, 1L)}, {"decisions", pre.decisions},
       {"npu_busy_s", busy[kNpu]}, {"cpu_busy_s", busy[kCpu]}, {"wall_s", pre.wall_s},
-      {"cold_rows", program.cold->fetched.load() - fetched}, {"stopped", is_eos(token) ? "eos" : "length"}};
+      {"cold_rows", program.cold->fetched.load() - fetched}, {"stopped", is_eos(token) ? "eos" : "length"},
+      {"npu_on_call", program.npu_per_call}};
   return out;
 }
 

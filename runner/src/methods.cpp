@@ -1,8 +1,10 @@
 #include "methods.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
@@ -26,8 +28,28 @@ std::string error_text(executorch::runtime::Error e) {
 
 // ---------------------------------------------------------------- method calls
 
-MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, ColdRows& cold)
-    : s_(s), sub_(sub), module_(module), cold_(cold) {
+Module& BlocksOnCall::module_for(const Subgraph& sub) {
+  const std::string block = sub.layer ? std::to_string(*sub.layer) : sub.method;
+  if (!held_ || block != block_) {
+    held_.reset();   // first: its context goes before the next one loads
+    held_ = std::make_unique<Module>(pte_, Module::LoadMode::Mmap);
+    block_ = block;
+  }
+  if (!held_->is_method_loaded(sub.method)) {
+    auto err = held_->load_method(sub.method);
+    if (err != executorch::runtime::Error::Ok) {
+      held_.reset();
+      throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
+                       "; the delegate's log above says why): a QNN program needs " +
+                       platform::backend_library_hint() + ", and each block's HTP contexts to fit in the HTP's "
+                       "memory alone");
+    }
+  }
+  return *held_;
+}
+
+MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, ColdRows& cold, BlocksOnCall* on_call)
+    : s_(s), sub_(sub), module_(module), cold_(cold), on_call_(on_call) {
   if (sub.kind == "npu" && !sub.graph && !sub.attention_region) {
     if (sub.inputs.size() != 1 || sub.input_groups.empty())
       throw InputError("NPU subgraph " + sub.method + " must have one input and its input groups: export again");
@@ -42,7 +64,7 @@ MethodCall::MethodCall(const Sidecar& s, const Subgraph& sub, Module& module, Co
 }
 
 std::vector<std::shared_ptr<Value>> MethodCall::execute(std::vector<EValue> args) const {
-  auto result = module_.execute(sub_.method, args);
+  auto result = (on_call_ ? on_call_->module_for(sub_) : module_).execute(sub_.method, args);
   if (!result.ok()) throw RunError("method " + sub_.method + " returned " + error_text(result.error()));
   std::vector<std::shared_ptr<Value>> outs;
   for (const auto& ev : *result) {
@@ -364,7 +386,8 @@ LoadedProgram::LoadedProgram(const std::string& pte, const Sidecar& s) : pte_(pt
   load_decode();
   platform::advise_random_reads(pte);   // the table's rows are read a few at a time (platform.h)
   for (const auto& sub : s.subgraphs)
-    calls.emplace_back(s, sub, *modules[module_of(sub)], *cold);
+    calls.emplace_back(s, sub, *modules[module_of(sub)], *cold,
+                       module_of(sub) == kNpuModule ? npu_on_call.get() : nullptr);
 }
 
 int LoadedProgram::module_of(const Subgraph& sub) {
@@ -403,19 +426,48 @@ void LoadedProgram::load_prefill() {
     const int lane = module_of(sub);
     auto& module = *modules[lane];
     if (module.is_method_loaded(sub.method)) continue;   // identical subgraphs share one method
+    if (lane == kNpuModule && npu_on_call) continue;
     weights_cache(cached_weights(s_, sub));
-    auto err = module.load_method(sub.method, arenas_[lane].allocator());
-    if (err != executorch::runtime::Error::Ok)
+    auto err = lane == kNpuModule && s_.target == "qnn" && over_test_room(sub)
+                   ? executorch::runtime::Error::MemoryAllocationFailed
+                   : module.load_method(sub.method, arenas_[lane].allocator());
+    if (err == executorch::runtime::Error::Ok) continue;
+    if (lane != kNpuModule || s_.target != "qnn")
       throw InputError("cannot load method " + sub.method + " of " + pte_ + " (" + error_text(err) +
-                       "; the delegate's log above says why): a QNN program needs " +
-                       platform::backend_library_hint() +
-                       ", and all its HTP contexts in the HTP's memory at once (the HTP simulator does not "
-                       "hold a chunk-1,024 program's; the Python runner loads them per call there)");
+                       "; the delegate's log above says why)");
+    // The HTP's memory does not hold every context at once (a chunk-1,024 program on the HTP
+    // simulator): the NPU methods load when called, a block at a time. The contexts loaded so far go
+    // with the Module; each block must load alone, here, not inside a prompt.
+    std::fprintf(stderr, "llmnpu-runner: the NPU's memory does not hold all of %s's contexts at once (%s did not "
+                 "load beside the others): its NPU methods load when called, which is slower\n",
+                 pte_.c_str(), sub.method.c_str());
+    modules[kNpuModule] = std::make_unique<Module>(pte_, Module::LoadMode::Mmap);
+    npu_on_call = std::make_unique<BlocksOnCall>(pte_);
+    npu_per_call = true;
+    for (const auto& npu : s_.subgraphs)
+      if (module_of(npu) == kNpuModule) npu_on_call->module_for(npu);
+    npu_on_call->release();
   }
+}
+
+// A test's stand-in for a small HTP (LLMNPU_RUNNER_TEST_NPU_BLOCKS=n): the NPU methods of the first n
+// blocks load, the next one fails as the simulator's does when its memory is full. Never set otherwise.
+bool LoadedProgram::over_test_room(const Subgraph& sub) const {
+  const char* room = std::getenv("LLMNPU_RUNNER_TEST_NPU_BLOCKS");
+  if (!room || !*room || npu_on_call) return false;
+  int blocks = 0;
+  std::optional<int> last;
+  for (const auto& other : s_.subgraphs) {
+    if (module_of(other) != kNpuModule) continue;
+    if (!blocks || other.layer != last) ++blocks, last = other.layer;
+    if (&other == &sub) return blocks > std::atoi(room);
+  }
+  return false;
 }
 
 void LoadedProgram::release_prefill() {
   calls.clear();   // they refer to the Modules
+  npu_on_call.reset();
   modules[kNpuModule].reset();
   modules[kCpuModule].reset();
   for (auto& arena : arenas_) arena = Arena{};

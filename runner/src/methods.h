@@ -16,10 +16,28 @@
 
 namespace llmnpu {
 
-// Calls one subgraph's method on one of the runner's Modules. Mirrors runtime/pte_runner.py.
+// The NPU methods of a program whose HTP contexts do not fit together, loaded when called: from a
+// Module of their block's own, kept while the calls stay in that block (export lowers a block's
+// methods into one context) and released when a method of another block is called (the runtime
+// frees a context only with its program). Mirrors runtime/pte_runner.py (_BlocksOnCall).
+class BlocksOnCall {
+ public:
+  explicit BlocksOnCall(std::string pte) : pte_(std::move(pte)) {}
+  // `sub`'s method, loaded (with its block's context) if it is not. Throws InputError.
+  executorch::extension::Module& module_for(const Subgraph& sub);
+  void release() { held_.reset(); }
+
+ private:
+  std::string pte_, block_;
+  std::unique_ptr<executorch::extension::Module> held_;
+};
+
+// Calls one subgraph's method on one of the runner's Modules (or, for an NPU method loaded when
+// called, on its block's: `on_call`). Mirrors runtime/pte_runner.py.
 class MethodCall {
  public:
-  MethodCall(const Sidecar& s, const Subgraph& sub, executorch::extension::Module& module, ColdRows& cold);
+  MethodCall(const Sidecar& s, const Subgraph& sub, executorch::extension::Module& module, ColdRows& cold,
+             BlocksOnCall* on_call = nullptr);
   // `inputs` in the subgraph's input order; outputs in its output order. `break_input`: pass a
   // wrong-shaped first input (tests of the failure path). Throws RunError.
   std::vector<ValuePtr> operator()(const std::vector<ValuePtr>& inputs, bool break_input = false) const;
@@ -38,6 +56,7 @@ class MethodCall {
   const Subgraph& sub_;
   executorch::extension::Module& module_;
   ColdRows& cold_;
+  BlocksOnCall* on_call_;
   std::vector<float> scales_;   // npu: one activation scale per input group
 };
 
@@ -51,6 +70,8 @@ class LoadedProgram {
   static int module_of(const Subgraph& sub);   // the prefill worker's Module that runs `sub`
   std::unique_ptr<executorch::extension::Module> modules[3];
   std::unique_ptr<ColdRows> cold;
+  std::unique_ptr<BlocksOnCall> npu_on_call;   // set when the NPU methods do not fit loaded together
+  bool npu_per_call = false;                   // whether they did not (kept after release_prefill)
   std::vector<MethodCall> calls;   // by subgraph index
   // Unloads the prefill's methods and frees their arenas and workspaces, for a process that prefills
   // once (decode needs none of them; the weights decode shares stay packed in XNNPACK's cache).
@@ -68,6 +89,7 @@ class LoadedProgram {
   };
   void load_prefill();
   void load_decode();
+  bool over_test_room(const Subgraph& sub) const;
   Arena arenas_[2];   // by prefill Module
   const std::string pte_;
   const Sidecar& s_;
