@@ -8,8 +8,8 @@ computes its hot channels' product; when a cold channel crossed its threshold (t
 ``hits``), the runner adds that channel's product with rows read from the cold rows file.
 
 Where the NPU's memory cannot hold every context at once (on the HTP simulator, a chunk-1,024 QNN
-program's do not fit together), the NPU methods are loaded when called, a context at a time, and
-released when a method of another context is called (``_BlocksOnCall``).
+program's do not fit together), the NPU methods are loaded when called, a block's context at a
+time, and released when a method of another block is called (``_BlocksOnCall``).
 
 Decode: the ``decode`` method on a static K/V cache that this runner owns (``lower/decode_method.py``
 says why), filled once from the prefill; each step writes the new token's K/V in place.
@@ -83,11 +83,10 @@ class _BlocksOnCall:
         self._held, self._program, self._methods = None, None, {}
 
     def check(self, names: list[str]) -> None:
-        """Each block loads alone with all its methods: a failure belongs at load, not in a prompt."""
-        for block in dict.fromkeys(self.block_of[n] for n in names):
-            for name in names:
-                if self.block_of[name] == block:
-                    self.method(name)
+        """Each block loads alone with all its methods (``names`` in program order: a block's are
+        consecutive): a failure belongs at load, not in a prompt."""
+        for name in names:
+            self.method(name)
         self._release()
 
     def method(self, name: str):
