@@ -7,7 +7,8 @@ at 8 or 4 bits. Its recipe for the embedded model (``Smollm2QuantRecipe``, in th
 wheel's ``examples/qualcomm/oss_scripts/llama/static_llm_quant_recipe.py``) is 16a8w with min/max
 observers. Here that quantizer annotates the Hugging Face model's exported graph (sequence length
 dynamic), observes our calibration windows, and the converted fake-quant graph is the scorer: what
-its QNN program would compute, up to HTP's rounding. The recipe's model also rotates Q and K by a
+its QNN program would compute, up to HTP's rounding (``recipe_program`` lowers the same converted graph
+whole to QNN, which ``llmnpu validate --recipe`` runs on the HTP simulator). The recipe's model also rotates Q and K by a
 normalized Hadamard matrix after RoPE (SpinQuant's R3, ``r3 = True`` in that wheel's model config for
 SmolLM2): Q·Kᵀ is unchanged in float, but the rotated K and Q, each with one 16-bit per-tensor
 encoding, no longer carry a few outlier channels. Here it is a registered attention function that
@@ -25,6 +26,7 @@ import contextlib
 import functools
 import io
 import logging
+import operator
 
 import torch
 from torch import Tensor, nn
@@ -179,6 +181,18 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
     """``lm``'s model quantized by ExecuTorch's Qualcomm quantizer with the setting ``mode`` (``RECIPES``),
     its encodings observed on ``calib_windows`` [n, length]; with the recipe's R3 rotation unless
     ``r3=False``."""
+    return scorer_of(recipe_converted(lm, mode, calib_windows, progress, r3), mode)
+
+
+def scorer_of(converted: torch.fx.GraphModule, mode: str) -> RecipeScorer:
+    """The scorer of a converted recipe graph (which it folds in place: pass a copy to keep it)."""
+    return RecipeScorer(_fold_fake_quant(converted), RECIPES[mode])
+
+
+def recipe_converted(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bool = True,
+                     r3: bool = True) -> torch.fx.GraphModule:
+    """The converted (pt2e) graph of ``recipe_model``: quantize and dequantize nodes as ExecuTorch's
+    lowering reads them."""
     if mode not in RECIPES:
         raise LlmNpuError(f"unknown ExecuTorch recipe {mode!r}: choose from {', '.join(RECIPES)}")
     from tqdm.auto import tqdm
@@ -204,4 +218,62 @@ def recipe_model(lm: LoadedModel, mode: str, calib_windows: Tensor, progress: bo
         for window in tqdm(calib_windows, desc=f"{mode} calibration", unit="window", disable=not progress,
                            leave=False):
             prepared(window[None])
-    return RecipeScorer(_fold_fake_quant(convert_pt2e(prepared)), RECIPES[mode])
+    return convert_pt2e(prepared)
+
+
+def recipe_program(converted: torch.fx.GraphModule, example: Tensor, soc: str) -> bytes:
+    """The recipe's QNN program for prompts of ``example``'s length on ``soc``: the converted graph whole
+    as one HTP graph (``forward``: token ids to logits), for the HTP simulator to check the scorer on.
+    At a fixed length everything that does not depend on the tokens is a constant, and is folded into
+    one (``_fold_constants``): the causal mask, which Hugging Face builds with indexing (a rank-4
+    Gather that HTP refuses) and the rotary tables (float, computed from the positions, which alone
+    would be a graph without inputs). ExecuTorch's static llama takes both as inputs; the values are
+    the same."""
+    from .backends.qnn import to_qnn_edge
+
+    static = _fold_constants(torch.export.export(converted, (example,), strict=False).module())
+    edge = to_qnn_edge({"forward": (static, (example,))}, soc)
+    left = sorted({_op_name(n) for n in edge.exported_program("forward").graph.nodes if n.op == "call_function"
+                   and n.target is not operator.getitem and "call_delegate" not in str(n.target)})
+    if left:
+        hint = " (HTP's HadamardTransform takes 16-bit activations only: try --no-r3)" if "hadamard_transform" in left else ""
+        raise LlmNpuError(f"HTP refused part of the recipe's graph ({', '.join(left)}), so its QNN program is not one "
+                          f"HTP graph{hint}")
+    return edge.to_executorch().buffer
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """``hadamard_transform`` for ``qnn_custom.hadamard_transform.default``."""
+    parts = str(node.target).split(".")
+    return parts[-2] if len(parts) > 2 else parts[-1]
+
+
+def _fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``graph`` with every node that reads no input replaced by its value (a buffer), except quantize
+    and dequantize nodes, which the lowering must see: the weights stay integers with their scales."""
+    ops = torch.ops.quantized_decomposed
+    keep = {ops.quantize_per_tensor.default, ops.dequantize_per_tensor.default,
+            ops.quantize_per_channel.default, ops.dequantize_per_channel.default}
+    constant = set()
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and node.target not in keep
+                                      and all(n in constant for n in node.all_input_nodes)):
+            constant.add(node)
+    values = {}
+    for node in graph.graph.nodes:
+        if node not in constant:
+            continue
+        if node.op == "get_attr":
+            values[node] = functools.reduce(getattr, node.target.split("."), graph)
+        else:
+            arg = values.__getitem__
+            values[node] = node.target(*torch.fx.node.map_arg(node.args, arg), **torch.fx.node.map_arg(node.kwargs, arg))
+    read = [n for n in graph.graph.nodes if n in constant and n.op == "call_function"
+            and any(user not in constant for user in n.users)]
+    for i, node in enumerate(read):
+        graph.register_buffer(f"_folded_{i}", values[node])
+        with graph.graph.inserting_before(node):
+            node.replace_all_uses_with(graph.graph.get_attr(f"_folded_{i}"))
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return graph

@@ -1,33 +1,55 @@
 """``llmnpu validate``."""
 from __future__ import annotations
 
+from ..backends.qnn import DEFAULT_SOC
 from ..errors import LlmNpuError
-from ..quantize import QuantConfig
+from ..models import DEFAULT_MODEL, load_model
+from ..quantize import CalibConfig, QuantConfig
+from ..quantize.calibrate import calibration_samples
+from ..recipes import RECIPES
 from ..runtime.engine import export_engine
 from ..runtime.pte_runner import PteRunner
 from ..runtime.validate import validate_pte
 from ..simulate.phone import choose_pruning
-from ..text import read_text, tokenize
+from ..text import calibration_ids, read_text, tokenize
 from .common import add_output_args
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help="run an exported .pte on this host and compare it with the cpu-int8 engine",
+    p = sub.add_parser("validate", help="run an exported .pte (or an ExecuTorch recipe's QNN program) on this host "
+                                        "and compare it with its host reference",
                        description="Run each NPU method of the .pte (QNN methods on Qualcomm's HTP simulator) on one "
                                    "chunk of evaluation text and compare with the cpu-int8 engine in output "
                                    "quantization steps and SQNR; then prefill a short prompt from the .pte alone "
                                    "(reference runner, out-of-order executor) and compare the next token. Exit "
-                                   "status 1 when the next token differs. Simulator times are not speed.")
-    p.add_argument("--pte", required=True, help="the .pte written by llmnpu export (its .json beside it)")
+                                   "status 1 when the next token differs. With --recipe, lower ExecuTorch's "
+                                   "Qualcomm recipe (as llmnpu eval scores it) whole to QNN and compare its logits on "
+                                   "the HTP simulator with the recipe's scorer on a few prompts of evaluation text; "
+                                   "exit status 1 when a next token differs. Simulator times are not speed.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--pte", help="the .pte written by llmnpu export (its .json beside it)")
+    what.add_argument("--recipe", choices=sorted(RECIPES),
+                      help="an ExecuTorch recipe of llmnpu eval's et-* modes, on --model")
     p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="tokens of the whole-prefill prompt (default 1.5 chunks)")
+                   help="tokens of the whole-prefill prompt (default 1.5 chunks; with --recipe, of each prompt: "
+                        f"default {RECIPE_TOKENS})")
     p.add_argument("--per-layer", action="store_true",
                    help=f"list every NPU linear, worst SQNR first (default: the {WORST} worst)")
+    recipe = p.add_argument_group("with --recipe")
+    recipe.add_argument("--model", default=DEFAULT_MODEL, help=f"the model (default {DEFAULT_MODEL})")
+    recipe.add_argument("--soc", default=DEFAULT_SOC, help=f"the SoC the program is compiled for (default {DEFAULT_SOC})")
+    recipe.add_argument("--prompts", type=int, default=3, help="prompts of evaluation text (default 3)")
+    recipe.add_argument("--no-r3", action="store_true", help="without the recipe's R3 rotation of Q and K")
     add_output_args(p)
     p.set_defaults(func=cmd_validate)
 
 
+RECIPE_TOKENS = 128
+
+
 def cmd_validate(args) -> dict:
+    if args.recipe:
+        return _validate_recipe(args)
     runner = PteRunner(args.pte)             # checks the .pte and its sidecar first
     meta = runner.meta
     model = meta["model"]
@@ -42,6 +64,44 @@ def cmd_validate(args) -> dict:
     args.text = _format_validate(result, None if args.per_layer else WORST)
     args.failed = not result["prefill"]["same_next_token"]
     return result
+
+
+def _validate_recipe(args) -> dict:
+    from ..backends.qnn import check_soc
+    from ..runtime.validate_recipe import validate_recipe
+
+    length = args.prompt_tokens or RECIPE_TOKENS
+    if length < 2 or args.prompts < 1:
+        raise LlmNpuError(f"--prompts must be at least 1 and --prompt-tokens at least 2, got {args.prompts} and "
+                          f"{length}")
+    check_soc(args.soc)
+    lm = load_model(args.model)
+    ids = tokenize(lm, read_text(None, "eval"))
+    if ids.numel() < args.prompts * length:
+        raise LlmNpuError(f"the evaluation text holds {ids.numel()} tokens, fewer than --prompts x --prompt-tokens "
+                          f"({args.prompts} x {length}): ask for fewer")
+    prompts = ids[: args.prompts * length].reshape(args.prompts, length)
+    calib = calibration_samples(calibration_ids(lm), CalibConfig())      # as llmnpu eval observes the recipes
+    result = validate_recipe(lm, args.recipe, prompts, calib, args.soc, not args.no_r3, not args.no_progress)
+    args.text = _format_recipe(result)
+    args.failed = not result["same_next_token"]
+    return result
+
+
+def _format_recipe(r: dict) -> str:
+    lines = [f"ExecuTorch {r['recipe']}{' + R3' if r['r3'] else ''} as one QNN graph on {r['soc']} (HTP simulator), "
+             f"{len(r['prompts'])} prompts of {r['prompt_tokens']} tokens of evaluation text; logits SQNR in dB and "
+             f"the share of positions whose greedy token agrees:",
+             f"{'prompt':>6} {'HTP~recipe':>10} {'HTP~fp32':>8} {'recipe~fp32':>11} {'top-1 HTP=recipe':>16} "
+             f"{'HTP=fp32':>8} {'recipe=fp32':>11}  next token HTP / recipe / fp32"]
+    for i, x in enumerate(r["prompts"]):
+        db, nt = x["logits_sqnr_db"], x["next_token"]
+        lines.append(f"{i:>6} {db['htp_vs_recipe']:>10.1f} {db['htp_vs_fp32']:>8.1f} {db['recipe_vs_fp32']:>11.1f} "
+                     f"{100 * x['top1_htp_is_recipe']:>15.1f}% {100 * x['top1_htp_is_fp32']:>7.1f}% "
+                     f"{100 * x['top1_recipe_is_fp32']:>10.1f}%  {nt['htp']} / {nt['recipe']} / {nt['fp32']}")
+    lines.append("the HTP program gives the recipe's next token on every prompt" if r["same_next_token"]
+                 else "the HTP program's next token DIFFERS from the recipe's on some prompt")
+    return "\n".join(lines)
 
 
 WORST = 10
