@@ -219,3 +219,15 @@ def test_a_recipe_graph_htp_will_not_run_whole_is_a_one_line_error(lm):
     converted = recipe_converted(lm, "et-8a8w", samples, progress=False)
     with pytest.raises(LlmNpuError, match=r"^HTP refused part of the recipe's graph \(hadamard_transform\).*--no-r3\)$"):
         recipe_program(converted, samples[:, :16], "SM8650")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pte", "model.pte", "--soc", "SM8750"], "--soc go with --recipe: a .pte carries its own model and SoC"),
+    (["--recipe", "et-16a8w", "--prompts", "0"], "--prompts must be at least 1 and --prompt-tokens at least 2"),
+])
+def test_validate_options_that_do_not_fit_are_one_line_errors(argv, message, capsys):
+    from llmnpu_delegate.cli import main
+
+    assert main(["validate", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

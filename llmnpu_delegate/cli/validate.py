@@ -38,18 +38,23 @@ def add_parser(sub) -> None:
     recipe = p.add_argument_group("with --recipe")
     recipe.add_argument("--model", default=DEFAULT_MODEL, help=f"the model (default {DEFAULT_MODEL})")
     recipe.add_argument("--soc", default=DEFAULT_SOC, help=f"the SoC the program is compiled for (default {DEFAULT_SOC})")
-    recipe.add_argument("--prompts", type=int, default=3, help="prompts of evaluation text (default 3)")
+    recipe.add_argument("--prompts", type=int, default=RECIPE_PROMPTS, help="prompts of evaluation text (default 3)")
     recipe.add_argument("--no-r3", action="store_true", help="without the recipe's R3 rotation of Q and K")
     add_output_args(p)
     p.set_defaults(func=cmd_validate)
 
 
-RECIPE_TOKENS = 128
+RECIPE_TOKENS, RECIPE_PROMPTS = 128, 3
 
 
 def cmd_validate(args) -> dict:
     if args.recipe:
         return _validate_recipe(args)
+    given = [flag for flag, value, default in (("--model", args.model, DEFAULT_MODEL), ("--soc", args.soc, DEFAULT_SOC),
+                                               ("--prompts", args.prompts, RECIPE_PROMPTS), ("--no-r3", args.no_r3, False))
+             if value != default]
+    if given:
+        raise LlmNpuError(f"{', '.join(given)} go with --recipe: a .pte carries its own model and SoC")
     runner = PteRunner(args.pte)             # checks the .pte and its sidecar first
     meta = runner.meta
     model = meta["model"]
