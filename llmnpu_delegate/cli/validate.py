@@ -6,7 +6,7 @@ from ..errors import LlmNpuError
 from ..models import DEFAULT_MODEL, load_model
 from ..quantize import CalibConfig, QuantConfig
 from ..quantize.calibrate import calibration_samples
-from ..recipes import RECIPES
+from ..recipes import RECIPES, validate_recipe
 from ..runtime.engine import export_engine
 from ..runtime.pte_runner import PteRunner
 from ..runtime.validate import validate_pte
@@ -73,7 +73,6 @@ def cmd_validate(args) -> dict:
 
 def _validate_recipe(args) -> dict:
     from ..backends.qnn import check_soc
-    from ..runtime.validate_recipe import validate_recipe
 
     length = args.prompt_tokens or RECIPE_TOKENS
     if length < 2 or args.prompts < 1:
