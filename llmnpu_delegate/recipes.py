@@ -17,7 +17,8 @@ enables it for SmolLM2, Qwen2.5 and Qwen3; a Hadamard matrix of another size has
 form, and those models score without it). The rotary embedding's cos and sin are computed in float
 and quantized where the attention reads them, as that model's are (float tables, looked up by
 position): quantizing the angles too, as the traced graph would, clips them at the calibration
-windows' last position and garbles every token past it. Left out: that model's other rewrites (linears as 1x1 convolutions,
+windows' last position and garbles every token past it. Masked scores get -255 added, as in that
+model, not the dtype's minimum (``MASK_VALUE``). Left out: that model's other rewrites (linears as 1x1 convolutions,
 its static K/V cache layout), which change no encoding.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .chunk_step import kv_shape
+from .chunk_step import attention_implementation, kv_shape
 from .errors import LlmNpuError
 from .models import LoadedModel
 from .quantize.sqnr import sqnr_db
@@ -54,6 +55,13 @@ ET_CI_GATES = {"smollm2-135m": {"logits_sqnr_db": 19.0}}
 
 
 R3_ATTN_IMPLEMENTATION = "et-r3"
+ET_ATTN_IMPLEMENTATION = "et-sdpa"      # the recipe's attention without R3
+
+# The additive mask ExecuTorch's static llama gives a masked score (masking_utils.PADDING_MASK_VALUE;
+# that module is not importable without its examples' dependencies). With the dtype's minimum the
+# quantizer's 16-bit encoding of the masked scores spans ~65,550, so the softmax would read its
+# input in steps of 1.0; -255 keeps them near the scores' own range, and still sends exp to 0.
+MASK_VALUE = -255.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,19 +82,17 @@ def _r3_attention(module, query, key, value, attention_mask, **kwargs):
                                   attention_mask, **kwargs)
 
 
+def _additive_mask(*args, **kwargs) -> Tensor:
+    """Hugging Face's causal (and padding) mask as ExecuTorch's static llama adds it: 0 where a query
+    sees a key, ``MASK_VALUE`` elsewhere, always materialized (never SDPA's ``is_causal``)."""
+    kwargs["allow_is_causal_skip"] = False
+    return torch.where(sdpa_mask(*args, **kwargs), 0.0, MASK_VALUE)
+
+
 AttentionInterface.register(R3_ATTN_IMPLEMENTATION, _r3_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(R3_ATTN_IMPLEMENTATION, sdpa_mask)
-
-
-@contextlib.contextmanager
-def _attention_implementation(model: nn.Module, name: str | None):
-    """``model`` computes attention with ``name`` (None: its own) inside the block."""
-    before = model.config._attn_implementation
-    model.config._attn_implementation = name or before
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = before
+AttentionInterface.register(ET_ATTN_IMPLEMENTATION, sdpa_attention_forward)
+for _name in (R3_ATTN_IMPLEMENTATION, ET_ATTN_IMPLEMENTATION):
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, _additive_mask)
 
 
 def _fake_quant(x: Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> Tensor:
@@ -155,6 +161,9 @@ def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module
     """``lm``'s model as the exported graph the quantizer annotates (sequence length dynamic), Q and K
     rotated by R3 when ``r3`` and its head dimension is a power of two."""
     config = lm.model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        raise LlmNpuError(f"{lm.spec}'s attention softcaps its scores, which ExecuTorch's recipes (SDPA with an "
+                          "additive mask) do not: score it with our modes only")
     head_dim = kv_shape(config).head_dim
     if r3 and head_dim & (head_dim - 1):
         log.info("R3 left out: head dimension %d is not a power of two", head_dim)
@@ -164,7 +173,7 @@ def recipe_graph(lm: LoadedModel, example: Tensor, r3: bool = True) -> nn.Module
     seq = torch.export.Dim("seq", min=2, max=int(getattr(config, "max_position_embeddings", 2048)))
     # under no_grad: the rotary embedding's own no_grad would otherwise be a higher-order op the
     # quantizer's passes cannot read
-    with torch.no_grad(), _attention_implementation(lm.model, R3_ATTN_IMPLEMENTATION if r3 else None):
+    with torch.no_grad(), attention_implementation(lm.model, R3_ATTN_IMPLEMENTATION if r3 else ET_ATTN_IMPLEMENTATION):
         return torch.export.export(_Logits(lm.model).eval(), (example,), dynamic_shapes=({1: seq},),
                                    strict=False).module()
 
@@ -273,12 +282,25 @@ def _fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     read = [n for n in graph.graph.nodes if n in constant and n.op == "call_function"
             and any(user not in constant for user in n.users)]
     for i, node in enumerate(read):
-        graph.register_buffer(f"_folded_{i}", values[node])
+        graph.register_buffer(f"_folded_{i}", _as_stored(values[node], node.users))
         with graph.graph.inserting_before(node):
             node.replace_all_uses_with(graph.graph.get_attr(f"_folded_{i}"))
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return graph
+
+
+def _as_stored(value: Tensor, users) -> Tensor:
+    """A folded constant as its one quantize user stores it (quantized, then dequantized). The QNN
+    lowering quantizes a constant itself, rounding without a clamp: a value just past the encoding's
+    top code wraps to its bottom one (cos(0) = 1.0 became -1.0, turning the first position's query
+    around). Stored values round back to their own codes."""
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    encodings = {tuple(user.args[1:]) for user in users if user.target is quantize}
+    if len(encodings) != 1 or len(users) != 1 or not value.is_floating_point():
+        return value
+    scale, zero_point, quant_min, quant_max, _ = encodings.pop()
+    return _fake_quant(value.float(), scale, zero_point, quant_min, quant_max)
 
 
 def validate_recipe(lm: LoadedModel, mode: str, prompts: Tensor, calib_windows: Tensor, soc: str,

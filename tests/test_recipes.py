@@ -91,6 +91,24 @@ def test_rotary_angles_stay_float_and_cos_sin_are_quantized_where_attention_read
         assert all(-1.01 < lo and hi < 1.01 for lo, hi in ranges), (mode, ranges)
 
 
+def test_masked_scores_get_executorchs_additive_mask(lm, scorers):
+    """ExecuTorch's static llama adds -255 to a masked score. With the dtype's minimum instead, the
+    softmax input's encoding spans ~65,550 and steps by 1.0 at 16 bits (the embedded model's first
+    block: 35.1 dB from fp32 against 43.4 with -255). The encoding's low end is -255 plus the
+    lowest masked score, with or without R3; in float the mask changes nothing."""
+    samples = calibration_samples(calibration_ids(lm), CalibConfig(samples=4, tokens=64))
+    graphs = dict(scorers, no_r3=recipe_model(lm, "et-16a8w", samples, progress=False, r3=False))
+    for mode, scorer in graphs.items():
+        inputs = [n.args[0] for n in scorer.graph.graph.nodes if "softmax" in str(n.target)]
+        assert len(inputs) == lm.model.config.num_hidden_layers, mode
+        for fq in inputs:
+            scale, zero_point = fq.args[1:3]
+            assert -260 < -zero_point * scale < -255, (mode, scale, zero_point)
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(recipe_graph(lm, ids[:, :8], r3=False)(ids), lm.model(input_ids=ids, use_cache=False).logits)
+
+
 def test_the_scorer_computes_the_converted_graph_bit_for_bit(lm, scorers, monkeypatch):
     """The scorer folds the converted graph's quantize/dequantize pairs of activations into one
     fake-quant each: the same numbers as ExecuTorch's converted graph, run as convert_pt2e wrote it,
@@ -190,11 +208,14 @@ def test_the_quantizer_does_not_flood_the_terminal(lm, capsys):
 def test_the_recipes_qnn_program_computes_its_scorer_on_the_htp_simulator(capsys):
     """``llmnpu validate --recipe``: the recipe's converted graph lowered whole to one HTP graph (the
     causal mask and rotary tables folded to constants) gives, on evaluation prompts, the scorer's
-    logits far closer than the scorer is to the float model (measured: 69.7 against 35.8 dB), and the
-    scorer's greedy token at every position. A float program posing as the recipe, a wrong mask or a
-    rotary table at the wrong positions would be as far from the scorer as fp32 is, or further (an
-    all-true mask, tried: a next token differs). R3 is left out: inside the embedded model HTP's
-    HadamardTransform moves the logits off the scorer's (docs/limitations.md)."""
+    greedy token at every position, logits about as close to the scorer's as the scorer's are to the
+    float model's, and the recipe's quantization error against fp32 (not a float program's).
+    HTP's own roundings are of the recipe's size here: its 16-bit softmax is up to 57 steps of its
+    output encoding off the scorer's (63 dB, cut out op by op), so the program reads 42.8 and 41.1 dB
+    from the scorer, which is 40.6 and 40.5 from fp32. A wrong mask reads 6.9 and 5.7 (an all-true
+    one, tried); a float program posing as the recipe would be the float model itself. R3 is left
+    out: inside the embedded model HTP's HadamardTransform moves the logits off the scorer's
+    (docs/limitations.md)."""
     from llmnpu_delegate.cli import main
 
     code = main(["validate", "--recipe", "et-16a8w", "--no-r3", "--model", "random:tiny-llama", "--prompts", "2",
@@ -206,7 +227,8 @@ def test_the_recipes_qnn_program_computes_its_scorer_on_the_htp_simulator(capsys
     assert len(report["prompts"]) == 2 and report["prompt_tokens"] == 32
     for row in report["prompts"]:
         db = row["logits_sqnr_db"]
-        assert db["htp_vs_recipe"] >= db["recipe_vs_fp32"] + 20, row
+        assert db["htp_vs_recipe"] >= db["recipe_vs_fp32"] - 3, row
+        assert db["htp_vs_fp32"] <= db["recipe_vs_fp32"] + 3, row
         assert row["top1_htp_is_recipe"] == 1.0, row
 
 
