@@ -93,9 +93,10 @@ def test_rotary_angles_stay_float_and_cos_sin_are_quantized_where_attention_read
 
 def test_masked_scores_get_executorchs_additive_mask(lm, scorers):
     """ExecuTorch's static llama adds -255 to a masked score. With the dtype's minimum instead, the
-    softmax input's encoding spans ~65,550 and steps by 1.0 at 16 bits (the embedded model's first
-    block: 35.1 dB from fp32 against 43.4 with -255). The encoding's low end is -255 plus the
-    lowest masked score, with or without R3; in float the mask changes nothing."""
+    softmax input's encoding spans ~65,550 and steps by 1.0 at 16 bits (the embedded model's 16a8w
+    recipe: perplexity 24.00 and logits 18.7 dB from fp32, against 23.29 and 23.9 with -255). The
+    encoding's low end is -255 plus the lowest masked score, with or without R3; in float the mask
+    changes nothing."""
     samples = calibration_samples(calibration_ids(lm), CalibConfig(samples=4, tokens=64))
     graphs = dict(scorers, no_r3=recipe_model(lm, "et-16a8w", samples, progress=False, r3=False))
     for mode, scorer in graphs.items():
@@ -208,14 +209,13 @@ def test_the_quantizer_does_not_flood_the_terminal(lm, capsys):
 def test_the_recipes_qnn_program_computes_its_scorer_on_the_htp_simulator(capsys):
     """``llmnpu validate --recipe``: the recipe's converted graph lowered whole to one HTP graph (the
     causal mask and rotary tables folded to constants) gives, on evaluation prompts, the scorer's
-    greedy token at every position, logits about as close to the scorer's as the scorer's are to the
-    float model's, and the recipe's quantization error against fp32 (not a float program's).
-    HTP's own roundings are of the recipe's size here: its 16-bit softmax is up to 57 steps of its
-    output encoding off the scorer's (63 dB, cut out op by op), so the program reads 42.8 and 41.1 dB
-    from the scorer, which is 40.6 and 40.5 from fp32. A wrong mask reads 6.9 and 5.7 (an all-true
-    one, tried); a float program posing as the recipe would be the float model itself. R3 is left
-    out: inside the embedded model HTP's HadamardTransform moves the logits off the scorer's
-    (docs/limitations.md)."""
+    logits far closer than the scorer is to the float model (measured: 66.5 and 65.8 against 40.6
+    and 40.5 dB), and the scorer's greedy token at every position. A float program posing as the
+    recipe, a wrong mask or a rotary table at the wrong positions would be as far from the scorer as
+    fp32 is, or further (tried: an all-true mask reads 6.9 and 5.7 dB; cos(0) wrapped to -1 by the
+    lowering, before the fold stored constants as their encodings do, 42.8 and 41.1). R3 is left
+    out to keep the lowering short; the embedded model's R3 program is checked by hand
+    (docs/results.md)."""
     from llmnpu_delegate.cli import main
 
     code = main(["validate", "--recipe", "et-16a8w", "--no-r3", "--model", "random:tiny-llama", "--prompts", "2",
@@ -227,9 +227,43 @@ def test_the_recipes_qnn_program_computes_its_scorer_on_the_htp_simulator(capsys
     assert len(report["prompts"]) == 2 and report["prompt_tokens"] == 32
     for row in report["prompts"]:
         db = row["logits_sqnr_db"]
-        assert db["htp_vs_recipe"] >= db["recipe_vs_fp32"] - 3, row
-        assert db["htp_vs_fp32"] <= db["recipe_vs_fp32"] + 3, row
+        assert db["htp_vs_recipe"] >= db["recipe_vs_fp32"] + 20, row
         assert row["top1_htp_is_recipe"] == 1.0, row
+
+
+class _TimesCos(torch.nn.Module):
+    """x times cos of positions 0..n-1 (a constant at a fixed length), each quantized as a converted
+    graph has it; cos's encoding spans [-1, 1] with zero point 32768, so 1.0 is 65,535.7 codes up."""
+
+    def forward(self, x):
+        def fake_quant(t, scale, zero_point):
+            q = torch.ops.quantized_decomposed
+            return q.dequantize_per_tensor.default(
+                q.quantize_per_tensor.default(t, scale, zero_point, 0, 65535, torch.uint16),
+                scale, zero_point, 0, 65535, torch.uint16)
+
+        angles = torch.arange(x.shape[0], dtype=torch.float32)[:, None] / torch.tensor([1.0, 10.0, 100.0, 1000.0])
+        return fake_quant(fake_quant(x, 2e-4, 32768) * fake_quant(torch.cos(angles), 1.99999 / 65535, 32768),
+                          2e-4, 32768)
+
+
+def test_a_folded_constant_at_the_top_of_its_encoding_keeps_its_value_on_htp():
+    """ExecuTorch's QNN lowering quantizes a constant itself, rounding without a clamp: cos(0) = 1.0
+    rounds to code 65,536 and wrapped to 0, -1.0, so the embedded model's first block turned every
+    query at position 0 (and wherever a slow rotary frequency keeps cos near 1) around, 22.8 dB from
+    its scorer. The fold stores each constant as its encoding does, and the program computes the
+    graph's numbers on the simulator: within a step of the output encoding."""
+    from executorch.runtime import Runtime
+
+    from llmnpu_delegate import backends
+    from llmnpu_delegate.recipes import recipe_program
+
+    x = torch.linspace(-3, 3, 64 * 4).reshape(64, 4)
+    with torch.no_grad():
+        want = _TimesCos()(x)
+    backends.get("qnn").prepare_runtime()
+    got = Runtime.get().load_program(recipe_program(_TimesCos(), x, "SM8650")).load_method("forward").execute([x])[0]
+    assert (got - want).abs().max() <= 2e-4 * 1.01, (got - want).abs().max()
 
 
 def test_a_recipe_graph_htp_will_not_run_whole_is_a_one_line_error(lm):
