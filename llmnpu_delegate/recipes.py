@@ -18,8 +18,8 @@ form, and those models score without it). The rotary embedding's cos and sin are
 and quantized where the attention reads them, as that model's are (float tables, looked up by
 position): quantizing the angles too, as the traced graph would, clips them at the calibration
 windows' last position and garbles every token past it. Masked scores get -255 added, as in that
-model, not the dtype's minimum (``MASK_VALUE``). Left out: that model's other rewrites (linears as 1x1 convolutions,
-its static K/V cache layout), which change no encoding.
+model, not the dtype's minimum (``MASK_VALUE``). Left out: that model's other rewrites (linears as
+1x1 convolutions, its static K/V cache layout), which change no encoding.
 """
 from __future__ import annotations
 
@@ -295,11 +295,11 @@ def _as_stored(value: Tensor, users) -> Tensor:
     lowering quantizes a constant itself, rounding without a clamp: a value just past the encoding's
     top code wraps to its bottom one (cos(0) = 1.0 became -1.0, turning the first position's query
     around). Stored values round back to their own codes."""
-    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
-    encodings = {tuple(user.args[1:]) for user in users if user.target is quantize}
-    if len(encodings) != 1 or len(users) != 1 or not value.is_floating_point():
+    user = next(iter(users)) if len(users) == 1 else None
+    if user is None or user.target is not torch.ops.quantized_decomposed.quantize_per_tensor.default \
+            or not value.is_floating_point():
         return value
-    scale, zero_point, quant_min, quant_max, _ = encodings.pop()
+    scale, zero_point, quant_min, quant_max, _ = user.args[1:]
     return _fake_quant(value.float(), scale, zero_point, quant_min, quant_max)
 
 
