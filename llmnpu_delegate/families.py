@@ -134,6 +134,22 @@ def tiny_shapes(engine: bool = True, int8_decode: bool = False) -> list[str]:
             for name in f.shapes if name.startswith("tiny-")]
 
 
+def role_of(name: str) -> str | None:
+    """A linear's role in its block (``Family.role``) whatever its family, from its full name (a
+    weight's name too)."""
+    name = name.removesuffix(".weight")
+    return next((r for f in FAMILIES.values() if (r := f.role(name))), None)
+
+
+# the roles whose outputs the residual stream adds: their output error reaches every later block
+RESIDUAL_ROLES = ("o", "down")
+
+
+def writes_residual(name: str) -> bool:
+    """Whether the linear ``name`` (full or weight name, any family) writes the residual stream."""
+    return role_of(name) in RESIDUAL_ROLES
+
+
 def family_of(config) -> Family:
     """The family of a ``transformers`` config, or an LlmNpuError naming the supported ones."""
     family = FAMILIES.get(config.model_type)

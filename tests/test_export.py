@@ -337,7 +337,8 @@ def test_export_refuses_bad_requests_before_writing(engine, tmp_path):
         export_pte(engine, tmp_path / "a.pte", ids, ExportConfig(target="gpu"))
     for bad, match in (({"shadow": "half"}, "unknown shadow branch form"), ({"decode": "int4"}, "unknown decode mode"),
                        ({"output_bits": 16}, "not 16"), ({"context": 2.5}, "context must be an integer"),
-                       ({"soc": "SM1234"}, "SM1234")):
+                       ({"soc": "SM1234"}, "SM1234"), ({"residual_bits": 12}, "residual_bits must be one of 8, 16"),
+                       ({"target": "cpu-int8", "soc": None, "residual_bits": 16}, "use --residual-bits 8")):
         with pytest.raises(LlmNpuError, match=match):
             ExportConfig(**{"target": "qnn", **bad})
     with pytest.raises(LlmNpuError, match="unknown fields"):

@@ -128,7 +128,7 @@ def test_a_profile_that_scales_itself_in_a_circle_is_refused(monkeypatch):
 
 
 def test_an_unknown_program_is_refused_in_one_line(capsys):
-    with pytest.raises(LlmNpuError, match="unknown program 'mlc': choose one of ours, paper, genie"):
+    with pytest.raises(LlmNpuError, match="unknown program 'mlc': choose one of ours, ours-r16, paper, genie"):
         get_program("mlc")
     with pytest.raises(SystemExit) as exit:
         main(["simulate", "--program", "mlc", "--no-progress"])

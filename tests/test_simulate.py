@@ -212,6 +212,19 @@ def test_each_program_pays_its_own_runtimes_launch(tiny):
     assert cost.npu_parts(sub, 0, dev, program=PROGRAMS["paper"])["launch"] == pytest.approx(7e-3)
 
 
+def test_16_bit_residual_writers_run_at_the_matrix_units_16_bit_rate(tiny):
+    """``ours-r16`` (``export --residual-bits 16``): o_proj's and down_proj's GEMMs at the 16-bit rate,
+    the toy's half of the 8-bit one, by the hand count; q/k/v's as ours."""
+    dev, r16 = toy_device(**{"npu.dram_bytes_per_s": 1e12}), PROGRAMS["ours-r16"]
+    down = next(s for s in tiny.partition.subgraphs if s.kind == "npu" and s.layer == 0
+                and any(n.endswith("down_proj") for n in s.linears))
+    flops = 2 * C * 128 * 64        # tiny-llama: intermediate 128 -> hidden 64
+    assert cost.npu_parts(down, 0, dev)["linears"] == pytest.approx(flops / 1e9)
+    assert cost.npu_parts(down, 0, dev, program=r16)["linears"] == pytest.approx(flops / 5e8)
+    qkv = _qkv_region(tiny)
+    assert cost.npu_parts(qkv, 0, dev, program=r16) == cost.npu_parts(qkv, 0, dev)
+
+
 def test_a_faster_npu_gives_a_faster_prefill(tiny):
     fast = simulate_prefill(tiny, "SM8750", 4 * C, ("ooo",))["policies"]["ooo"]
     slow = simulate_prefill(tiny, "SM8550", 4 * C, ("ooo",))["policies"]["ooo"]

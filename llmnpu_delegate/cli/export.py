@@ -11,7 +11,7 @@ from ..chunk_step import DEFAULT_CHUNK
 from ..errors import LlmNpuError
 from ..fanout import Failure, Job, as_dicts, run_jobs
 from ..format.sidecar import ATTENTION_REGION, NORM_REGION
-from ..lower.export_config import DEFAULT_CONTEXT, ExportConfig
+from ..lower.export_config import DEFAULT_CONTEXT, RESIDUAL_BITS, ExportConfig
 from ..lower.graph_methods import check_program_placement
 from ..lower.lowering_pool import default_workers
 from ..lower.npu_subgraphs import FINE_BELOW_DB
@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
                    help=f"8-bit outputs: auto (default) gives an output that one 8-bit encoding holds below "
                         f"{FINE_BELOW_DB:g} dB on calibration text a second, finer 8-bit encoding (that product "
                         f"computed twice, merged by the runner); off keeps one encoding per output")
+    p.add_argument("--residual-bits", type=int, choices=RESIDUAL_BITS, default=8,
+                   help="qnn: the outputs of the linears that write the residual stream (o_proj, down_proj): 8 "
+                        "(default) or 16 (their input converted to 16 bits on the NPU, the same product, at the "
+                        "matrix unit's 16-bit rate: closer to the float model, docs/results.md)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes lowering methods side by side (default: one per core); the program is the "
                         "same for any number")
@@ -114,7 +118,8 @@ def export_one(args) -> tuple[dict, str]:
     quant = quant_config(args.quant, args.pruning_rate)
     # checked before the model is loaded and planned
     config = ExportConfig(args.backend, args.soc, args.context, args.shadow_branch, args.decode,
-                          None if args.output_bits == "auto" else int(args.output_bits), args.fine_outputs == "auto")
+                          None if args.output_bits == "auto" else int(args.output_bits), args.fine_outputs == "auto",
+                          args.residual_bits)
     backend = backends.get(args.backend)
     placement, choice = program_placement(args, config)
     check_program_placement(parse_placement(placement), args.backend, config.bits)

@@ -170,8 +170,8 @@ def check_sidecar(meta: dict) -> str | None:
             return f"subgraphs[{i}].input_groups do not cover its linears"
     for name, lin in meta["linears"].items():
         out = lin["output"]
-        if out["bits"] not in (8, 32) or (out["bits"] == 8) != ("scale" in out and "range" in out):
-            return f"linears.{name}.output is neither an 8-bit encoding nor a float output"
+        if out["bits"] not in (8, 16, 32) or (out["bits"] != 32) != ("scale" in out and "range" in out):
+            return f"linears.{name}.output is neither an 8- or 16-bit encoding nor a float output"
     shadow = meta["shadow"]
     if shadow["form"] not in ("sparse", "dense"):
         return f"shadow.form is {shadow['form']!r}"

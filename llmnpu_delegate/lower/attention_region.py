@@ -47,7 +47,7 @@ from ..partitioner.regions import ATTENTION_TARGETS, Partition, Subgraph, is_lin
 from .attention_method import QNN_KV_BITS, AttentionGraph, mask_value, output_of
 from .encodings import ANNOTATION, LlmNpuQuantizer, fixed_spec
 from .norm_region import annotate_norm
-from .npu_subgraphs import Converted, RegionModule, fixed_outputs, lower_converted, output_encodings, plan_names
+from .npu_subgraphs import Converted, RegionModule, fixed_outputs, lower_converted, output_encodings, plan_names, wide_locals
 
 REGION = "linears.region."      # RegionModule's path inside the static graph
 
@@ -345,10 +345,12 @@ def _fix_producer(node: fx.Node, spec, signed: bool) -> None:
 
 def quantized_attention_region(partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
                                enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
-                               spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple]):
+                               spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple],
+                               wide: frozenset[str] = frozenset()):
     """The static graph exported, annotated (the attention's, RoPE's and the linears' input encodings
     fixed, and the q/k norms' at ``norms`` by role; the linears' outputs observed over ``calib``, each
-    a call's inputs from ``window_inputs``), converted (pt2e). Returns (graph, example inputs)."""
+    a call's inputs from ``window_inputs``; the linears of ``wide`` at 16 bits), converted (pt2e).
+    Returns (graph, example inputs)."""
     from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -360,7 +362,8 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
     annotations = [AttentionRegionAnnotation(enc, shape, norms)]
     if spec is not None:
         ours = LlmNpuQuantizer({REGION + k: v for k, v in plan_names(spec, plans).items()}, granularity,
-                               flavour="qnn", fixed_outputs={REGION + k: v for k, v in fixed_outputs(spec, "qnn").items()})
+                               flavour="qnn", fixed_outputs={REGION + k: v for k, v in fixed_outputs(spec, "qnn").items()},
+                               wide=frozenset(REGION + k for k in wide_locals(spec, wide)))
         annotations.insert(0, ours)
     quantizer = backends.get("qnn").quantizer(*annotations)
     quantizer.set_default_quant_config(QuantDtype.use_16a8w)        # 16 bits for what is left (views)
@@ -373,11 +376,12 @@ def quantized_attention_region(partition: Partition, sub: Subgraph, shape: Atten
 
 def convert_attention_region(method: str, partition: Partition, sub: Subgraph, shape: AttentionRegionShape,
                              enc: AttentionEncodings, norms: dict[str, NormEncodings], linears: list[nn.Linear],
-                             spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple]):
+                             spec: RegionSpec | None, plans: dict, granularity: str, calib: list[tuple],
+                             wide: frozenset[str] = frozenset()):
     """The region ready to lower to HTP; returns (``Converted``, the encodings of its linears' outputs,
     as ``npu_subgraphs.output_encodings`` gives a linears-only region's)."""
     graph, example = quantized_attention_region(partition, sub, shape, enc, norms, linears, spec, plans, granularity,
-                                                calib)
+                                                calib, wide)
     encodings = output_encodings(graph, 2 + len(shape.others)) if spec is not None else []
     return Converted(spec if spec is not None else RegionSpec(method, [], [], []), graph, example), encodings
 

@@ -8,6 +8,11 @@ linear's output encoding, which an integer NPU graph needs and our INT8 engine d
 dequantizes the int32 accumulator): that one is observed (min/max) on calibration input, unless it
 is fixed too (``fixed_outputs``: a fine second encoding, ``npu_subgraphs.fine_outputs``).
 
+A ``wide`` linear (``qnn`` only: a residual writer under ``ExportConfig.residual_bits`` 16) takes its
+input at 16 bits on a grid that holds the INT8 grid's values exactly (HTP refuses an 8-bit input
+with a 16-bit output), so its integer product is the same up to a factor; its output is observed
+at 16 bits.
+
 With float outputs (``output_bits=32``, ``npu_subgraphs.FloatOutputRegion``) the input is annotated
 as XNNPACK's dynamic INT8 and the output not at all: the region's sentinel columns make the dynamic
 scale the plan's, so the GEMM is the same integer product with a float result.
@@ -70,7 +75,25 @@ def weight_spec(granularity: str) -> QuantizationSpec:
                             qscheme=torch.per_tensor_symmetric)
 
 
-def output_spec(flavour: str, fixed: tuple[float, int] | None = None) -> QuantizationSpec:
+WIDE_BITS = 16
+WIDE_ZERO = 1 << (WIDE_BITS - 1)
+
+
+def wide_activation_spec(scale: float) -> FixedQParamsQuantizationSpec:
+    """A wide linear's input: the INT8 grid's values (``activation_spec``'s scale) as 16-bit codes,
+    int32 holding unsigned ones as QNN's 16-bit configs do. The step is 1/256 of the INT8 grid's, so
+    its values are codes 256 apart across the whole 16-bit range: on the grid's own step (codes
+    32768 +- 127) HTP's 16-bit products came out hundreds of output steps off, on this one within a
+    step (``tests/test_qnn.py``)."""
+    return FixedQParamsQuantizationSpec(torch.int32, scale / 256, WIDE_ZERO, 0, (1 << WIDE_BITS) - 1, torch.per_tensor_affine)
+
+
+def output_spec(flavour: str, fixed: tuple[float, int] | None = None, bits: int = 8) -> QuantizationSpec:
+    if bits == WIDE_BITS:
+        if flavour != "qnn" or fixed is not None:
+            raise LlmNpuError("a 16-bit output is a qnn linear's, observed (no second encoding)")
+        return QuantizationSpec(torch.int32, MinMaxObserver, quant_min=0, quant_max=(1 << WIDE_BITS) - 1,
+                                qscheme=torch.per_tensor_affine)
     dtype, lo, hi = (torch.uint8, 0, 255) if flavour == "qnn" else (torch.int8, -128, 127)
     if fixed is not None:
         return FixedQParamsQuantizationSpec(dtype, fixed[0], fixed[1], lo, hi, torch.per_tensor_affine)
@@ -95,15 +118,19 @@ def _bias_spec(act: fx.Node, weight: fx.Node, linear: fx.Node, granularity: str)
 
 
 class LlmNpuQuantizer(Quantizer):
-    """Annotates the decoder linears named in ``plans`` with our fixed encodings (see module doc)."""
+    """Annotates the decoder linears named in ``plans`` with our fixed encodings (see module doc);
+    those named in ``wide`` at 16 bits in and out."""
 
     def __init__(self, plans: dict[str, LinearPlan], granularity: str = "channel", flavour: str = "qnn",
-                 prefix: str = "", output_bits: int = 8, fixed_outputs: dict[str, tuple[float, int]] | None = None):
+                 prefix: str = "", output_bits: int = 8, fixed_outputs: dict[str, tuple[float, int]] | None = None,
+                 wide: frozenset[str] = frozenset()):
         super().__init__()
         if flavour not in FLAVOURS:
             raise LlmNpuError(f"unknown encoding flavour '{flavour}': use one of {FLAVOURS}")
+        if wide and (flavour != "qnn" or output_bits != 8):
+            raise LlmNpuError("16-bit linears are a qnn program's with integer outputs")
         self.plans, self.granularity, self.flavour, self.prefix = plans, granularity, flavour, prefix
-        self.output_bits, self.fixed_outputs = output_bits, fixed_outputs or {}
+        self.output_bits, self.fixed_outputs, self.wide = output_bits, fixed_outputs or {}, wide
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         found = linear_names(model, self.plans, self.prefix)
@@ -113,16 +140,18 @@ class LlmNpuQuantizer(Quantizer):
             if node.meta.get(SKIP):
                 continue
             act, weight = node.args[0], node.args[1]
-            floats = self.output_bits == 32
-            qspecs = {act: dynamic_spec() if floats else activation_spec(self.plans[name].act_scale, self.flavour),
-                      weight: weight_spec(self.granularity)}
+            floats, wide = self.output_bits == 32, name in self.wide
+            scale = self.plans[name].act_scale
+            qspecs = {act: dynamic_spec() if floats else wide_activation_spec(scale) if wide
+                      else activation_spec(scale, self.flavour), weight: weight_spec(self.granularity)}
             bias = node.args[2] if len(node.args) > 2 else None
             # QNN takes an int32 bias on the accumulator's scale; XNNPACK takes it float and does that itself
             if isinstance(bias, fx.Node) and self.flavour == "qnn":
                 qspecs[bias] = _bias_spec(act, weight, node, self.granularity)
             node.meta[ANNOTATION] = QuantizationAnnotation(
                 input_qspec_map=qspecs, _annotated=True,
-                output_qspec=None if floats else output_spec(self.flavour, self.fixed_outputs.get(name)))
+                output_qspec=None if floats else output_spec(self.flavour, self.fixed_outputs.get(name),
+                                                             WIDE_BITS if wide else 8))
         return model
 
     def validate(self, model: fx.GraphModule) -> None:

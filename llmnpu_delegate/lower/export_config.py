@@ -13,6 +13,7 @@ from .decode_method import MODES as DECODE_MODES
 from .npu_subgraphs import check_output_bits
 
 DEFAULT_CONTEXT = 1024
+RESIDUAL_BITS = (8, 16)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ExportConfig:
         decode: ``int8`` (dynamic INT8 linears, the default) or ``fp32`` (the reference).
         output_bits: the NPU methods' outputs, 8 (requantized) or 32 (float); None: the target's first.
         fine: 8-bit outputs that one encoding holds poorly come out a second time with a finer one.
+        residual_bits: the outputs of the linears that write the residual stream (o_proj, down_proj):
+            8, or 16 (``qnn``: their input at 16 bits on the NPU, at the matrix unit's 16-bit rate;
+            ``npu_subgraphs.residual_writers``).
     """
     target: str = "qnn"
     soc: str = DEFAULT_SOC
@@ -35,6 +39,7 @@ class ExportConfig:
     decode: str = "int8"
     output_bits: int | None = None
     fine: bool = True
+    residual_bits: int = 8
     version: int = 1
 
     def __post_init__(self):
@@ -46,6 +51,11 @@ class ExportConfig:
             raise LlmNpuError(f"unknown decode mode '{self.decode}': use one of {', '.join(DECODE_MODES)}")
         if self.output_bits is not None:
             check_output_bits(self.output_bits, self.target)
+        if self.residual_bits not in RESIDUAL_BITS:
+            raise LlmNpuError(f"residual_bits must be one of {', '.join(map(str, RESIDUAL_BITS))}, got {self.residual_bits!r}")
+        if self.residual_bits == 16 and (self.target != "qnn" or self.bits != 8):
+            raise LlmNpuError(f"16-bit residual outputs are a qnn program's with 8-bit outputs elsewhere (this is "
+                              f"{self.target}, {self.bits}-bit): use --residual-bits 8")
         if self.context is not None and (isinstance(self.context, bool) or not isinstance(self.context, int)):
             raise LlmNpuError(f"context must be an integer number of tokens, got {self.context!r}")
 

@@ -10,6 +10,13 @@ own, in groups with their own encodings (``output_groups``), and an output that 
 holds poorly comes out a second time with a finer one (``fine_outputs``); ``RegionSpec.merge`` puts
 them back together.
 
+The linears that write the residual stream (o_proj, down_proj) may come out at 16 bits instead
+(``ExportConfig.residual_bits``, ``residual_writers``): their output error is added into every later
+block's input, where 8 bits cost the most perplexity. They take their input at 16 bits too (HTP
+refuses 8 in and 16 out), on a grid that holds the INT8 grid's values exactly
+(``encodings.wide_activation_spec``), so the product is the same; the matrix unit runs them at its
+16-bit rate. They need no second encoding.
+
 Or the outputs stay float (``output_bits=32``, ``FloatOutputRegion``): the same integer product,
 dequantized as our engine does, with no output encoding to observe or to saturate.
 
@@ -29,6 +36,7 @@ from torch import Tensor, nn
 
 from .. import backends
 from ..errors import LlmNpuError
+from ..families import writes_residual
 from ..format.npu_io import FineOutput, RegionSpec, part_channels
 from ..partitioner.regions import linear_names
 from ..quantize.apply import LinearPlan
@@ -104,6 +112,19 @@ def fine_outputs(linear: nn.Linear, rows: Tensor, splits: list[list[int]], flavo
         if sqnr_db(_fake_quant(bulk, *one, flavour), bulk) < FINE_BELOW_DB:
             chosen.append((part, encoding_for(low, high, flavour)))
     return chosen
+
+
+def residual_writers(names) -> frozenset[str]:
+    """The linears of ``names`` (full names) that write the residual stream."""
+    return frozenset(n for n in names if writes_residual(n))
+
+
+def wide_locals(spec: RegionSpec, wide: frozenset[str]) -> frozenset[str]:
+    """RegionModule's linears (``plan_names``) that compute a linear of ``wide``: its main output and
+    its split channel groups."""
+    parts = [i for i in sorted(spec.splits) for _ in spec.splits[i]]
+    return frozenset([f"lins.{i}" for i, n in enumerate(spec.names) if n in wide]
+                     + [f"outs.{j}" for j, i in enumerate(parts) if spec.names[i] in wide])
 
 
 def _qrange(flavour: str) -> tuple[int, int]:
@@ -242,10 +263,11 @@ def fixed_outputs(spec: RegionSpec, flavour: str) -> dict[str, tuple[float, int]
 
 
 def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
-                     calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None, output_bits: int = 8):
+                     calib_rows: Tensor, target: str = "qnn", rows_per_call: int | None = None, output_bits: int = 8,
+                     wide: frozenset[str] = frozenset()):
     """The region exported for ``rows_per_call`` rows (default: all of ``calib_rows``), annotated with
-    our encodings, its output encodings (``output_bits=8``) observed on every block of ``calib_rows``,
-    converted (pt2e). Returns (graph, example inputs)."""
+    our encodings (the linears of ``wide`` at 16 bits), its output encodings (``output_bits=8``)
+    observed on every block of ``calib_rows``, converted (pt2e). Returns (graph, example inputs)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     backend = backends.get(target)
@@ -266,7 +288,7 @@ def quantized_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str
     local = plan_names(spec, plans)
     mark_as_rows(node for node, name in linear_names(graph, local).items() if local[name].shadow)
     ours = LlmNpuQuantizer(local, granularity, flavour=backend.encodings, output_bits=output_bits,
-                           fixed_outputs=fixed_outputs(spec, backend.encodings))
+                           fixed_outputs=fixed_outputs(spec, backend.encodings), wide=wide_locals(spec, wide))
     prepared = prepare_pt2e(graph, backend.quantizer(ours))
     with torch.no_grad():
         for block in calib_rows.split(n):
@@ -287,8 +309,9 @@ def check_output_bits(output_bits: int, target: str) -> None:
 @dataclass(frozen=True)
 class OutputEncoding:
     scale: float
-    low: float         # the smallest and largest values the 8-bit output can represent
+    low: float         # the smallest and largest values the output can represent
     high: float
+    bits: int = 8
 
 
 def output_encodings(graph, skip: int = 0) -> list[OutputEncoding | None]:
@@ -304,7 +327,8 @@ def output_encodings(graph, skip: int = 0) -> list[OutputEncoding | None]:
         if q is None or "quantize_per_tensor" not in str(q.target):
             raise LlmNpuError(f"region output {node.name} is not quantized")
         scale, zero, qmin, qmax = float(q.args[1]), int(q.args[2]), int(q.args[3]), int(q.args[4])
-        encodings.append(OutputEncoding(scale, (qmin - zero) * scale, (qmax - zero) * scale))
+        encodings.append(OutputEncoding(scale, (qmin - zero) * scale, (qmax - zero) * scale,
+                                        (qmax - qmin).bit_length()))
     return encodings
 
 
@@ -318,11 +342,13 @@ class Converted:
 
 
 def convert_region(spec: RegionSpec, linears: list[nn.Linear], plans: dict[str, LinearPlan], granularity: str,
-                   calib_rows: Tensor, rows_per_call: int, target: str, output_bits: int = 8):
+                   calib_rows: Tensor, rows_per_call: int, target: str, output_bits: int = 8,
+                   wide: frozenset[str] = frozenset()):
     """One NPU subgraph quantized for ``target`` (``rows_per_call`` rows a call; output encodings from
-    ``calib_rows``); returns (``Converted``, its output encodings: None for float ones)."""
+    ``calib_rows``; the linears of ``wide`` at 16 bits); returns (``Converted``, its output encodings:
+    None for float ones)."""
     graph, example = quantized_region(spec, linears, plans, granularity, calib_rows, target, rows_per_call,
-                                      output_bits)
+                                      output_bits, wide)
     return Converted(spec, graph, example), output_encodings(graph)
 
 

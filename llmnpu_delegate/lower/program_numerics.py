@@ -4,8 +4,8 @@ The engine's NPU regions return float outputs; an integer NPU program does not. 
 8-bit outputs (``qnn``; ``cpu-int8 --output-bits 8`` has the same encodings on XNNPACK) computes, as
 its sidecar writes it, applied to a model quantized by ``quantize_`` with the program's config:
 
-- each decoder linear's integer product is requantized to its 8-bit output encoding before the CPU
-  adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
+- each decoder linear's integer product is requantized to its output encoding (8 bits; 16 for the
+  residual writers of a ``--residual-bits 16`` program) before the CPU adds the shadow path: the main encoding, the split channel groups' own, and a part's second, finer
   encoding taken where its value is inside that range (``FineOutput.take``, as both runners merge);
 - a norm reader's shadow product that the program's norm graph computes (placement piece ``peak``,
   ``norm_region.PeakBranch``) on its grids as written, in place of the CPU's (``PeakOnGrid``);
@@ -42,7 +42,7 @@ TARGETS = ("qnn", "cpu-int8")
 
 
 class OutputEncodings:
-    """One linear's 8-bit output encodings (sidecar ``linears[name]``) as a function of its product."""
+    """One linear's output encodings (sidecar ``linears[name]``, 8 or 16 bits) as a function of its product."""
 
     def __init__(self, linear: dict, width: int):
         splits = linear["split_channels"]
@@ -128,9 +128,10 @@ def attention_encodings(meta: dict) -> dict[int, AttentionEncodings]:
 
 
 def check_program(meta: dict, path) -> None:
-    """Refuse a program whose NPU outputs carry no 8-bit encodings, in one line."""
+    """Refuse a program whose NPU outputs carry no 8-bit encodings, in one line (16-bit ones beside
+    them, ``ExportConfig.residual_bits``, are computed the same way)."""
     bits = sorted({lin["output"]["bits"] for lin in meta["linears"].values()})
-    if meta["target"] not in TARGETS or bits != [8]:
+    if meta["target"] not in TARGETS or 8 not in bits or 32 in bits:
         raise LlmNpuError(f"{path} has {'/'.join(map(str, bits))}-bit NPU outputs ({meta['target']}): the "
                           f"{MODE} mode needs a program with 8-bit outputs (llmnpu export --backend qnn, or "
                           f"--backend cpu-int8 --output-bits 8)")

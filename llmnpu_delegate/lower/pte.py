@@ -81,6 +81,7 @@ from .npu_subgraphs import (
     output_groups,
     part_channels,
     region_spec,
+    residual_writers,
 )
 from .program_writer import ProgramWriter, emit_method
 from .shadow_branches import rows_in_program
@@ -146,10 +147,10 @@ def _made(args: list) -> tuple:
 
 
 def _encodings_by_linear(spec, encodings) -> dict[str, dict]:
-    """Per linear: its output encoding (bits; scale and representable range of an 8-bit one), each
+    """Per linear: its output encoding (bits; scale and representable range of an integer one), each
     split channel group's own, and the second encodings of its parts that have one."""
     def fields(e):
-        return {"bits": 32} if e is None else {"bits": 8, "scale": e.scale, "range": [e.low, e.high]}
+        return {"bits": 32} if e is None else {"bits": e.bits, "scale": e.scale, "range": [e.low, e.high]}
 
     out = {name: {"output": fields(encodings[i]), "split_channels": [], "split_outputs": [], "fine_outputs": []}
            for i, name in enumerate(spec.names)}
@@ -213,7 +214,8 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
     out.parent.mkdir(parents=True, exist_ok=True)
     claims, spool = Claims(), Spool(out.parent)
     state = _Export(engine, rows, examples, max(math.ceil(context / c) * c - c, 2 * c), target, soc, shadow, decode,
-                    context, calib_ids, hot, claims, spool, output_bits, config.fine and output_bits == 8)
+                    context, calib_ids, hot, claims, spool, output_bits, config.fine and output_bits == 8,
+                    residual_writers(engine.plans) if config.residual_bits == 16 else frozenset())
     stages = dict.fromkeys(("examples", "npu_methods", "cpu_methods", "decode", "to_executorch", "write"), 0.0)
     stages["examples"] = time.perf_counter() - t0
     steps = engine.program.steps
@@ -286,6 +288,7 @@ def export_pte(engine, out: str | Path, calib_ids: Tensor, config: ExportConfig 
             "fine_outputs": sum(len(o["fine_outputs"]) for o in npu_outputs.values()),
             "peak_products": sum("peak" in o for o in npu_outputs.values()),
             "fine_npu_share": round(_fine_share(engine, npu_outputs), 4),
+            "wide_linears": len(state.wide),
             "shadow": shadow_branch_work(engine, shadow), "rows_bytes": shadow_meta.get("bytes", 0),
             "rows_in_program": sum(in_program(lin) for lin in shadow_meta.get("linears", {}).values()),
             "rows_linears": len(shadow_meta.get("linears", {})),     # the decode's shadow paths too
@@ -340,6 +343,7 @@ class _Export:
     spool: Spool            # where each emitted method waits for the program to be written
     output_bits: int        # the NPU methods' outputs: 8 or 32 (float), ``npu_subgraphs.py``
     fine: bool              # 8-bit outputs held poorly by one encoding get a second one
+    wide: frozenset         # linears whose input and output are 16-bit (``ExportConfig.residual_bits``)
 
 
 def _lower_job(x: _Export, job) -> list[dict]:
@@ -394,7 +398,7 @@ def _lower_step(x: _Export, job: int) -> tuple[dict, object]:
         if job in x.rows and holds_more_than_linears(sub) and attention_region_shape(x.engine.partition, sub):
             lowered = _convert_attention_region(x.engine, sub, name, Spool.take(x.rows[job]),
                                                 x.max_past + x.engine.chunk_len, out["entry"], out["npu_outputs"],
-                                                x.fine)
+                                                x.fine, x.wide)
         elif job in x.rows and holds_more_than_linears(sub):
             lowered = _convert_norm_region(x.engine, sub, name, Spool.take(x.rows[job]), out["entry"],
                                            out["npu_outputs"], x.fine)
@@ -406,7 +410,7 @@ def _lower_step(x: _Export, job: int) -> tuple[dict, object]:
         elif sub.kind == "npu":
             rows = Spool.take(x.rows[job])
             lowered = _convert_npu(x.engine, sub, name, rows, x.target, out["entry"], out["npu_outputs"],
-                                   x.output_bits, x.fine)
+                                   x.output_bits, x.fine, x.wide)
         else:
             example = _made(x.examples[job])
             ep, branches = export_cpu_subgraph(x.engine.partition, sub, x.engine.plans, "model.", example,
@@ -464,15 +468,16 @@ def _integer_regions(engine, target: str) -> tuple[set[int], set[int]]:
     return rows, calls
 
 
-def _output_parts(engine, name: str, sub, linears: list, rows, flavour: str, output_bits: int, fine: bool):
+def _output_parts(engine, name: str, sub, linears: list, rows, flavour: str, output_bits: int, fine: bool,
+                  wide: frozenset[str] = frozenset()):
     """The region's ``RegionSpec``: split channel groups and second encodings chosen on what each
     linear reads (``rows[j]``, a list or a dict by linear index). Per-tensor weight scales would
     change if a linear were cut in two: split only per-channel ones; float outputs have no encoding
-    to split."""
+    to split; 16-bit ones (``wide``) need no second."""
     splits = ({j: output_groups(lin, rows[j]) for j, lin in enumerate(linears)}
               if engine.backend.weights == "channel" and output_bits == 8 else {})
-    twins = ({j: fine_outputs(lin, rows[j], splits.get(j, []), flavour) for j, lin in enumerate(linears)}
-             if fine and output_bits == 8 else {})
+    twins = ({j: fine_outputs(lin, rows[j], splits.get(j, []), flavour) for j, lin in enumerate(linears)
+              if sub.linears[j] not in wide} if fine and output_bits == 8 else {})
     return region_spec(name, sub.linears, engine.plans, splits, twins, flavour)
 
 
@@ -513,7 +518,7 @@ def _norm_entry(key: tuple[int, str], enc) -> dict:
 
 
 def _convert_attention_region(engine, sub, name: str, calls: list, window: int, entry: dict, npu_outputs: dict,
-                              fine: bool):
+                              fine: bool, wide: frozenset[str]):
     """RoPE, attention and the linears it feeds as one HTP method (``attention_region.py``),
     calibrated on the export's chunks, ready to lower; records its form, window, mask and encodings and its linears'
     outputs in ``entry`` and their encodings in ``npu_outputs``."""
@@ -528,10 +533,10 @@ def _convert_attention_region(engine, sub, name: str, calls: list, window: int, 
     if linears:
         reads = region_spec(name, sub.linears, engine.plans).linear_reads(
             attention_rows(engine.partition, sub, shape, enc, calib))
-        spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine)
+        spec = _output_parts(engine, name, sub, linears, reads, "qnn", 8, fine, wide)
         entry["input_groups"] = spec.groups
     converted, encodings = convert_attention_region(name, engine.partition, sub, shape, enc, norms, linears, spec,
-                                                    engine.plans, engine.backend.weights, calib)
+                                                    engine.plans, engine.backend.weights, calib, wide)
     if spec is not None:
         npu_outputs.update(_encodings_by_linear(spec, encodings))
     codes = {k: {"scale": e.scale, "zero": e.zero, "bits": e.bits, "signed": e.signed}
@@ -545,14 +550,14 @@ def _convert_attention_region(engine, sub, name: str, calls: list, window: int, 
 
 
 def _convert_npu(engine, sub, name: str, rows: Tensor, target: str, entry: dict, npu_outputs: dict,
-                 output_bits: int, fine: bool):
+                 output_bits: int, fine: bool, wide: frozenset[str]):
     """An NPU region as the target's method, ready to lower; records its input groups in ``entry`` and its outputs'
     encodings in ``npu_outputs``."""
     linears = [engine.backend.linear(n) for n in sub.linears]
     spec = _output_parts(engine, name, sub, linears, [rows] * len(linears), backends.get(target).encodings,
-                         output_bits, fine)
+                         output_bits, fine, wide)
     converted, encodings = convert_region(spec, linears, engine.plans, engine.backend.weights, rows,
-                                          engine.chunk_len, target, output_bits)
+                                          engine.chunk_len, target, output_bits, wide)
     npu_outputs.update(_encodings_by_linear(spec, encodings))
     entry["input_groups"] = spec.groups
     return converted

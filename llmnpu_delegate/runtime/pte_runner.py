@@ -18,8 +18,12 @@ No model, weights or calibration are loaded from anywhere else.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import io
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +231,29 @@ class Generation:
         return decode_rate(len(self.tokens), self.decode_s)
 
 
+@functools.cache
+def _probe_cores_quietly() -> None:
+    """ExecuTorch's threadpool looks for Arm core types once per process, when a method first loads,
+    and logs five lines wherever it finds none (any x86 CPU): made here with stderr closed, Python's
+    (where ExecuTorch's Python bindings send its log) and the process's, so that they do not stand
+    before a command's one-line error."""
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            _threadpool_get_thread_count()
+            return
+        try:
+            os.dup2(devnull, 2)
+            _threadpool_get_thread_count()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+
+
 class PteRunner(ChunkRunner):
     """``PteRunner("model.pte")(ids)``: last-token logits and the KV cache of a prompt, as a ``PrefillResult``.
     With a ``prefix_cache``, a prompt that starts like an earlier one prefills only the rest (as the
@@ -255,6 +282,7 @@ class PteRunner(ChunkRunner):
         """The sidecar's subgraph table as a chunk program whose steps call the program's methods."""
         from executorch.runtime import Runtime
 
+        _probe_cores_quietly()
         backends.get(meta["target"]).prepare_runtime()
         program_ops.load()   # the attention methods call our kernel
         shadow = meta["shadow"]

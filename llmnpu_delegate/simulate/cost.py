@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from ..families import writes_residual
 from ..partitioner.placement import INLINE, MERGE, movable, piece_of
 from ..partitioner.regions import (ATTENTION_TARGETS, Subgraph, dim_size, is_linear, node_flops, node_shape, peak_delta,
-                                   shadow_delta)
+                                   shadow_delta, weight_name_of)
 from ..quantize.shadow_rows import PEAK_CHANNELS
 from .device import Device, graph_launch_s, matrix_ops_per_s
 from .programs import PROGRAMS, Program
@@ -165,6 +166,7 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
     shapes at ``past``, as the FX graph has them."""
     fb = device["cpu.float_bytes"]
     rate, weights_per_s = gemm_rates(device, program)
+    wide = matrix_ops_per_s(device, program.residual_activations) if program.residual_activations else rate
     vector = device["npu.vector_elems_per_s"]
     rows_past = past if window is None else 0       # the past a graph's own tensors are sized at
     parts = dict.fromkeys(NPU_PARTS, 0.0)
@@ -174,7 +176,8 @@ def npu_parts(sub: Subgraph, past: int, device: Device, fine_share: float = 0.0,
     for node in sub.nodes:
         if is_linear(node):
             k, n = node_shape(node.args[0], past)[-1], node_shape(node, past)[-1]
-            parts["linears"] += (1 + fine_share) * max(node_flops(node, past) / rate, k * n / weights_per_s)
+            r = wide if writes_residual(weight_name_of(node) or "") else rate
+            parts["linears"] += (1 + fine_share) * max(node_flops(node, past) / r, k * n / weights_per_s)
             out = _val_bytes(node, past, fb)
             io += fine_share * out
             merge += 3 * fine_share * out

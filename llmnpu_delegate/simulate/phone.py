@@ -25,7 +25,7 @@ from torch import fx, nn
 from ..chunk_step import DEFAULT_CHUNK, export_chunk_step, kv_shape, max_context
 from ..errors import LlmNpuError
 from ..evaluate import eval_windows, run_quantized
-from ..families import FAMILIES
+from ..families import role_of
 from ..format.tasks import build_tasks
 from ..models import DEFAULT_MODEL, load_model, model_skeleton
 from ..partitioner.placement import PAPER, Placement, parse_placement
@@ -65,7 +65,7 @@ class Scenario:
 
 def _role(name: str) -> str:
     """A linear's role in its block (``qkv``, ``o``, ``up``, ``down``), across the families' names."""
-    return next((r for f in FAMILIES.values() if (r := f.role(name))), name.rsplit(".", 1)[-1])
+    return role_of(name) or name.rsplit(".", 1)[-1]
 
 
 def _layer(name: str) -> int:

@@ -38,12 +38,14 @@ class Program:
     graphs_per_chunk: int       # graph executes per chunk (whole-NPU programs: the model's splits)
     kv_update: bool             # the runtime writes each chunk's K/V into its window between chunks
     padded: bool = True         # static graphs pad the last chunk; dynamic ones run the rows left
+    residual_activations: str | None = None     # the residual writers' (o_proj, down_proj) operand, if
+                                                # not ``activations`` (``export --residual-bits 16``)
     rates: str = "qnn"          # "qnn" or "paper"
 
     def __post_init__(self):
         if self.placement not in ("linears", "all"):
             raise LlmNpuError(f"program {self.name}: placement must be 'linears' or 'all'")
-        if self.activations not in ACTIVATIONS:
+        if self.activations not in ACTIVATIONS or self.residual_activations not in (None, *ACTIVATIONS):
             raise LlmNpuError(f"program {self.name}: activations must be one of {', '.join(ACTIVATIONS)}")
         if self.window not in ("fixed", "growing") or self.head_rows not in ("all", "last"):
             raise LlmNpuError(f"program {self.name}: window must be fixed/growing, head_rows all/last")
@@ -69,6 +71,9 @@ _EXECUTORCH = Program("executorch-16a8w", "ExecuTorch's Qualcomm llama with its 
                       head_rows="all", graphs_per_chunk=1, kv_update=True)
 PROGRAMS: dict[str, Program] = {p.name: p for p in (
     _OURS,
+    replace(_OURS, name="ours-r16", residual_activations="a16",
+            description="as ours with 16-bit outputs for the linears that write the residual stream (o_proj, "
+                        "down_proj), at the matrix unit's 16-bit rate (llmnpu export --residual-bits 16)"),
     replace(_OURS, name="paper", rates="paper",
             description="the paper's 2024 implementation (mllm on QNN): our partition priced at its Table 3 rates"),
     _GENIE,

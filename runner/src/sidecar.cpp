@@ -297,7 +297,7 @@ Sidecar read_sidecar(const std::string& pte, bool verify_pte) {
       NpuLinear l;
       l.act_scale = lin.at("act_scale").get<double>();
       l.output_bits = lin.at("output").at("bits").get<int>();
-      if (l.output_bits != 8 && l.output_bits != 32)
+      if (l.output_bits != 8 && l.output_bits != 16 && l.output_bits != 32)
         throw InputError("sidecar " + s.path + " gives " + name + " " + std::to_string(l.output_bits) +
                          "-bit outputs: export again with this version");
       l.split_channels = lin.at("split_channels").get<std::vector<std::vector<int>>>();

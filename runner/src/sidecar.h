@@ -53,7 +53,7 @@ struct FineOutput {
 
 struct NpuLinear {
   double act_scale = 0;
-  int output_bits = 8;                            // 8: requantized by the method; 32: float
+  int output_bits = 8;                            // 8 or 16: requantized by the method; 32: float
   std::vector<std::vector<int>> split_channels;   // output channels the method returns on their own
   std::vector<FineOutput> fine_outputs;           // extra outputs after every split group, in order
   // The method computes the linear's shadow product over its peak channels too (placement piece
