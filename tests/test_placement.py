@@ -24,6 +24,7 @@ from llmnpu_delegate.quantize import quantizable_linears
 from llmnpu_delegate.runtime.engine_config import EngineConfig
 from llmnpu_delegate.simulate import cost
 from llmnpu_delegate.simulate.device import matrix_ops_per_s
+from llmnpu_delegate.simulate.programs import get_program
 from llmnpu_delegate.simulate.phone import choose_placement, prepare, simulate_prefill, soc_shadow_prices, with_shadowed
 
 from test_partitioner import CHUNK, _partition, exported, llama  # noqa: F401  (its tiny-llama step)
@@ -293,7 +294,7 @@ def test_an_inline_merge_costs_the_phone_nothing_beyond_its_product():
     assert b == pytest.approx(a - adds)         # the same ops, less the adds of the products
 
 
-def test_the_chosen_placement_is_the_fastest_simulated():
+def test_the_chosen_placement_is_the_fastest_simulated(monkeypatch):
     scn, rows = choose_placement("random:tiny-llama", 8, "SM8750", 64, ["paper", "attention-half", "block"],
                                  pruning_rate=0.0, progress=False)
     assert [r["placement"] for r in rows] and scn.partition.placement.name == rows[0]["placement"]
@@ -302,6 +303,13 @@ def test_the_chosen_placement_is_the_fastest_simulated():
                         soc="SM8750")
         assert simulate_prefill(alone, "SM8750", 64, ("ooo",))["policies"]["ooo"]["wall_s"] == pytest.approx(r["wall_s"])
     assert rows == sorted(rows, key=lambda r: r["wall_s"])
+    # priced as the program the export writes (16-bit residual writers: test_simulate.py prices them)
+    from llmnpu_delegate.simulate import phone
+    priced, simulate_as = [], phone.simulate_prefill
+    monkeypatch.setattr(phone, "simulate_prefill", lambda *a, **k: priced.append(k["program"].name) or simulate_as(*a, **k))
+    choose_placement("random:tiny-llama", 8, "SM8750", 64, ["paper", "block"], pruning_rate=0.0, progress=False,
+                     program=get_program("ours-r16"))
+    assert priced == ["ours-r16", "ours-r16"]
 
 
 # ------------------------------------------------------------------ the CLI
@@ -722,29 +730,31 @@ def test_the_phone_models_choice_is_kept_per_model_phone_and_settings(tmp_path, 
     monkeypatch.setenv("LLMNPU_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def predicted(model, chunk, soc, prompt_len, candidates, *rest):
-        calls.append((soc, prompt_len))
+    def predicted(model, chunk, soc, prompt_len, candidates, *rest, program):
+        calls.append((soc, prompt_len, program.name))
         rows = [{"placement": p, "wall_s": 1.0 / (1 + i + len(calls)), "tok_s": 1.0} for i, p in enumerate(candidates)]
         return None, sorted(rows, key=lambda r: r["wall_s"])
     monkeypatch.setattr(export, "choose_placement", predicted)
 
-    def choose(soc="SM8750", context=96):
+    def choose(soc="SM8750", context=96, residual_bits=8):
         args = argparse.Namespace(placement=None, backend="qnn", model="random:tiny-llama", chunk=32, soc=soc,
                                   context=context, quant="w8a8-shadow", pruning_rate=None, no_progress=True)
-        return export.program_placement(args, ExportConfig("qnn", soc, context))
+        return export.program_placement(args, ExportConfig("qnn", soc, context, residual_bits=residual_bits))
 
     first = choose()
     assert len(calls) == 1 and first[0] == first[1][0]["placement"] == "attention-half"
     assert choose() == first and len(calls) == 1                  # read back, not predicted again
     assert choose(soc="SM8650") != first and len(calls) == 2      # another phone, another prompt: their own
     choose(context=64)
-    assert len(calls) == 3
+    assert len(calls) == 3 and {c[2] for c in calls} == {"ours"}
+    choose(residual_bits=16)                                      # priced as the program it writes
+    assert len(calls) == 4 and calls[-1] == ("SM8750", 96, "ours-r16")
     entries = list((tmp_path / "phone-placement").glob("*.json"))
-    assert len(entries) == 3 and all(json.loads(e.read_text())["key"]["model"] for e in entries)
+    assert len(entries) == 4 and all(json.loads(e.read_text())["key"]["model"] for e in entries)
     for e in entries:
         e.write_text("{trunc")
-    assert choose() != first and len(calls) == 4                  # damaged: predicted again
-    assert choose() == choose() and len(calls) == 4
+    assert choose() != first and len(calls) == 5                  # damaged: predicted again
+    assert choose() == choose() and len(calls) == 5
 
 
 def test_run_prints_its_placement_and_a_program_refuses_one(capsys):

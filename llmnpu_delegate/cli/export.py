@@ -25,6 +25,7 @@ from ..prepare import qnn_holds
 from ..quantize import QUANT_MODES, auto, quant_config
 from ..runtime.engine import export_engine
 from ..simulate.phone import choose_placement, choose_pruning
+from ..simulate.programs import get_program
 from ..text import calibration_ids
 from .common import add_output_args, add_ray_args, pruning_rate, ray_line, ray_target
 
@@ -182,10 +183,12 @@ def program_placement(args, config: ExportConfig) -> tuple[str, list[dict]]:
     prompt = args.context or DEFAULT_CONTEXT
     # the predictions partition the model once per candidate (minutes for a large one): kept per
     # model, phone, settings and code (``paths.cached_json``)
+    program = get_program("ours-r16" if config.residual_bits == 16 else "ours")   # what the export writes
     key = {"model": lm.fingerprint, "soc": args.soc, "chunk": args.chunk, "prompt": prompt, "candidates": candidates,
-           "quant": args.quant, "pruning_rate": args.pruning_rate}
+           "quant": args.quant, "pruning_rate": args.pruning_rate, "program": program.name}
     rows = cached_json("phone-placement", key, lambda: choose_placement(
-        args.model, args.chunk, args.soc, prompt, candidates, args.quant, args.pruning_rate, not args.no_progress)[1])
+        args.model, args.chunk, args.soc, prompt, candidates, args.quant, args.pruning_rate, not args.no_progress,
+        program=program)[1])
     return rows[0]["placement"], rows
 
 

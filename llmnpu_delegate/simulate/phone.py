@@ -330,15 +330,16 @@ def simulate_prefill(scn: Scenario, soc: str, prompt_len: int, policies=POLICIES
 
 def choose_placement(model: str, chunk: int, soc: str, prompt_len: int, candidates, quant: str = "w8a8-shadow",
                      pruning_rate: float | None = None, progress: bool = True, past: int = 0,
-                     fine_share: float = 0.0) -> tuple[Scenario, list[dict]]:
+                     fine_share: float = 0.0, program: Program = cost.OURS) -> tuple[Scenario, list[dict]]:
     """The placement among ``candidates`` whose program has the shortest predicted ``ooo`` prefill of a
     ``prompt_len``-token prompt on ``soc``: each partitioned, its shadow paths pruned for itself (an
-    automatic rate), and simulated. Returns the winner's scenario and one row per candidate, fastest
-    first."""
+    automatic rate), and simulated as ``program`` (``ours``, or ``ours-r16`` for 16-bit residual
+    writers). Returns the winner's scenario and one row per candidate, fastest first."""
     rows, scenarios = [], {}
     for placement in dict.fromkeys(parse_placement(c) for c in candidates):
         scn = prepare(model, chunk, quant, pruning_rate, placement, progress, soc=soc)
-        r = simulate_prefill(scn, soc, prompt_len, ("ooo",), past=past, fine_share=fine_share)["policies"]["ooo"]
+        r = simulate_prefill(scn, soc, prompt_len, ("ooo",), past=past, fine_share=fine_share,
+                             program=program)["policies"]["ooo"]
         scenarios[placement.name] = scn
         rows.append({"placement": placement.name, "npu_graphs": sum(s.processor == "npu" for s in scn.partition.subgraphs),
                      "shadowed_linears": scn.shadowed, "pruning_rate": scn.pruning_rate, **r})
