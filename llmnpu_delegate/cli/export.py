@@ -146,10 +146,11 @@ def export_one(args) -> tuple[dict, str]:
     soc = f" --soc {args.soc}" if backend.uses_soc else ""     # else the simulator's default phone
     fine = (f" ({summary['fine_outputs']} with a second encoding: +{100 * summary['fine_npu_share']:.1f} % NPU "
             f"work)" if summary["fine_outputs"] else "")
+    wide = f" (16 bits for the {summary['wide_linears']} residual writers)" if summary["wide_linears"] else ""
     text = (f"wrote {summary['pte']} ({summary['pte_bytes'] / 2**20:.1f} MiB: {summary['npu_methods']} NPU "
             f"methods for {args.backend}{' ' + args.soc if backend.uses_soc else ''}, "
             f"{summary['cpu_methods']} CPU methods for {summary['cpu_subgraphs']} CPU subgraphs, "
-            f"{summary['output_bits']}-bit outputs{fine}, decode {summary['decode']} on XNNPACK) and "
+            f"{summary['output_bits']}-bit outputs{wide}{fine}, decode {summary['decode']} on XNNPACK) and "
             f"{summary['sidecar']} ({summary['sidecar_bytes'] / 2**10:.0f} KiB); chunk {summary['chunk_len']}, "
             f"context {summary['context']} tokens, {summary['seconds']:.0f} s with {summary['workers']} "
             f"worker(s) (their seconds: {stages})\n"
